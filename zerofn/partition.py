@@ -1,0 +1,460 @@
+"""Which rank owns which parameters: ZeRO's partition of optimizer state.
+
+Every function here is a pure function of parameter sizes (element counts,
+grouped as the optimizer's param groups are) and the world size. Parameters are
+named by their *global index*: their position when the param groups are read
+in order, which is also the index PyTorch's optimizer ``state_dict`` uses.
+
+Two record types come out:
+
+* :class:`Partition` assigns whole tensors to ranks (PyTorch's behaviour, and
+  ``balanced``).
+* :class:`FlatPartition` cuts the concatenation of all parameters into
+  ``world_size`` contiguous ranges, splitting tensors at the seams, so every
+  rank holds within one element of ``total / world_size``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import attrs
+
+__all__ = [
+    "FlatPartition",
+    "Partition",
+    "Piece",
+    "PartitionMode",
+    "balanced_partition",
+    "flat_partition",
+    "greedy_partition",
+    "manual_partition",
+    "rank_loads",
+]
+
+PartitionMode = Literal["greedy", "balanced", "flat"]
+
+GroupSizes = tuple[tuple[int, ...], ...]
+
+
+def _freeze_group_sizes(group_sizes: Sequence[Sequence[int]]) -> GroupSizes:
+    frozen = tuple(tuple(int(n) for n in group) for group in group_sizes)
+    for g, group in enumerate(frozen):
+        for i, n in enumerate(group):
+            if n < 0:
+                raise ValueError(f"param group {g}, parameter {i}: size {n} is negative")
+    return frozen
+
+
+def _check_world_size(world_size: int) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+
+
+def _group_offsets(group_sizes: GroupSizes) -> tuple[int, ...]:
+    """Global index of the first parameter of each group."""
+    offsets = []
+    start = 0
+    for group in group_sizes:
+        offsets.append(start)
+        start += len(group)
+    return tuple(offsets)
+
+
+@attrs.frozen
+class Partition:
+    """Whole-tensor assignment of parameters to ranks.
+
+    Attributes:
+        world_size: number of ranks.
+        group_sizes: element count of every parameter, per param group.
+        assignment: ``assignment[rank][group]`` is the tuple of global indices
+            that ``rank`` updates from ``group``, in the order the rank's local
+            optimizer sees them.
+        owners: ``owners[i]`` is the rank owning global parameter ``i``, or
+            ``-1`` for a parameter nobody updates (allowed only in a manual
+            partition, for frozen parameters). Derived at construction.
+
+    Raises:
+        ValueError: at construction, if a parameter is assigned twice, an index
+            is out of range, a parameter sits in the wrong group, or the shape
+            of ``assignment`` does not match ``world_size`` and the groups.
+    """
+
+    world_size: int
+    group_sizes: GroupSizes
+    assignment: tuple[tuple[tuple[int, ...], ...], ...]
+    owners: tuple[int, ...] = attrs.field(init=False)
+
+    @owners.default
+    def _derive_owners(self) -> tuple[int, ...]:
+        _check_world_size(self.world_size)
+        if len(self.assignment) != self.world_size:
+            raise ValueError(
+                f"assignment has {len(self.assignment)} ranks, "
+                f"expected world_size={self.world_size}"
+            )
+        offsets = _group_offsets(self.group_sizes)
+        num_params = sum(len(g) for g in self.group_sizes)
+        owners = [-1] * num_params
+        for rank, groups in enumerate(self.assignment):
+            if len(groups) != len(self.group_sizes):
+                raise ValueError(
+                    f"rank {rank} lists {len(groups)} param groups, "
+                    f"expected {len(self.group_sizes)}"
+                )
+            for g, indices in enumerate(groups):
+                lo, hi = offsets[g], offsets[g] + len(self.group_sizes[g])
+                for index in indices:
+                    if not lo <= index < hi:
+                        raise ValueError(
+                            f"parameter {index} assigned to rank {rank} in group {g}, "
+                            f"but group {g} holds global indices {lo}..{hi - 1}"
+                        )
+                    if owners[index] != -1:
+                        raise ValueError(
+                            f"parameter {index} is assigned to both rank {owners[index]} "
+                            f"and rank {rank}; each parameter needs exactly one owner"
+                        )
+                    owners[index] = rank
+        return tuple(owners)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Element count of every parameter, by global index."""
+        return tuple(n for group in self.group_sizes for n in group)
+
+    def params_of(self, rank: int) -> tuple[int, ...]:
+        """Global indices owned by ``rank``, in its local optimizer's order."""
+        return tuple(i for group in self.assignment[rank] for i in group)
+
+    def loads(self) -> tuple[int, ...]:
+        """Total elements owned by each rank."""
+        sizes = self.sizes
+        return tuple(sum(sizes[i] for i in self.params_of(r)) for r in range(self.world_size))
+
+    def pieces_of(self, rank: int) -> tuple[Piece, ...]:
+        """The rank's parameters as whole-tensor :class:`Piece` s, in local order."""
+        sizes = self.sizes
+        return tuple(Piece(i, 0, sizes[i]) for i in self.params_of(rank))
+
+
+@attrs.frozen
+class Piece:
+    """Elements ``[start, stop)`` of the flattened global parameter ``param``."""
+
+    param: int
+    start: int
+    stop: int = attrs.field()
+
+    @stop.validator
+    def _check(self, _attribute: object, stop: int) -> None:
+        if not 0 <= self.start <= stop:
+            raise ValueError(f"piece of parameter {self.param}: need 0 <= start <= stop")
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@attrs.frozen
+class FlatPartition:
+    """Element-range assignment: rank ``r`` owns ``[bounds[r], bounds[r+1])`` of
+    the concatenation of all parameters (global order).
+
+    Attributes:
+        world_size: number of ranks.
+        group_sizes: element count of every parameter, per param group.
+        bounds: ``world_size + 1`` non-decreasing element offsets, from 0 to
+            the total element count.
+    """
+
+    world_size: int
+    group_sizes: GroupSizes
+    bounds: tuple[int, ...] = attrs.field()
+
+    @bounds.validator
+    def _check_bounds(self, _attribute: object, bounds: tuple[int, ...]) -> None:
+        _check_world_size(self.world_size)
+        total = sum(sum(g) for g in self.group_sizes)
+        if len(bounds) != self.world_size + 1 or bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"bounds must run from 0 to {total} in {self.world_size + 1} steps")
+        if any(a > b for a, b in itertools.pairwise(bounds)):
+            raise ValueError("bounds must be non-decreasing")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Element count of every parameter, by global index."""
+        return tuple(n for group in self.group_sizes for n in group)
+
+    def loads(self) -> tuple[int, ...]:
+        """Total elements owned by each rank."""
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False))
+
+    def pieces_of(self, rank: int) -> tuple[Piece, ...]:
+        """The parts of parameters that ``rank`` owns, in global order."""
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        pieces = []
+        start = 0
+        for index, n in enumerate(self.sizes):
+            stop = start + n
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                pieces.append(Piece(index, a - start, b - start))
+            start = stop
+        return tuple(pieces)
+
+    def group_pieces_of(self, rank: int) -> tuple[tuple[Piece, ...], ...]:
+        """:meth:`pieces_of` split by param group (a group may get no piece)."""
+        offsets = (*_group_offsets(self.group_sizes), len(self.sizes))
+        pieces = self.pieces_of(rank)
+        return tuple(
+            tuple(p for p in pieces if offsets[g] <= p.param < offsets[g + 1])
+            for g in range(len(self.group_sizes))
+        )
+
+
+def _first_min(values: Sequence[int]) -> int:
+    """Index of the smallest value; the lowest index wins ties."""
+    best = 0
+    for i in range(1, len(values)):
+        if values[i] < values[best]:
+            best = i
+    return best
+
+
+def greedy_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> Partition:
+    """PyTorch's sorted-greedy partition, tie for tie.
+
+    Group by group, parameters are taken largest first (equal sizes keep their
+    order) and each goes to the rank with the smallest load so far (lowest rank
+    on ties). Loads carry over from one group to the next.
+
+    Args:
+        group_sizes: element count of every parameter, per param group.
+        world_size: number of ranks.
+
+    Returns:
+        The :class:`Partition`.
+
+    Raises:
+        ValueError: for a non-positive world size or a negative size.
+    """
+    frozen = _freeze_group_sizes(group_sizes)
+    _check_world_size(world_size)
+    offsets = _group_offsets(frozen)
+    # A heap of (load, rank) pops the least-loaded rank, lowest rank on ties.
+    heap = [(0, rank) for rank in range(world_size)]
+    assignment: list[list[list[int]]] = [[[] for _ in frozen] for _ in range(world_size)]
+    for g, group in enumerate(frozen):
+        # sorted() is stable, and reverse=True keeps equal keys in input order.
+        for local in sorted(range(len(group)), key=group.__getitem__, reverse=True):
+            load, rank = heap[0]
+            assignment[rank][g].append(offsets[g] + local)
+            heapq.heapreplace(heap, (load + group[local], rank))
+    return _to_partition(world_size, frozen, assignment)
+
+
+def _to_partition(
+    world_size: int, group_sizes: GroupSizes, assignment: Sequence[Sequence[Sequence[int]]]
+) -> Partition:
+    return Partition(
+        world_size=world_size,
+        group_sizes=group_sizes,
+        assignment=tuple(tuple(tuple(g) for g in rank) for rank in assignment),
+    )
+
+
+def manual_partition(
+    group_sizes: Sequence[Sequence[int]],
+    params_per_rank: Sequence[Sequence[int]],
+    world_size: int,
+) -> Partition:
+    """A partition given by hand, as PyTorch's ``params_per_rank``.
+
+    Args:
+        group_sizes: element count of every parameter; exactly one group.
+        params_per_rank: for each rank, the global indices it updates. A
+            parameter may be left out (a frozen one) but not listed twice.
+        world_size: number of ranks.
+
+    Returns:
+        The :class:`Partition`, each rank keeping the order it was given.
+
+    Raises:
+        RuntimeError: if there is more than one param group (as PyTorch).
+        ValueError: if ``params_per_rank`` does not have ``world_size`` entries,
+            names an unknown parameter, or names one twice.
+    """
+    frozen = _freeze_group_sizes(group_sizes)
+    _check_world_size(world_size)
+    if len(frozen) != 1:
+        raise RuntimeError(
+            f"a manual params_per_rank supports a single param group, got {len(frozen)}; "
+            "merge the groups or use an automatic partition"
+        )
+    if len(params_per_rank) != world_size:
+        raise ValueError(
+            f"params_per_rank has {len(params_per_rank)} entries; it needs one per rank "
+            f"(world_size={world_size})"
+        )
+    num_params = len(frozen[0])
+    for rank, indices in enumerate(params_per_rank):
+        for index in indices:
+            if not 0 <= index < num_params:
+                raise ValueError(
+                    f"params_per_rank[{rank}] names parameter {index}, which was not "
+                    "passed to the optimizer"
+                )
+    return _to_partition(world_size, frozen, [[list(ix)] for ix in params_per_rank])
+
+
+def _lpt_owners(sizes: Sequence[int], order: Sequence[int], world_size: int) -> list[int]:
+    """Owner of each parameter when taken in ``order`` by the least-loaded rank."""
+    owners = [0] * len(sizes)
+    heap = [(0, rank) for rank in range(world_size)]
+    for i in order:
+        load, rank = heap[0]
+        owners[i] = rank
+        heapq.heapreplace(heap, (load + sizes[i], rank))
+    return owners
+
+
+def _improve(sizes: Sequence[int], owners: list[int], world_size: int) -> list[int]:
+    """Local search: move or swap one parameter off the heaviest rank while that
+    strictly lowers the heaviest load. Never returns a worse assignment."""
+    owners = list(owners)
+    loads = [0] * world_size
+    members: list[set[int]] = [set() for _ in range(world_size)]
+    for i, r in enumerate(owners):
+        loads[r] += sizes[i]
+        members[r].add(i)
+    # Each accepted move strictly lowers (max load, number of ranks at max),
+    # so the loop ends; the cap keeps the worst case cheap on huge models.
+    for _ in range(4 * world_size + 16):
+        heavy = max(range(world_size), key=lambda r: loads[r])
+        light = _first_min(loads)
+        gap = loads[heavy] - loads[light]
+        if gap <= 1:
+            break
+        # A move of size s from heavy to light helps when 0 < s < gap.
+        movable = [i for i in members[heavy] if 0 < sizes[i] < gap]
+        if movable:
+            a = min(movable, key=lambda i: (abs(gap - 2 * sizes[i]), i))
+            b = -1
+        else:
+            swap = _best_swap(sizes, members[heavy], members[light], gap)
+            if swap is None:
+                break
+            a, b = swap
+        owners[a] = light
+        members[heavy].discard(a)
+        members[light].add(a)
+        delta = sizes[a]
+        if b >= 0:
+            owners[b] = heavy
+            members[light].discard(b)
+            members[heavy].add(b)
+            delta -= sizes[b]
+        loads[heavy] -= delta
+        loads[light] += delta
+    return owners
+
+
+def _best_swap(
+    sizes: Sequence[int], on_heavy: Iterable[int], on_light: Iterable[int], gap: int
+) -> tuple[int, int] | None:
+    """The swap (a from heavy, b from light) with 0 < size(a) - size(b) < gap
+    closest to gap / 2, searched by a two-pointer walk over sorted sizes."""
+    heavy_sorted = sorted(on_heavy, key=lambda i: (sizes[i], i))
+    light_sorted = sorted(on_light, key=lambda i: (sizes[i], i))
+    best: tuple[int, int] | None = None
+    best_score = gap
+    j = 0
+    for a in heavy_sorted:
+        # Advance to the largest light size below sizes[a] - gap / 2.
+        while j + 1 < len(light_sorted) and 2 * (sizes[a] - sizes[light_sorted[j + 1]]) >= gap:
+            j += 1
+        for k in (j, j + 1):
+            if 0 <= k < len(light_sorted):
+                b = light_sorted[k]
+                delta = sizes[a] - sizes[b]
+                if 0 < delta < gap and abs(gap - 2 * delta) < best_score:
+                    best, best_score = (a, b), abs(gap - 2 * delta)
+    return best
+
+
+def balanced_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> Partition:
+    """Whole-tensor partition whose heaviest rank is never heavier than greedy's.
+
+    Starts from the better of PyTorch's per-group greedy and a greedy over all
+    groups at once, then moves or swaps parameters off the heaviest rank while
+    that lowers it. Parameters keep global order within each rank and group.
+
+    Args:
+        group_sizes: element count of every parameter, per param group.
+        world_size: number of ranks.
+
+    Returns:
+        The :class:`Partition`; ``max(loads)`` <= greedy's.
+
+    Raises:
+        ValueError: for a non-positive world size or a negative size.
+    """
+    greedy = greedy_partition(group_sizes, world_size)
+    sizes = greedy.sizes
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True)
+    candidates = [list(greedy.owners), _lpt_owners(sizes, order, world_size)]
+    best_owners: list[int] | None = None
+    best_max = -1
+    for owners in candidates:
+        owners = _improve(sizes, owners, world_size)
+        loads = [0] * world_size
+        for i, r in enumerate(owners):
+            loads[r] += sizes[i]
+        if best_owners is None or max(loads) < best_max:
+            best_owners, best_max = owners, max(loads)
+    assert best_owners is not None
+    if best_max >= max(greedy.loads()):
+        return greedy
+    offsets = _group_offsets(greedy.group_sizes)
+    assignment: list[list[list[int]]] = [
+        [[] for _ in greedy.group_sizes] for _ in range(world_size)
+    ]
+    for g, group in enumerate(greedy.group_sizes):
+        for local in range(len(group)):
+            index = offsets[g] + local
+            assignment[best_owners[index]][g].append(index)
+    return _to_partition(world_size, greedy.group_sizes, assignment)
+
+
+def flat_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> FlatPartition:
+    """Cut the concatenated parameters into ``world_size`` near-equal ranges.
+
+    Rank ``r`` owns elements ``[r * total // world_size, (r + 1) * total //
+    world_size)``, so every rank holds ``floor`` or ``ceil`` of
+    ``total / world_size``. Correct only for element-wise optimizers.
+
+    Args:
+        group_sizes: element count of every parameter, per param group.
+        world_size: number of ranks.
+
+    Returns:
+        The :class:`FlatPartition`.
+
+    Raises:
+        ValueError: for a non-positive world size or a negative size.
+    """
+    frozen = _freeze_group_sizes(group_sizes)
+    _check_world_size(world_size)
+    total = sum(sum(g) for g in frozen)
+    bounds = tuple(r * total // world_size for r in range(world_size + 1))
+    return FlatPartition(world_size=world_size, group_sizes=frozen, bounds=bounds)
+
+
+def rank_loads(partition: Partition | FlatPartition) -> tuple[int, ...]:
+    """Total elements each rank owns: the optimizer-state footprint per rank."""
+    return partition.loads()
