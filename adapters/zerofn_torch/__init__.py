@@ -1,0 +1,10 @@
+"""zerofn_torch: zerofn's pure core bound to torch.distributed, DDP and torch.optim.
+
+Names and signatures follow PyTorch's, so switching is an import change::
+
+    from zerofn_torch import ZeroRedundancyOptimizer
+"""
+
+from zerofn_torch.zero import ZeroRedundancyOptimizer
+
+__all__ = ["ZeroRedundancyOptimizer"]

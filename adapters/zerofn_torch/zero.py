@@ -1,0 +1,451 @@
+"""``ZeroRedundancyOptimizer``: ZeRO stage 1 as a real ``torch.optim.Optimizer``.
+
+The shell holds three things: the live parameters (in ``param_groups``), the
+local optimizer over this rank's shard (``optim``), and a
+:class:`zerofn.plan.ShardPlan` saying who owns what and how shards travel.
+Every decision is made by the pure core; this class reads live state, calls
+the core, runs the collectives it asks for and writes the result back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from zerofn.optimizers import check_elementwise
+from zerofn.params import check_same_dense_type, normalize_params
+from zerofn.partition import FlatPartition
+from zerofn.plan import ShardPlan, plan_shards, with_trainable
+from zerofn.shard_state import StateDict, consolidate, shard, validate_global
+from zerofn_torch.exchange import all_gather_segments, pack, slot_view, unpack
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _copy_hyperparams(src: Sequence[dict[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
+    for s, d in zip(src, dst, strict=True):
+        d.update(_hyperparams(s))
+
+
+def _key(t: torch.Tensor) -> str:
+    return f"{t.device}/{t.dtype}"
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+class _ZeroJoinHook(JoinHook):
+    """Shadows a joined rank's share of the step's collectives."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Shard any ``torch.optim`` optimizer's state across the ranks of a group.
+
+    Each rank keeps optimizer state only for the parameters it owns, steps
+    them, then every rank receives the updated shards in one contiguous
+    message per rank and device/dtype. A drop-in for
+    ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+
+    Args:
+        params: tensors, or param-group dicts, to optimize.
+        optimizer_class: the ``torch.optim.Optimizer`` class run on the shard.
+        process_group: the group to shard across (default: the world).
+        parameters_as_bucket_view: make parameters views into the exchange
+            buffers, so updated shards land in place without copies.
+        overlap_with_ddp: not supported by this class yet; raises.
+        partition: ``"greedy"`` (PyTorch's sorted-greedy, the default),
+            ``"balanced"`` (whole tensors, heaviest rank never heavier than
+            greedy's), ``"flat"`` (tensors split so each rank holds within one
+            element of ``total / world_size``; element-wise optimizers only), or
+            a list per rank of the parameters it owns (one param group only).
+        elementwise: with ``partition="flat"``, vouch that an optimizer class
+            outside the known element-wise ones is element-wise.
+        **defaults: forwarded to ``optimizer_class``.
+
+    Raises:
+        TypeError: ``params`` is a tensor, not iterable, or holds a non-tensor.
+        ValueError: ``params`` is empty, sparse or of mixed dtype/device; a bad
+            manual partition; ``partition="flat"`` with a non-element-wise
+            optimizer.
+        RuntimeError: a manual partition with more than one param group.
+        NotImplementedError: ``overlap_with_ddp=True``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[Optimizer],
+        process_group: Any | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        *,
+        partition: str | Sequence[Sequence[torch.Tensor]] = "greedy",
+        elementwise: bool = False,
+        **defaults: Any,
+    ) -> None:
+        groups = normalize_params(params)
+        check_same_dense_type([p for g in groups for p in g["params"]])
+        if overlap_with_ddp:
+            raise NotImplementedError(
+                "overlap_with_ddp=True is not available in zerofn yet; run the ZeRO step "
+                "after backward (overlap_with_ddp=False)"
+            )
+        if partition == "flat":
+            check_elementwise(optimizer_class, elementwise)
+        self._initialized = False
+        Optimizer.__init__(self, groups, defaults)
+        Joinable.__init__(self)
+
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size: int = dist.get_world_size(self.process_group)
+        self.rank: int = dist.get_rank(self.process_group)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._optimizer_class = optimizer_class
+        self._optim_defaults = defaults
+        self._default_device = self._all_params[0].device
+        self._plan = self._new_plan(partition)
+        self._buffers: list[torch.Tensor] = []
+        self._build_buffers()
+        self.optim: Optimizer = self._new_local_optimizer()
+        _copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self._consolidated: StateDict | None = None
+        self._initialized = True
+
+    # ----- reading live state -------------------------------------------------
+
+    @property
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _trainable(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self._all_params)
+
+    def _new_plan(self, partition: str | Sequence[Sequence[torch.Tensor]]) -> ShardPlan:
+        params = self._all_params
+        group_sizes = [[p.numel() for p in g["params"]] for g in self.param_groups]
+        keys = [_key(p) for p in params]
+        if isinstance(partition, str):
+            return plan_shards(group_sizes, keys, self._trainable(), self.world_size, partition)  # type: ignore[arg-type]
+        index_of = {id(p): i for i, p in enumerate(params)}
+        if len(partition) != self.world_size:
+            raise ValueError(
+                f"params_per_rank has {len(partition)} entries; it needs one per rank "
+                f"(world_size={self.world_size})"
+            )
+        manual = []
+        for rank, rank_params in enumerate(partition):
+            indices = []
+            for p in rank_params:
+                if id(p) not in index_of:
+                    raise ValueError(
+                        f"params_per_rank[{rank}] holds a tensor of shape {tuple(p.shape)} "
+                        "that was not passed to the optimizer"
+                    )
+                indices.append(index_of[id(p)])
+            manual.append(indices)
+        return plan_shards(group_sizes, keys, self._trainable(), self.world_size, "greedy", manual)
+
+    @property
+    def _flat(self) -> bool:
+        return isinstance(self._plan.partition, FlatPartition)
+
+    # ----- building the shard -------------------------------------------------
+
+    def _build_buffers(self) -> None:
+        """Allocate one exchange buffer per layout; with bucket views, point
+        every trainable parameter that fits in one span at its place."""
+        params = self._all_params
+        old = self._buffers
+        self._buffers = [
+            torch.empty(layout.numel, dtype=params[0].dtype, device=params[0].device)
+            for layout in self._plan.layouts
+        ]
+        for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
+            for rank_slots in layout.slots:
+                pack(buffer, rank_slots, params)
+        if old and self.parameters_as_bucket_view:
+            # A parameter that left the buffers must stop aliasing the old ones.
+            for p, trained in zip(params, self._plan.trainable, strict=True):
+                if not trained:
+                    p.data = p.data.detach().clone()
+        if not self.parameters_as_bucket_view:
+            return
+        with torch.no_grad():
+            for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
+                for index in {s.piece.param for rs in layout.slots for s in rs}:
+                    span = layout.span_of(index)
+                    if span is not None:
+                        offset, numel = span
+                        params[index].data = buffer[offset : offset + numel].view_as(params[index])
+
+    def _local_groups(self) -> list[dict[str, Any]]:
+        """Param groups for this rank's local optimizer, one per global group."""
+        params = self._all_params
+        if not isinstance(self._plan.partition, FlatPartition):
+            return [
+                {**_hyperparams(g), "params": [params[i] for i in indices]}
+                for g, indices in zip(
+                    self.param_groups, self._plan.partition.assignment[self.rank], strict=True
+                )
+            ]
+        # Flat: one tensor per group, a view of this rank's part of the buffer,
+        # so the local step writes straight into what the exchange sends.
+        (layout,) = self._plan.layouts
+        buffer = self._buffers[0]
+        slots = layout.slots[self.rank]
+        local = []
+        for g, pieces in enumerate(self._plan.partition.group_pieces_of(self.rank)):
+            wanted = set(pieces)
+            mine = [s for s in slots if s.piece in wanted]
+            if mine:
+                view = buffer[mine[0].offset : mine[-1].stop]
+            else:
+                view = buffer.new_empty(0)
+            local.append({**_hyperparams(self.param_groups[g]), "params": [view]})
+        return local
+
+    def _new_local_optimizer(self) -> Optimizer:
+        if self._flat and len(self._plan.layouts) > 1:
+            raise AssertionError("a flat partition spans a single device/dtype buffer")
+        if self._flat and not self._plan.layouts:
+            raise ValueError("partition='flat' needs at least one parameter that requires grad")
+        return self._optimizer_class(self._local_groups(), **self._optim_defaults)
+
+    # ----- the step -----------------------------------------------------------
+
+    def _refresh_trainable(self) -> None:
+        trainable = self._trainable()
+        if trainable == self._plan.trainable:
+            return
+        logger.warning(
+            "ZeroRedundancyOptimizer: the set of parameters requiring grad changed; "
+            "rebuilding the exchange buffers"
+        )
+        self._plan = with_trainable(self._plan, trainable)
+        self._build_buffers()
+
+    def _load_flat_grads(self) -> None:
+        """Gather this rank's slices of the gradients into the local flat grads."""
+        params = self._all_params
+        (layout,) = self._plan.layouts
+        slots = layout.slots[self.rank]
+        for group, pieces in zip(
+            self.optim.param_groups, self._plan.partition.group_pieces_of(self.rank), strict=True
+        ):
+            (flat,) = group["params"]
+            wanted = set(pieces)
+            mine = [s for s in slots if s.piece in wanted]
+            grads = [params[s.piece.param].grad for s in mine]
+            if not mine or all(g is None for g in grads):
+                flat.grad = None
+                continue
+            grad = torch.zeros_like(flat) if flat.grad is None else flat.grad
+            base = mine[0].offset
+            for slot, g in zip(mine, grads, strict=True):
+                target = grad[slot.offset - base : slot.stop - base]
+                if g is None:
+                    target.zero_()
+                else:
+                    target.copy_(slot_view(g, slot))
+            flat.grad = grad
+
+    def _local_step(self, closure: Callable[[], float] | None, **kwargs: Any) -> Any:
+        Join.notify_join_context(self)
+        self._refresh_trainable()
+        _copy_hyperparams(self.param_groups, self.optim.param_groups)
+        if self._flat:
+            if not self.parameters_as_bucket_view:
+                # The user may have written the parameters since the last step
+                # (a checkpoint load, say): refresh this rank's slice of them.
+                pack(self._buffers[0], self._plan.layouts[0].slots[self.rank], self._all_params)
+            self._load_flat_grads()
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+        _copy_hyperparams(self.optim.param_groups, self.param_groups)
+        return loss
+
+    def _exchange(self) -> None:
+        """Send this rank's updated shard to all ranks and take theirs."""
+        params = self._all_params
+        for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
+            in_place = self.parameters_as_bucket_view
+            if not in_place and not self._flat:
+                pack(buffer, layout.slots[self.rank], params)
+            all_gather_segments(buffer, layout, self.process_group, self.rank)
+            if not in_place:
+                others = [
+                    s
+                    for r, rs in enumerate(layout.slots)
+                    for s in rs
+                    if self._flat or r != self.rank
+                ]
+                unpack(buffer, others, params)
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Step this rank's shard, then bring every rank's updated shard here.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+            **kwargs: passed to the local optimizer's ``step``.
+
+        Returns:
+            The local optimizer's return value (the loss, with a closure).
+        """
+        loss = self._local_step(closure, **kwargs)
+        self._exchange()
+        return loss
+
+    # ----- param groups -------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group on every rank (call it on all ranks alike).
+
+        The greedy partition places the new parameters after the old ones,
+        which keep their owners; other modes re-partition and move the
+        optimizer state to its new owners (a collective).
+        """
+        if not getattr(self, "_initialized", False):
+            super().add_param_group(param_group)
+            return
+        if self._plan.mode == "manual":
+            raise RuntimeError(
+                "a manual partition (params_per_rank) supports a single param group; "
+                "build a new optimizer with every group, using an automatic partition"
+            )
+        check_same_dense_type([*self._all_params, *normalize_params([param_group])[0]["params"]])
+        moved = self._plan.mode != "greedy"
+        old_state = self._gather_global_state() if moved else None
+        super().add_param_group(param_group)
+        self._plan = self._new_plan(self._plan.mode)
+        self._build_buffers()
+        if moved:
+            assert old_state is not None
+            old_state["param_groups"].append(_hyperparams(self.param_groups[-1]))
+            old_state["param_groups"][-1]["params"] = []
+            self.optim = self._new_local_optimizer()
+            self._load_global_state(self._regroup(old_state))
+        else:
+            new_local = self._local_groups()[-1]
+            self.optim.add_param_group(new_local)
+        _copy_hyperparams(self.optim.param_groups, self.param_groups)
+
+    def _regroup(self, state: StateDict) -> StateDict:
+        """Give ``state``'s groups the current global indices (groups only grew)."""
+        start = 0
+        for group, live in zip(state["param_groups"], self.param_groups, strict=True):
+            group["params"] = list(range(start, start + len(live["params"])))
+            start += len(live["params"])
+        return state
+
+    # ----- state dicts --------------------------------------------------------
+
+    def _shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in self._all_params]
+
+    def _local_state_cpu(self) -> StateDict:
+        _copy_hyperparams(self.param_groups, self.optim.param_groups)
+        sd: StateDict = _to_cpu(self.optim.state_dict())
+        return sd
+
+    def _gather_global_state(self) -> StateDict:
+        """Every rank's shard, joined into the global state on every rank."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, self._local_state_cpu(), group=self.process_group)
+        return consolidate(self._plan.partition, gathered, self._shapes())
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collect the full optimizer state on rank ``to`` for :meth:`state_dict`.
+
+        Must be called on every rank. Only the local shards travel, to one rank.
+
+        Args:
+            to: the group rank that receives the state.
+        """
+        local = self._local_state_cpu()
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        dst = dist.get_global_rank(self.process_group, to)
+        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
+        if gathered is None:
+            self._consolidated = None
+        else:
+            self._consolidated = consolidate(self._plan.partition, gathered, self._shapes())
+
+    def state_dict(self) -> StateDict:
+        """The full state gathered by the last :meth:`consolidate_state_dict`,
+        in ``torch.optim``'s format (loadable into the unsharded optimizer).
+
+        Raises:
+            RuntimeError: if the state was not consolidated on this rank.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(
+                "Optimizer state has not been consolidated on this rank. Call "
+                f"consolidate_state_dict(to={self.rank}) on all ranks first."
+            )
+        return {
+            "state": dict(self._consolidated["state"]),
+            "param_groups": [
+                {**_hyperparams(live), "params": list(saved["params"])}
+                for live, saved in zip(
+                    self.param_groups, self._consolidated["param_groups"], strict=True
+                )
+            ],
+        }
+
+    def load_state_dict(self, state_dict: StateDict) -> None:
+        """Load a full state dict (from :meth:`state_dict`, or from a plain
+        ``torch.optim`` optimizer over the same parameters), keeping this
+        rank's shard. ``state_dict`` is not modified.
+
+        Raises:
+            ValueError: if ``state_dict`` belongs to another model; then
+                nothing is changed.
+        """
+        validate_global(self._plan.partition, state_dict)
+        self._load_global_state(state_dict)
+
+    def _load_global_state(self, state_dict: StateDict) -> None:
+        local = shard(self._plan.partition, state_dict, self.rank)
+        self.optim.load_state_dict(local)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(_hyperparams(saved))
+        _copy_hyperparams(self.param_groups, self.optim.param_groups)
+
+    # ----- Join ---------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """A hook that runs :meth:`step` on a rank that ran out of inputs, so
+        its collectives match the ranks still training."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group

@@ -1,0 +1,131 @@
+"""The structural plan of a ZeRO optimizer: who owns what, and how shards travel.
+
+A :class:`ShardPlan` bundles the partition with the exchange buffers derived
+from it. It is rebuilt, never edited: a new param group or a change in which
+parameters are trainable yields a new plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from zerofn.layout import BufferLayout, buffer_layouts
+from zerofn.partition import (
+    FlatPartition,
+    Partition,
+    PartitionMode,
+    balanced_partition,
+    flat_partition,
+    greedy_partition,
+    manual_partition,
+)
+
+__all__ = ["ShardPlan", "plan_shards", "with_trainable"]
+
+
+@attrs.frozen
+class ShardPlan:
+    """Partition plus exchange layout for one optimizer.
+
+    Attributes:
+        mode: how the partition was made (``"manual"`` for a given one).
+        partition: the ownership of parameters (or of element ranges).
+        keys: device/dtype key of every global parameter.
+        trainable: which global parameters are trained.
+        layouts: one exchange buffer per key (see :func:`buffer_layouts`).
+    """
+
+    mode: str
+    partition: Partition | FlatPartition
+    keys: tuple[str, ...]
+    trainable: tuple[bool, ...]
+    layouts: tuple[BufferLayout, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.partition.world_size
+
+
+def _layouts(
+    partition: Partition | FlatPartition, keys: Sequence[str], trainable: Sequence[bool]
+) -> tuple[BufferLayout, ...]:
+    pieces = [partition.pieces_of(r) for r in range(partition.world_size)]
+    return buffer_layouts(pieces, keys, trainable)
+
+
+def plan_shards(
+    group_sizes: Sequence[Sequence[int]],
+    keys: Sequence[str],
+    trainable: Sequence[bool],
+    world_size: int,
+    mode: PartitionMode = "greedy",
+    params_per_rank: Sequence[Sequence[int]] | None = None,
+) -> ShardPlan:
+    """Partition the parameters and lay out their exchange buffers.
+
+    Args:
+        group_sizes: element count of every parameter, per param group.
+        keys: device/dtype key of every global parameter.
+        trainable: whether each global parameter is trained.
+        world_size: number of ranks.
+        mode: ``"greedy"`` (PyTorch's), ``"balanced"`` or ``"flat"``; ignored
+            when ``params_per_rank`` is given.
+        params_per_rank: a manual partition (global indices per rank).
+
+    Returns:
+        The :class:`ShardPlan`. A flat plan splits only trainable parameters:
+        frozen ones count as empty, as no rank updates them.
+
+    Raises:
+        ValueError: for an unknown mode or a bad manual partition (see
+            :func:`manual_partition`), or mismatched lengths.
+    """
+    num_params = sum(len(g) for g in group_sizes)
+    if len(keys) != num_params or len(trainable) != num_params:
+        raise ValueError(
+            f"{num_params} parameters but {len(keys)} keys and {len(trainable)} trainable flags"
+        )
+    partition: Partition | FlatPartition
+    if params_per_rank is not None:
+        partition, mode_name = manual_partition(group_sizes, params_per_rank, world_size), "manual"
+    elif mode == "greedy":
+        partition, mode_name = greedy_partition(group_sizes, world_size), mode
+    elif mode == "balanced":
+        partition, mode_name = balanced_partition(group_sizes, world_size), mode
+    elif mode == "flat":
+        flags = iter(trainable)
+        trained_sizes = [[n if next(flags) else 0 for n in group] for group in group_sizes]
+        partition, mode_name = flat_partition(trained_sizes, world_size), mode
+    else:
+        raise ValueError(
+            f"unknown partition mode {mode!r}; choose 'greedy', 'balanced' or 'flat', "
+            "or pass params_per_rank"
+        )
+    return ShardPlan(
+        mode=mode_name,
+        partition=partition,
+        keys=tuple(keys),
+        trainable=tuple(bool(t) for t in trainable),
+        layouts=_layouts(partition, keys, trainable),
+    )
+
+
+def with_trainable(plan: ShardPlan, trainable: Sequence[bool]) -> ShardPlan:
+    """The same partition with exchange buffers for a new trainable mask.
+
+    Raises:
+        ValueError: for a flat plan, whose cut depends on the mask: build a
+            new optimizer (or use a whole-tensor mode) to change trainability.
+    """
+    if isinstance(plan.partition, FlatPartition):
+        raise ValueError(
+            "partition='flat' cannot follow a change in which parameters require grad; "
+            "create a new optimizer, or use partition='greedy' or 'balanced'"
+        )
+    return attrs.evolve(
+        plan,
+        trainable=tuple(bool(t) for t in trainable),
+        layouts=_layouts(plan.partition, plan.keys, trainable),
+    )
