@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from zerofn.layout import Slot
 from zerofn.optimizers import check_elementwise
 from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
@@ -121,7 +122,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)
 
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group: Any = process_group if process_group is not None else dist.group.WORLD
         self.world_size: int = dist.get_world_size(self.process_group)
         self.rank: int = dist.get_rank(self.process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
@@ -215,19 +216,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ]
         # Flat: one tensor per group, a view of this rank's part of the buffer,
         # so the local step writes straight into what the exchange sends.
-        (layout,) = self._plan.layouts
         buffer = self._buffers[0]
-        slots = layout.slots[self.rank]
         local = []
-        for g, pieces in enumerate(self._plan.partition.group_pieces_of(self.rank)):
-            wanted = set(pieces)
-            mine = [s for s in slots if s.piece in wanted]
-            if mine:
-                view = buffer[mine[0].offset : mine[-1].stop]
-            else:
-                view = buffer.new_empty(0)
-            local.append({**_hyperparams(self.param_groups[g]), "params": [view]})
+        for group, mine in zip(self.param_groups, self._flat_slots(), strict=True):
+            view = buffer[mine[0].offset : mine[-1].stop] if mine else buffer.new_empty(0)
+            local.append({**_hyperparams(group), "params": [view]})
         return local
+
+    def _flat_slots(self) -> list[list[Slot]]:
+        """This rank's buffer slots under a flat partition, per param group;
+        each group's slots are contiguous in the buffer."""
+        partition = self._plan.partition
+        assert isinstance(partition, FlatPartition)
+        (layout,) = self._plan.layouts
+        slots = layout.slots[self.rank]
+        per_group = []
+        for pieces in partition.group_pieces_of(self.rank):
+            wanted = set(pieces)
+            per_group.append([s for s in slots if s.piece in wanted])
+        return per_group
 
     def _new_local_optimizer(self) -> Optimizer:
         if self._flat and len(self._plan.layouts) > 1:
@@ -252,14 +259,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _load_flat_grads(self) -> None:
         """Gather this rank's slices of the gradients into the local flat grads."""
         params = self._all_params
-        (layout,) = self._plan.layouts
-        slots = layout.slots[self.rank]
-        for group, pieces in zip(
-            self.optim.param_groups, self._plan.partition.group_pieces_of(self.rank), strict=True
-        ):
+        for group, mine in zip(self.optim.param_groups, self._flat_slots(), strict=True):
             (flat,) = group["params"]
-            wanted = set(pieces)
-            mine = [s for s in slots if s.piece in wanted]
             grads = [params[s.piece.param].grad for s in mine]
             if not mine or all(g is None for g in grads):
                 flat.grad = None

@@ -1,0 +1,39 @@
+# Every target sets up .venv itself; torch is pinned to the CPU build through
+# constraints.txt so that no multi-GB CUDA build is downloaded.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
+WORLD   ?= 2
+
+.PHONY: test lint demo bench docs clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.test-installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test,dev]"
+	touch $@
+
+$(VENV)/.demo-installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[demo]"
+	touch $@
+
+lint: $(VENV)/.test-installed
+	$(BIN)/ruff check zerofn adapters tests benchmarks examples
+	$(BIN)/ruff format --check zerofn adapters tests benchmarks examples
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+demo: $(VENV)/.demo-installed
+	$(BIN)/python examples/demo.py --world-size $(WORLD)
+
+bench: $(VENV)/.test-installed
+	$(BIN)/python benchmarks/bench_zero.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
