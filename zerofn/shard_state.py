@@ -207,7 +207,9 @@ def _consolidate_flat(
         joined_entry: dict[str, Any] = {}
         for name, value in first.items():
             if not _is_elementwise(value):
-                joined_entry[name] = value
+                # Each parameter gets its own copy: an optimizer loading this
+                # state must not find one step counter shared by many params.
+                joined_entry[name] = value.clone() if isinstance(value, torch.Tensor) else value
                 continue
             joined = torch.cat([e[name].reshape(-1)[o : o + p.numel] for p, e, o in parts])
             joined_entry[name] = (

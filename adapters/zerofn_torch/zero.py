@@ -44,13 +44,15 @@ def _key(t: torch.Tensor) -> str:
     return f"{t.device}/{t.dtype}"
 
 
-def _to_cpu(value: Any) -> Any:
+def _cpu_copy(value: Any) -> Any:
+    """A snapshot of ``value`` with every tensor copied to the CPU, so that
+    later steps cannot change it through shared storage."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: _cpu_copy(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(_cpu_copy(v) for v in value)
     return value
 
 
@@ -341,6 +343,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         moved = self._plan.mode != "greedy"
         old_state = self._gather_global_state() if moved else None
         super().add_param_group(param_group)
+        for name, default in self.optim.defaults.items():
+            self.param_groups[-1].setdefault(name, default)
         self._plan = self._new_plan(self._plan.mode)
         self._build_buffers()
         if moved:
@@ -369,7 +373,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _local_state_cpu(self) -> StateDict:
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
-        sd: StateDict = _to_cpu(self.optim.state_dict())
+        sd: StateDict = _cpu_copy(self.optim.state_dict())
         return sd
 
     def _gather_global_state(self) -> StateDict:
@@ -430,7 +434,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._load_global_state(state_dict)
 
     def _load_global_state(self, state_dict: StateDict) -> None:
-        local = shard(self._plan.partition, state_dict, self.rank)
+        # Copy, so that stepping never writes into the caller's tensors.
+        local = _cpu_copy(shard(self._plan.partition, state_dict, self.rank))
         self.optim.load_state_dict(local)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(_hyperparams(saved))

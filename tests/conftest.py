@@ -1,0 +1,26 @@
+"""Shared fixtures: a one-rank gloo group inside the pytest process, for tests
+of the adapter's single-rank behaviour and its input checks."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="session")
+def single_rank_group() -> Iterator[None]:
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,257 @@
+"""The adapter on one rank, in process: input checks, state dicts, schedulers,
+param groups and trainability changes. Numbers must equal the plain optimizer."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.algorithms.join import Joinable
+
+from zerofn_torch import ZeroRedundancyOptimizer
+
+pytestmark = pytest.mark.usefixtures("single_rank_group")
+
+MODES = ["greedy", "balanced", "flat"]
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def train(model: torch.nn.Module, opt: Any, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 5, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0)
+
+
+def local_state_snapshot(opt: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    return copy.deepcopy(opt.optim.state_dict())
+
+
+# ----- bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "error"),
+    [
+        ([], ValueError),
+        (torch.zeros(3), TypeError),
+        (3, TypeError),
+        ([torch.zeros(3, requires_grad=True), 3], TypeError),
+        ([{"lr": 0.1}], ValueError),
+        ([torch.zeros(3, requires_grad=True), torch.zeros(2, dtype=torch.float64)], ValueError),
+        ([torch.zeros(3, 3).to_sparse().requires_grad_()], ValueError),
+    ],
+    ids=["empty", "tensor", "number", "non-tensor", "group-without-params", "mixed", "sparse"],
+)
+def test_bad_params_raise(params: Any, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+
+
+def test_manual_partition_errors_name_the_problem() -> None:
+    model = make_model()
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="one per rank"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=[params, []], lr=0.1)
+    stranger = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match="not passed"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=[[stranger]], lr=0.1)
+    with pytest.raises(ValueError, match="both rank"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=[params + params[:1]], lr=0.1)
+
+
+def test_flat_refuses_non_elementwise_optimizer() -> None:
+    with pytest.raises(ValueError, match="element-wise"):
+        ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.LBFGS, partition="flat")
+    # ...unless the user vouches for it.
+    ZeroRedundancyOptimizer(
+        make_model().parameters(), torch.optim.SGD, partition="flat", elementwise=True, lr=0.1
+    )
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown partition mode"):
+        ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.SGD, partition="x", lr=0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_foreign_state_dict_is_refused_and_nothing_changes(mode: str) -> None:
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, partition=mode, lr=0.01)
+    train(model, opt, 2)
+    before = local_state_snapshot(opt)
+    groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+    other = torch.nn.Linear(4, 4)
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.5)
+    other(torch.randn(2, 4)).sum().backward()
+    other_opt.step()
+    foreign = other_opt.state_dict()
+    foreign_copy = copy.deepcopy(foreign)
+    with pytest.raises(ValueError, match="another model"):
+        opt.load_state_dict(foreign)
+
+    after = opt.optim.state_dict()
+    assert before["param_groups"] == after["param_groups"]
+    for k, entry in before["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, after["state"][k][name])
+    assert groups_before == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert foreign.keys() == foreign_copy.keys()
+    assert foreign["param_groups"] == foreign_copy["param_groups"]
+
+
+def test_state_dict_needs_consolidation_first() -> None:
+    opt = ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        opt.state_dict()
+
+
+def test_overlap_with_ddp_is_refused_clearly() -> None:
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp"):
+        ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.SGD, overlap_with_ddp=True)
+
+
+# ----- behaviour on one rank ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+        (torch.optim.Adam, {"lr": 0.01}),
+        (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    ],
+    ids=["sgd", "adam", "adamw"],
+)
+def test_matches_plain_optimizer(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], mode: str, bucket_view: bool
+) -> None:
+    a, b = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(
+        a.parameters(), cls, parameters_as_bucket_view=bucket_view, partition=mode, **kwargs
+    )
+    train(a, zero, 4)
+    train(b, cls(b.parameters(), **kwargs), 4)
+    assert_same_params(a, b)
+    assert isinstance(zero, torch.optim.Optimizer)
+    assert isinstance(zero, Joinable)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lr_scheduler_drives_the_local_optimizer(mode: str) -> None:
+    a, b = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(a.parameters(), torch.optim.SGD, partition=mode, lr=0.5)
+    plain = torch.optim.SGD(b.parameters(), lr=0.5)
+    sched_a = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
+    for _ in range(3):
+        train(a, zero, 1)
+        train(b, plain, 1)
+        sched_a.step()
+        sched_b.step()
+    assert zero.param_groups[0]["lr"] == pytest.approx(0.5 * 0.5**3)
+    train(a, zero, 1)
+    train(b, plain, 1)
+    assert zero.optim.param_groups[0]["lr"] == pytest.approx(0.5 * 0.5**3)
+    assert_same_params(a, b)
+
+
+def test_grad_scaler_steps_through() -> None:
+    a, b = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(a.parameters(), torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(b.parameters(), lr=0.01)
+    for model, opt in ((a, zero), (b, plain)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(4, 5, generator=g)).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert_same_params(a, b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_add_param_group_keeps_training_in_lockstep(mode: str) -> None:
+    a, b = make_model(), make_model()
+    first_a, second_a = list(a[0].parameters()), list(a[2].parameters())
+    first_b, second_b = list(b[0].parameters()), list(b[2].parameters())
+    zero = ZeroRedundancyOptimizer(first_a, torch.optim.Adam, partition=mode, lr=0.01)
+    plain = torch.optim.Adam(first_b, lr=0.01)
+    train(a, zero, 2)
+    train(b, plain, 2)
+    zero.add_param_group({"params": second_a, "lr": 0.02})
+    plain.add_param_group({"params": second_b, "lr": 0.02})
+    assert len(zero.param_groups) == 2
+    train(a, zero, 3)
+    train(b, plain, 3)
+    assert_same_params(a, b)
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_trainability_change_rebuilds_and_stays_correct(bucket_view: bool) -> None:
+    a, b = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(
+        a.parameters(), torch.optim.SGD, parameters_as_bucket_view=bucket_view, lr=0.1
+    )
+    plain = torch.optim.SGD(b.parameters(), lr=0.1)
+    train(a, zero, 1)
+    train(b, plain, 1)
+    for m in (a, b):
+        m[0].weight.requires_grad_(False)
+        m[0].weight.grad = None
+    train(a, zero, 2)
+    train(b, plain, 2)
+    assert_same_params(a, b)
+
+
+def test_flat_mode_refuses_trainability_change() -> None:
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, partition="flat", lr=0.1)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="require grad"):
+        zero.step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dict_round_trips_through_plain_optimizer(mode: str) -> None:
+    a, b = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(a.parameters(), torch.optim.Adam, partition=mode, lr=0.01)
+    plain = torch.optim.Adam(b.parameters(), lr=0.01)
+    train(a, zero, 3)
+    train(b, plain, 3)
+    zero.consolidate_state_dict(to=0)
+    ours = zero.state_dict()
+    theirs = plain.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for k in theirs["state"]:
+        for name, value in theirs["state"][k].items():
+            torch.testing.assert_close(ours["state"][k][name], value, rtol=1e-6, atol=0)
+
+    # Ours into a fresh plain optimizer, and the plain one's into a fresh ZeRO.
+    c, d = copy.deepcopy(a), copy.deepcopy(b)
+    plain_c = torch.optim.Adam(c.parameters(), lr=0.01)
+    plain_c.load_state_dict(ours)
+    zero_d = ZeroRedundancyOptimizer(d.parameters(), torch.optim.Adam, partition=mode, lr=0.01)
+    zero_d.load_state_dict(theirs)
+    for model, opt in ((a, zero), (b, plain), (c, plain_c), (d, zero_d)):
+        train(model, opt, 2, seed=9)
+    assert_same_params(a, b)
+    assert_same_params(a, c)
+    assert_same_params(a, d)
