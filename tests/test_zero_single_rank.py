@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.algorithms.join import Joinable
-
 from zerofn_torch import ZeroRedundancyOptimizer
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
@@ -92,7 +91,9 @@ def test_foreign_state_dict_is_refused_and_nothing_changes(mode: str) -> None:
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, partition=mode, lr=0.01)
     train(model, opt, 2)
     before = local_state_snapshot(opt)
-    groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    groups_before = copy.deepcopy(
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    )
 
     other = torch.nn.Linear(4, 4)
     other_opt = torch.optim.Adam(other.parameters(), lr=0.5)
@@ -108,7 +109,9 @@ def test_foreign_state_dict_is_refused_and_nothing_changes(mode: str) -> None:
     for k, entry in before["state"].items():
         for name, value in entry.items():
             assert torch.equal(value, after["state"][k][name])
-    assert groups_before == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert groups_before == [
+        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+    ]
     assert foreign.keys() == foreign_copy.keys()
     assert foreign["param_groups"] == foreign_copy["param_groups"]
 

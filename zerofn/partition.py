@@ -26,8 +26,8 @@ import attrs
 __all__ = [
     "FlatPartition",
     "Partition",
-    "Piece",
     "PartitionMode",
+    "Piece",
     "balanced_partition",
     "flat_partition",
     "greedy_partition",
