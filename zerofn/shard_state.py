@@ -175,8 +175,16 @@ def shard(partition: Partition | FlatPartition, state_dict: StateDict, rank: int
     return {"state": state, "param_groups": groups}
 
 
-def _is_elementwise(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0
+# Per-parameter scalars that torch.optim's element-wise optimizers keep as 0-dim
+# tensors. Any other 0-dim state of a one-element parameter (a 0-dim parameter's
+# ``exp_avg``, say) is that parameter's element, not a scalar.
+_SCALAR_STATE_NAMES = frozenset({"step", "mu_product", "eta", "mu"})
+
+
+def _is_elementwise(value: Any, name: str = "", param_numel: int = -1) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    return value.dim() > 0 or (param_numel == 1 and name not in _SCALAR_STATE_NAMES)
 
 
 def _consolidate_flat(
@@ -242,7 +250,7 @@ def _shard_flat(
         first = global_state[pieces[0].param]
         entry: dict[str, Any] = {}
         for name, value in first.items():
-            if not _is_elementwise(value):
+            if not _is_elementwise(value, name, partition.sizes[pieces[0].param]):
                 entry[name] = value
                 continue
             entry[name] = torch.cat(
