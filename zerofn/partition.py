@@ -392,7 +392,8 @@ def balanced_partition(group_sizes: Sequence[Sequence[int]], world_size: int) ->
 
     Starts from the better of PyTorch's per-group greedy and a greedy over all
     groups at once, then moves or swaps parameters off the heaviest rank while
-    that lowers it. Parameters keep global order within each rank and group.
+    that lowers it. When nothing beats greedy, greedy's partition is returned
+    as is; otherwise each rank lists its parameters in global order.
 
     Args:
         group_sizes: element count of every parameter, per param group.

@@ -150,7 +150,9 @@ def shard(partition: Partition | FlatPartition, state_dict: StateDict, rank: int
         rank: the rank whose shard to return.
 
     Returns:
-        The local state dict for ``rank``'s optimizer.
+        The local state dict for ``rank``'s optimizer. Under a flat partition
+        a rank's group is one tensor, so it can carry one value of each scalar
+        state (the step count, say): that of the group's first parameter.
 
     Raises:
         ValueError: if ``state_dict`` does not fit the partitioned model.
