@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _world import run_world
+from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.checkpoint import load_sharded, save_sharded
@@ -138,6 +139,20 @@ def two_rank_world(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     z.load_state_dict(copy.deepcopy(ours_sd))
     save_sharded(z, ckpt_dir)
 
+    # Uneven inputs under PyTorch's Join with DDP: rank 1 has two more batches.
+    joined = []
+    for impl in (ZeroRedundancyOptimizer, TorchZero):
+        model = torch.nn.parallel.DistributedDataParallel(make_model())
+        zero = impl(model.parameters(), cls, **kwargs)
+        with Join([model, zero]):
+            for step in range(3 + 2 * rank):
+                g = torch.Generator().manual_seed(1000 * step + rank)
+                zero.zero_grad()
+                model(torch.randn(6, 9, generator=g)).square().mean().backward()
+                zero.step()
+        joined.append(model.module)
+    out["join_vs_torch"] = max_diff(joined[0], joined[1])
+
     # The exchange: one message per rank and buffer, against PyTorch's one per parameter.
     collectives = ["broadcast", "all_gather", "all_gather_into_tensor"]
     for bucket in (False, True):
@@ -212,6 +227,11 @@ def test_state_dicts_load_across_implementations(two_ranks: Any) -> None:
     out, _ = two_ranks
     assert out["loaded_theirs_vs_plain"] <= 1e-6
     assert out["ours_vs_plain_loaded_ours"] <= 1e-6
+
+
+def test_uneven_inputs_under_join_match_pytorch(two_ranks: Any) -> None:
+    out, _ = two_ranks
+    assert out["join_vs_torch"] <= 1e-6
 
 
 def test_exchange_is_one_message_per_rank_not_per_parameter(two_ranks: Any) -> None:
