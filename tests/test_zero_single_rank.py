@@ -258,3 +258,18 @@ def test_state_dict_round_trips_through_plain_optimizer(mode: str) -> None:
     assert_same_params(a, b)
     assert_same_params(a, c)
     assert_same_params(a, d)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_consolidated_state_loads_with_weights_only(mode: str, tmp_path: Any) -> None:
+    a, b = make_model(), make_model()
+    zero = ZeroRedundancyOptimizer(a.parameters(), torch.optim.AdamW, partition=mode, lr=0.01)
+    train(a, zero, 2)
+    zero.consolidate_state_dict()
+    torch.save(zero.state_dict(), tmp_path / "optim.pt")
+    b.load_state_dict(a.state_dict())
+    restored = ZeroRedundancyOptimizer(b.parameters(), torch.optim.AdamW, partition=mode, lr=0.01)
+    restored.load_state_dict(torch.load(tmp_path / "optim.pt", weights_only=True))
+    train(a, zero, 2, seed=5)
+    train(b, restored, 2, seed=5)
+    assert_same_params(a, b)
