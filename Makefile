@@ -21,6 +21,11 @@ $(VENV)/.demo-installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e ".[demo]"
 	touch $@
 
+$(VENV)/.docs-installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[docs]"
+	touch $@
+
 lint: $(VENV)/.test-installed
 	$(BIN)/ruff check zerofn adapters tests benchmarks examples
 	$(BIN)/ruff format --check zerofn adapters tests benchmarks examples
@@ -34,6 +39,9 @@ demo: $(VENV)/.demo-installed
 
 bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_zero.py
+
+docs: $(VENV)/.docs-installed
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
