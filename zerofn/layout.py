@@ -38,6 +38,7 @@ class Slot:
 
     @property
     def stop(self) -> int:
+        """One past the slot's last buffer element."""
         return self.offset + self.piece.numel
 
 

@@ -157,6 +157,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
+        """Number of elements in the piece."""
         return self.stop - self.start
 
 

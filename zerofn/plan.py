@@ -45,6 +45,7 @@ class ShardPlan:
 
     @property
     def world_size(self) -> int:
+        """Number of ranks the plan shards across."""
         return self.partition.world_size
 
 

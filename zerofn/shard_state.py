@@ -24,7 +24,7 @@ import torch
 
 from zerofn.partition import FlatPartition, Partition, Piece
 
-__all__ = ["StateDict", "consolidate", "shard"]
+__all__ = ["StateDict", "consolidate", "shard", "validate_global"]
 
 StateDict = dict[str, Any]
 

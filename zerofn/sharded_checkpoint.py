@@ -34,6 +34,7 @@ class SavedPiece:
 
     @property
     def key(self) -> str:
+        """The checkpoint key this piece is saved under."""
         return piece_key(self.param, self.name, self.start, self.stop)
 
 

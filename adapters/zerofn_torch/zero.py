@@ -450,8 +450,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def join_device(self) -> torch.device:
+        """The device of the parameters, where Join's collectives run."""
         return self._default_device
 
     @property
     def join_process_group(self) -> Any:
+        """The process group the optimizer shards across."""
         return self.process_group
