@@ -134,6 +134,13 @@ def state_bytes(optim: torch.optim.Optimizer) -> int:
     return total
 
 
+def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """The implementation's shard exchange without the update (private APIs)."""
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        return lambda: opt._receive(opt._send_shards())
+    return opt._sync_params  # type: ignore[attr-defined,no-any-return]
+
+
 def _zero_step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int) -> Any:
     shapes = model_shapes(quick)
     gen = torch.Generator().manual_seed(0)
@@ -149,7 +156,10 @@ def _zero_step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup
         opt: torch.optim.Optimizer
         if impl == "zerofn":
             opt = ZeroRedundancyOptimizer(
-                params, torch.optim.Adam, parameters_as_bucket_view=bucket_view, lr=1e-3
+                params,
+                torch.optim.Adam,
+                parameters_as_bucket_view=bucket_view,
+                lr=1e-3,
             )
         else:
             opt = TorchZero(
@@ -171,10 +181,7 @@ def _zero_step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup
 
     # Diagnostic: the parameter exchange alone (each implementation's private
     # exchange method; it re-sends the current shards, so it changes nothing).
-    exchanges: list[Callable[[], None]] = [
-        opt._exchange if impl == "zerofn" else opt._sync_params  # type: ignore[attr-defined]
-        for opt, (_label, impl, _bv) in zip(optimizers, IMPLS, strict=True)
-    ]
+    exchanges = [_exchange_only(opt) for opt in optimizers]
     exchange_times: list[list[float]] = [[] for _ in IMPLS]
     for r in range(warmup + rounds):
         for k in range(len(IMPLS)):
@@ -306,7 +313,7 @@ def bench_zero_step(quick: bool, rounds: int | None = None) -> str:
             f"{warmup} warm-up rounds, {rounds} timed rounds, implementations alternating "
             "step by step; `opt.step()` timed on rank 0 after a barrier; one thread per rank. "
             "'Exchange only' times, in separate alternating rounds, just the shard exchange "
-            "that follows the local Adam update (zerofn's `_exchange`, PyTorch's "
+            "that follows the local Adam update (zerofn's `_send_shards` + `_receive`, PyTorch's "
             "`_sync_params`; both private), to separate communication from the optimizer "
             "math that both run identically. The minimum is the least disturbed sample "
             "when other processes share the cores; compare it with the median.",

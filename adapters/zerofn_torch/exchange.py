@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from zerofn.layout import BufferLayout, Slot
+from zerofn.layout import Slot
 
-__all__ = ["all_gather_segments", "pack", "slot_view", "unpack"]
+__all__ = ["pack", "slot_view", "start_exchange", "unpack", "wait_all"]
 
 
 def slot_view(param: torch.Tensor, slot: Slot) -> torch.Tensor:
@@ -35,27 +35,41 @@ def unpack(buffer: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.T
             slot_view(params[slot.piece.param], slot).copy_(buffer[slot.offset : slot.stop])
 
 
-def all_gather_segments(
-    buffer: torch.Tensor, layout: BufferLayout, group: dist.ProcessGroup, rank: int
-) -> None:
-    """Fill every rank's segment of ``buffer`` from that rank, in place.
+def start_exchange(
+    buffer: torch.Tensor,
+    runs: Sequence[Sequence[Slot]],
+    group: dist.ProcessGroup,
+    rank: int,
+) -> list[dist.Work]:
+    """Start filling each rank's slots in ``buffer`` from that rank.
 
-    One collective per buffer where the backend does all-gather well (NCCL:
-    ``all_gather`` into views of the buffer, uneven segments allowed). On
-    gloo, whose all-gather measured 2-3.5x slower than broadcasts of the same
-    bytes on CPU, each rank's segment is broadcast from its owner instead: one
-    contiguous message per rank, issued together and awaited once. Either way
-    each rank receives exactly the other ranks' segments.
+    ``runs[r]`` are rank ``r``'s slots, contiguous in the buffer (its whole
+    segment); every rank must pass the same runs. Where the backend does
+    all-gather well (NCCL) this is one ``all_gather`` into views of the
+    buffer (uneven runs allowed). On gloo, whose all-gather measured 2-3.5x
+    slower than broadcasts of the same bytes on CPU, each rank's run is
+    broadcast from its owner instead: one contiguous message per rank. Either
+    way each rank receives exactly the other ranks' runs.
+
+    Returns:
+        The pending work; wait on all of it before reading the buffer.
     """
-    views = [buffer[s.offset : s.offset + s.length] for s in layout.segments]
+    views = [buffer[run[0].offset : run[-1].stop] if run else buffer[:0] for run in runs]
     if dist.get_backend(group) != "gloo":
-        dist.all_gather(views, views[rank], group=group)
-        return
+        work = dist.all_gather(views, views[rank], group=group, async_op=True)
+        return [work] if work is not None else []
     handles = []
-    for segment, view in zip(layout.segments, views, strict=True):
-        if segment.length == 0:
+    for source_rank, view in enumerate(views):
+        if view.numel() == 0:
             continue
-        source = dist.get_global_rank(group, segment.rank)
-        handles.append(dist.broadcast(view, src=source, group=group, async_op=True))
+        source = dist.get_global_rank(group, source_rank)
+        work = dist.broadcast(view, src=source, group=group, async_op=True)
+        if work is not None:
+            handles.append(work)
+    return handles
+
+
+def wait_all(handles: Sequence[dist.Work]) -> None:
+    """Block until every pending collective in ``handles`` is done."""
     for handle in handles:
         handle.wait()

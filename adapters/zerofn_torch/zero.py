@@ -24,7 +24,7 @@ from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
 from zerofn.shard_state import StateDict, consolidate, shard, validate_global
-from zerofn_torch.exchange import all_gather_segments, pack, slot_view, unpack
+from zerofn_torch.exchange import pack, slot_view, start_exchange, unpack, wait_all
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -277,7 +277,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     target.copy_(slot_view(g, slot))
             flat.grad = grad
 
-    def _local_step(self, closure: Callable[[], float] | None, **kwargs: Any) -> Any:
+    def _prepare_step(self) -> None:
         Join.notify_join_context(self)
         self._refresh_trainable()
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
@@ -287,26 +287,30 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 # (a checkpoint load, say): refresh this rank's slice of them.
                 pack(self._buffers[0], self._plan.layouts[0].slots[self.rank], self._all_params)
             self._load_flat_grads()
-        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
-        _copy_hyperparams(self.optim.param_groups, self.param_groups)
-        return loss
 
-    def _exchange(self) -> None:
-        """Send this rank's updated shard to all ranks and take theirs."""
+    def _send_shards(self) -> list[Any]:
+        """Start sending this rank's updated shard to all ranks, and receiving
+        theirs, in every buffer."""
+        params = self._all_params
+        handles = []
+        for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
+            if not self.parameters_as_bucket_view and not self._flat:
+                pack(buffer, layout.slots[self.rank], params)
+            handles += start_exchange(buffer, layout.slots, self.process_group, self.rank)
+        return handles
+
+    def _receive(self, handles: list[Any]) -> None:
+        """Wait for the exchange, then copy what arrived into the parameters
+        (with bucket views it already landed in them)."""
+        wait_all(handles)
+        if self.parameters_as_bucket_view:
+            return
         params = self._all_params
         for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
-            in_place = self.parameters_as_bucket_view
-            if not in_place and not self._flat:
-                pack(buffer, layout.slots[self.rank], params)
-            all_gather_segments(buffer, layout, self.process_group, self.rank)
-            if not in_place:
-                others = [
-                    s
-                    for r, rs in enumerate(layout.slots)
-                    for s in rs
-                    if self._flat or r != self.rank
-                ]
-                unpack(buffer, others, params)
+            arrived = [
+                s for r, rs in enumerate(layout.slots) for s in rs if self._flat or r != self.rank
+            ]
+            unpack(buffer, arrived, params)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then bring every rank's updated shard here.
@@ -318,8 +322,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Returns:
             The local optimizer's return value (the loss, with a closure).
         """
-        loss = self._local_step(closure, **kwargs)
-        self._exchange()
+        self._prepare_step()
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+        handles = self._send_shards()
+        _copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self._receive(handles)
         return loss
 
     # ----- param groups -------------------------------------------------------
