@@ -1,0 +1,158 @@
+"""DDP communication hooks: PyTorch's names, zerofn's programs.
+
+Every hook here is a :class:`zerofn.hook.CommHook` from the core, run by
+:func:`zerofn_torch.comm.drive`. The PyTorch-named functions take the process
+group as DDP's hook state, exactly like PyTorch's, so registering them is an
+import change::
+
+    from zerofn_torch.hooks import fp16_compress_hook
+    ddp.register_comm_hook(process_group, fp16_compress_hook)
+
+A hook of your own (a composition of core pieces) registers through a
+:class:`HookRunner`, which keeps its state between iterations::
+
+    runner = HookRunner(cast(my_hook, torch.bfloat16))
+    ddp.register_comm_hook(runner, run_hook)
+
+DDP checks a hook's annotations at registration, so this module keeps them as
+real objects (no postponed evaluation).
+"""
+
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import GradBucket  # type: ignore[attr-defined]
+
+from zerofn import hook as core
+from zerofn.hook import BucketInfo, CommHook, HookState
+from zerofn_torch.comm import drive
+
+__all__ = [
+    "HookRunner",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "bf16_compress_wrapper",
+    "fp16_compress_hook",
+    "fp16_compress_wrapper",
+    "noop_hook",
+    "run_hook",
+]
+
+G = TypeVar("G")
+B = TypeVar("B")
+
+DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+def bucket_info(bucket: GradBucket, group: Any) -> BucketInfo:
+    """What the core needs to know of a DDP ``GradBucket``."""
+    return BucketInfo(
+        index=bucket.index(),
+        shapes=tuple(tuple(g.shape) for g in bucket.gradients()),
+        world_size=dist.get_world_size(group),
+        is_last=bucket.is_last(),
+    )
+
+
+class HookRunner(Generic[G, B]):
+    """The stateful shell around a :class:`zerofn.hook.CommHook`.
+
+    It holds the hook's :class:`zerofn.hook.HookState` and the process group;
+    each call reads the state, asks the core for the bucket's program, runs it
+    and assigns the new state. A lock guards the assignments, because bucket
+    programs may finish in future callbacks on other threads.
+
+    Args:
+        hook: the hook to run.
+        process_group: the group to communicate in (default: the world).
+    """
+
+    def __init__(self, hook: CommHook[G, B], process_group: Any | None = None) -> None:
+        self.hook = hook
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.state: HookState[G, B] = core.init_hook_state(hook)
+        self._lock = threading.Lock()
+
+    def __call__(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        info = bucket_info(bucket, self.process_group)
+        with self._lock:
+            self.state, program = core.begin_bucket(self.hook, self.state, bucket.buffer(), info)
+            if info.is_last:
+                self.state = core.finish_iteration(self.hook, self.state)
+
+        def record(fut: torch.futures.Future[tuple[torch.Tensor, B]]) -> torch.Tensor:
+            grad, bucket_state = fut.value()
+            with self._lock:
+                self.state = core.finish_bucket(self.state, info.index, bucket_state)
+            return grad
+
+        return drive(program, self.process_group).then(record)
+
+
+def run_hook(
+    runner: HookRunner[Any, Any], bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The DDP hook function for a :class:`HookRunner` state:
+    ``ddp.register_comm_hook(runner, run_hook)``."""
+    return runner(bucket)
+
+
+def _run_stateless(
+    hook: CommHook[None, None], group: Any, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    group = group if group is not None else dist.group.WORLD
+    _, program = hook.start(bucket.buffer(), bucket_info(bucket, group), None, None)
+    return drive(program, group).then(lambda fut: fut.value()[0])
+
+
+def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket across ranks: the same numbers as DDP without a hook."""
+    return _run_stateless(core.allreduce_mean(), process_group, bucket)
+
+
+def fp16_compress_hook(
+    process_group: Any, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket in float16 (half the bytes), returning the input dtype."""
+    return _run_stateless(core.cast(core.allreduce_mean(), torch.float16), process_group, bucket)
+
+
+def _bf16_allreduce(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket in bfloat16 (half the bytes), returning the input dtype.
+
+    Works on any backend, gloo included.
+    """
+    return _run_stateless(core.cast(core.allreduce_mean(), torch.bfloat16), process_group, bucket)
+
+
+# DDP refuses hooks *named* ``bf16_compress_hook`` unless NCCL is present; ours
+# is correct on every backend, so its function carries another name.
+bf16_compress_hook = _bf16_allreduce
+
+
+def noop_hook(_: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Return the local gradient without communicating (to measure comm cost)."""
+    return _run_stateless(core.noop(), None, bucket)
+
+
+def fp16_compress_wrapper(hook: DDPHook) -> DDPHook:
+    """Wrap a PyTorch-style hook so that it communicates float16."""
+    return _cast_wrapper(torch.float16, hook)
+
+
+def bf16_compress_wrapper(hook: DDPHook) -> DDPHook:
+    """Wrap a PyTorch-style hook so that it communicates bfloat16 (any backend)."""
+    return _cast_wrapper(torch.bfloat16, hook)
+
+
+def _cast_wrapper(dtype: torch.dtype, hook: DDPHook) -> DDPHook:
+    def compress_wrapper_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        original_dtype = bucket.buffer().dtype
+        # The wrapped hook reads the bucket's buffer, so it sees the cast one.
+        bucket.set_buffer(bucket.buffer().to(dtype))
+        return hook(state, bucket).then(lambda fut: fut.value().to(original_dtype))
+
+    return compress_wrapper_hook

@@ -1,0 +1,208 @@
+"""Communication hooks as pure functions over explicit state.
+
+A :class:`CommHook` is a small record of functions, in the spirit of optax's
+transformations:
+
+* ``init()`` makes the hook's *global* state (shared by all buckets: an
+  iteration count, a random generator's position, statistics);
+* ``start(grad, bucket, global_state, bucket_state)`` does the work that must
+  happen in bucket order on every rank (drawing random numbers, counting) and
+  returns the new global state plus a *program* (see :mod:`zerofn.comm`) that
+  communicates and finally returns the averaged gradient and the bucket's new
+  state;
+* ``end_iteration(global_state)`` runs once after the last bucket of an
+  iteration.
+
+Global state advances only in ``start`` and ``end_iteration``, which the
+driver calls in bucket order; a bucket's own state only through its program's
+result. So buckets whose programs finish in any order never overwrite each
+other's updates. :class:`HookState` holds both kinds, and the functions
+:func:`begin_bucket`, :func:`finish_bucket` and :func:`finish_iteration` are its
+transitions.
+
+Combinators build hooks from hooks: :func:`cast` runs any hook in a lower
+precision. :func:`allreduce_mean` is the plain averaging hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import attrs
+import torch
+
+from zerofn.comm import AllReduce, Program
+
+__all__ = [
+    "BucketInfo",
+    "CommHook",
+    "HookState",
+    "allreduce_mean",
+    "begin_bucket",
+    "cast",
+    "finish_bucket",
+    "finish_iteration",
+    "init_hook_state",
+    "noop",
+]
+
+G = TypeVar("G")
+B = TypeVar("B")
+
+
+@attrs.frozen
+class BucketInfo:
+    """What a hook knows of one DDP bucket besides its flat gradient.
+
+    Attributes:
+        index: the bucket's index (DDP's reduction order).
+        shapes: shapes of the bucket's gradients, laid out flat in order.
+        world_size: number of ranks reducing the bucket.
+        is_last: whether this is the iteration's last bucket.
+    """
+
+    index: int
+    shapes: tuple[tuple[int, ...], ...]
+    world_size: int
+    is_last: bool = False
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        """Element count of each gradient in the bucket."""
+        return tuple(int(torch.Size(s).numel()) for s in self.shapes)
+
+
+StartFn = Callable[
+    [torch.Tensor, BucketInfo, G, B | None], tuple[G, Program[tuple[torch.Tensor, B]]]
+]
+
+
+def _unchanged(state: G) -> G:
+    return state
+
+
+@attrs.frozen
+class CommHook(Generic[G, B]):
+    """A communication hook: ``init``, ``start`` and ``end_iteration``.
+
+    Attributes:
+        init: makes the global state.
+        start: ``(grad, bucket, global_state, bucket_state_or_None) ->
+            (new_global_state, program)``; the program returns ``(averaged
+            flat gradient, new bucket state)``. ``grad`` is the bucket's flat
+            gradient; the hook must not write into it.
+        end_iteration: advances the global state after an iteration's last bucket.
+        name: a label for reports.
+    """
+
+    init: Callable[[], G]
+    start: StartFn[G, B]
+    end_iteration: Callable[[G], G] = _unchanged
+    name: str = "hook"
+
+
+@attrs.frozen
+class HookState(Generic[G, B]):
+    """A hook's whole state: global part plus one entry per bucket seen so far.
+
+    Attributes:
+        global_state: the hook's global state.
+        buckets: bucket index -> that bucket's state (``None`` before its
+            first run). Stored as a tuple of pairs to stay immutable.
+    """
+
+    global_state: G
+    buckets: tuple[tuple[int, B], ...] = ()
+
+    def bucket(self, index: int) -> B | None:
+        """The state of bucket ``index``, or ``None`` if it never ran."""
+        for i, state in self.buckets:
+            if i == index:
+                return state
+        return None
+
+
+def init_hook_state(hook: CommHook[G, B]) -> HookState[G, B]:
+    """A fresh :class:`HookState` for ``hook``."""
+    return HookState(hook.init())
+
+
+def begin_bucket(
+    hook: CommHook[G, B], state: HookState[G, B], grad: torch.Tensor, bucket: BucketInfo
+) -> tuple[HookState[G, B], Program[tuple[torch.Tensor, B]]]:
+    """Start ``hook`` on one bucket: the new state and the bucket's program."""
+    global_state, program = hook.start(grad, bucket, state.global_state, state.bucket(bucket.index))
+    return attrs.evolve(state, global_state=global_state), program
+
+
+def finish_bucket(state: HookState[G, B], index: int, bucket_state: B) -> HookState[G, B]:
+    """Record bucket ``index``'s new state (from its program's result)."""
+    others = tuple((i, s) for i, s in state.buckets if i != index)
+    return attrs.evolve(state, buckets=(*others, (index, bucket_state)))
+
+
+def finish_iteration(hook: CommHook[G, B], state: HookState[G, B]) -> HookState[G, B]:
+    """Advance the global state after the iteration's last bucket."""
+    return attrs.evolve(state, global_state=hook.end_iteration(state.global_state))
+
+
+# ----- built-in hooks and combinators ---------------------------------------------
+
+
+def allreduce_mean() -> CommHook[None, None]:
+    """Average gradients: divide by the world size, then sum across ranks
+    (the order PyTorch's default hook uses, so the numbers match)."""
+
+    def start(
+        grad: torch.Tensor, bucket: BucketInfo, g: None, b: None
+    ) -> tuple[None, Program[tuple[torch.Tensor, None]]]:
+        def program() -> Program[tuple[torch.Tensor, None]]:
+            (total,) = yield AllReduce((grad / bucket.world_size,), "sum", last=True)
+            return total, None
+
+        return None, program()
+
+    return CommHook(init=lambda: None, start=start, name="allreduce")
+
+
+def noop() -> CommHook[None, None]:
+    """Skip communication: each rank keeps its local gradient (for measuring
+    what communication costs, never for training)."""
+
+    def start(
+        grad: torch.Tensor, bucket: BucketInfo, g: None, b: None
+    ) -> tuple[None, Program[tuple[torch.Tensor, None]]]:
+        def program() -> Program[tuple[torch.Tensor, None]]:
+            return grad, None
+            yield  # a generator that makes no request
+
+        return None, program()
+
+    return CommHook(init=lambda: None, start=start, name="noop")
+
+
+def cast(inner: CommHook[G, B], dtype: torch.dtype) -> CommHook[G, B]:
+    """Run ``inner`` on the gradient cast to ``dtype``, and cast its result back.
+
+    ``cast(allreduce_mean(), torch.float16)`` is PyTorch's fp16 compression
+    hook; ``cast(any_hook, torch.bfloat16)`` is its bf16 wrapper.
+    """
+
+    def start(
+        grad: torch.Tensor, bucket: BucketInfo, g: G, b: B | None
+    ) -> tuple[G, Program[tuple[torch.Tensor, B]]]:
+        g2, inner_program = inner.start(grad.to(dtype), bucket, g, b)
+
+        def program() -> Program[tuple[torch.Tensor, B]]:
+            result, new_b = yield from inner_program
+            return result.to(grad.dtype), new_b
+
+        return g2, program()
+
+    return CommHook(
+        init=inner.init,
+        start=start,
+        end_iteration=inner.end_iteration,
+        name=f"{inner.name}@{str(dtype).removeprefix('torch.')}",
+    )
