@@ -44,17 +44,15 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
-from torch.multiprocessing.spawn import start_processes
 from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.launch import run_local_world
 
 from zerofn.ddp_buckets import assign_buckets
 from zerofn.partition import balanced_partition, flat_partition, greedy_partition, rank_loads
@@ -210,42 +208,11 @@ def _zero_step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup
     }
 
 
-def _spawn_entry(
-    rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple[Any, ...]
-) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks;
-    returns what each rank returned."""
-    with tempfile.TemporaryDirectory() as tmp:
-        start_processes(  # type: ignore[no-untyped-call]
-            _spawn_entry, args=(fn, world_size, tmp, args), nprocs=world_size, start_method="spawn"
-        )
-        return [
-            torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
-            for r in range(world_size)
-        ]
-
-
 def bench_zero_step(quick: bool, rounds: int | None = None) -> str:
     world_size = 2
     default_rounds, warmup = (5, 1) if quick else (25, 3)
     rounds = rounds or default_rounds
-    results = run_world(_zero_step_rank, world_size, quick, rounds, warmup)
+    results = run_local_world(_zero_step_rank, world_size, quick, rounds, warmup)
     r0 = results[0]
     stats = [quartiles(t) for t in r0["times"]]
     xstats = [quartiles(t) for t in r0["exchange_times"]]

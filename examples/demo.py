@@ -34,19 +34,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.multiprocessing.spawn import start_processes
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.launch import run_local_world
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adam": (torch.optim.Adam, {"lr": 1e-3}),
@@ -185,21 +183,6 @@ def train_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
     }
 
 
-def _entry(rank: int, world_size: int, tmp: str, cfg: dict[str, Any]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        torch.save(train_rank(rank, world_size, cfg), os.path.join(tmp, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def kib(n: int) -> str:
     return f"{n / 1024:,.1f} KiB"
 
@@ -304,14 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "seed": args.seed,
     }
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        start_processes(  # type: ignore[no-untyped-call]
-            _entry, args=(args.world_size, tmp, cfg), nprocs=args.world_size, start_method="spawn"
-        )
-        results = [
-            torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-            for r in range(args.world_size)
-        ]
+    results = run_local_world(train_rank, args.world_size, cfg)
     print(report(results, cfg))
     plot(results, args.plot)
     print(f"loss plot: {args.plot}; total {time.perf_counter() - started:.1f} s", file=sys.stderr)

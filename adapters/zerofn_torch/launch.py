@@ -1,0 +1,82 @@
+"""Run a function on N local ranks: spawned processes joined by a gloo group.
+
+For tests, examples, benchmarks and notebooks on one machine; training jobs
+are started with ``torchrun`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import start_processes
+
+__all__ = ["run_local_world"]
+
+
+def _rank_main(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp: str,
+    timeout_s: float,
+    threads: int,
+    args: tuple[Any, ...],
+) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(tmp, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    ``fn`` must be importable by name (defined at module level), as spawned
+    processes import it afresh; so must the script's ``__main__`` guard.
+
+    Args:
+        fn: the per-rank function; what it returns must survive ``torch.save``.
+        world_size: number of ranks (processes).
+        *args: passed to ``fn`` after the rank and world size.
+        timeout_s: collective timeout, so a rank waiting on a dead peer fails.
+        threads_per_rank: torch intra-op threads per process.
+
+    Returns:
+        What each rank returned, in rank order.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: if a rank raised; the
+            other ranks are terminated rather than left waiting.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        start_processes(  # type: ignore[no-untyped-call]
+            _rank_main,
+            args=(fn, world_size, tmp, timeout_s, threads_per_rank, args),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        return [
+            torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]
