@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zerofn.layout import Slot
@@ -25,6 +24,7 @@ from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
 from zerofn.shard_state import StateDict, consolidate, shard, validate_global
 from zerofn_torch.exchange import pack, slot_view, start_exchange, unpack, wait_all
+from zerofn_torch.join import Join, Joinable, JoinHook
 
 __all__ = ["ZeroRedundancyOptimizer"]
 

@@ -1,0 +1,202 @@
+"""``Join``, ``Joinable``, ``JoinHook``: training on uneven inputs.
+
+The decisions (who is first, what a joined rank does after each count) come
+from :mod:`zerofn.join`; this module runs the all-reduces and the hooks.
+
+It interoperates with PyTorch's join protocol in both directions: PyTorch's
+``DistributedDataParallel`` (a PyTorch ``Joinable``) works inside this
+``Join``, and zerofn's ``ZeroRedundancyOptimizer`` works inside PyTorch's. Both
+sides read the same ``_join_config`` attribute fields.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms import join as torch_join
+
+from zerofn.join import DISABLED, JoinProgress, first_mismatch, join_configs, next_join_step
+
+__all__ = ["Join", "JoinHook", "Joinable"]
+
+
+class JoinHook:
+    """What a joined rank runs in place of a joinable's collectives.
+
+    Override :meth:`main_hook` (run once per round while other ranks still
+    train: shadow one iteration's collectives) and :meth:`post_hook` (run once
+    when every rank has joined).
+    """
+
+    def main_hook(self) -> None:
+        """Shadow one training iteration's collectives (default: nothing)."""
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Finish up after all ranks joined (default: nothing).
+
+        Args:
+            is_last_joiner: whether this rank was the last to join.
+        """
+
+
+class Joinable(ABC):
+    """A class whose collectives a joined rank can shadow.
+
+    Subclasses call ``Joinable.__init__`` and, before each iteration's
+    collectives, :meth:`Join.notify_join_context`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._join_config = DISABLED
+
+    @abstractmethod
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a joined rank runs for this joinable.
+
+        Args:
+            **kwargs: the keyword arguments given to :class:`Join`.
+        """
+
+    @property
+    @abstractmethod
+    def join_device(self) -> torch.device:
+        """The device for the join context's own all-reduces."""
+
+    @property
+    @abstractmethod
+    def join_process_group(self) -> Any:
+        """The process group for the join context's own all-reduces."""
+
+
+# PyTorch's joinables (DDP among them) follow the same protocol.
+Joinable.register(torch_join.Joinable)  # type: ignore[type-abstract]
+
+
+class Join:
+    """Context manager that lets ranks with fewer inputs join early.
+
+    Inside it, a rank that runs out of inputs keeps running every joinable's
+    :meth:`JoinHook.main_hook` (shadowing the collectives of the ranks still
+    training) until all ranks are done, then every :meth:`JoinHook.post_hook`.
+
+    Args:
+        joinables: the participating joinables (e.g. a DDP model and a ZeRO
+            optimizer); their hooks run in this order.
+        enable: turn uneven-input handling on (off: the context does nothing).
+        throw_on_early_termination: raise ``RuntimeError`` on every rank as
+            soon as one rank runs out, instead of shadowing.
+        **kwargs: passed to every joinable's ``join_hook``.
+
+    Raises:
+        ValueError: no joinables, or joinables on different process groups.
+    """
+
+    def __init__(
+        self,
+        joinables: list[Any],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        configs = join_configs(len(joinables), enable, throw_on_early_termination)
+        groups = [j.join_process_group for j in joinables]
+        mismatch = first_mismatch(groups)
+        if mismatch is not None:
+            raise ValueError(
+                f"joinable {mismatch} uses another process group than joinable 0; a join "
+                "context needs one process group"
+            )
+        self._joinables = joinables
+        self._hooks = [j.join_hook(**kwargs) for j in joinables]
+        self._enable = enable
+        self._throw = throw_on_early_termination
+        for joinable, config in zip(joinables, configs, strict=True):
+            joinable._join_config = config
+        self._process_group = groups[0]
+        self._device = joinables[0].join_device
+        self._rank = dist.get_rank(self._process_group)
+
+    def __enter__(self) -> Join:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Shadow the other ranks until all have joined, then run the post-hooks.
+
+        Raises:
+            RuntimeError: with ``throw_on_early_termination``, when this rank
+                ran out before the others.
+        """
+        if not self._enable or exc_type is not None:
+            return  # an exception in the body propagates as it is
+        progress = JoinProgress()
+        while not progress.all_joined:
+            progress, action = next_join_step(progress, self._count_running(), self._throw)
+            if action == "terminate":
+                self._tell_others_to_stop()
+            if action == "shadow":
+                if progress.skewed:
+                    warnings.warn(
+                        f"rank {self._rank} has shadowed {progress.rounds} iterations of ranks "
+                        "with more inputs; uneven inputs this skewed slow training down",
+                        stacklevel=2,
+                    )
+                for hook in self._hooks:
+                    hook.main_hook()
+        for hook in self._hooks:
+            hook.post_hook(progress.is_last_joiner)
+
+    def _count_running(self) -> int:
+        # Running ranks add 1 in notify_join_context; a joined rank adds 0.
+        count = torch.zeros(1, device=self._device)
+        dist.all_reduce(count, group=self._process_group)
+        return int(count.item())
+
+    def _tell_others_to_stop(self) -> None:
+        signal = torch.ones(1, device=self._device)
+        dist.all_reduce(signal, group=self._process_group)
+        raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
+
+    @staticmethod
+    def notify_join_context(joinable: Any) -> Any:
+        """Announce that this rank runs another iteration.
+
+        Joinables call this before each iteration's collectives. Only the
+        first joinable of a context communicates (one all-reduce of 1 that
+        matches the joined ranks' count); with ``throw_on_early_termination``
+        a second all-reduce tells whether some rank ran out, and if so this
+        raises on every rank.
+
+        Returns:
+            The pending all-reduce for the first joinable, else ``None``.
+
+        Raises:
+            RuntimeError: some rank ran out and the context throws.
+        """
+        config = getattr(joinable, "_join_config", None)
+        if config is None:
+            raise AssertionError(
+                f"{type(joinable).__name__} did not call Joinable.__init__ in its constructor"
+            )
+        if not config.is_first_joinable or not config.enable:
+            return None
+        device, group = joinable.join_device, joinable.join_process_group
+        work = dist.all_reduce(torch.ones(1, device=device), group=group, async_op=True)
+        if config.throw_on_early_termination:
+            stop = torch.zeros(1, device=device)
+            dist.all_reduce(stop, group=group)
+            if stop.item():
+                raise RuntimeError(
+                    "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+                )
+        return work
