@@ -25,8 +25,10 @@ from zerofn.join import DISABLED, JoinProgress, first_mismatch, join_configs, ne
 __all__ = ["Join", "JoinHook", "Joinable"]
 
 
-class JoinHook:
+class JoinHook(torch_join.JoinHook):
     """What a joined rank runs in place of a joinable's collectives.
+
+    A subclass of PyTorch's ``JoinHook``, so PyTorch's ``Join`` runs it too.
 
     Override :meth:`main_hook` (run once per round while other ranks still
     train: shadow one iteration's collectives) and :meth:`post_hook` (run once

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.layout import Slot
@@ -24,7 +25,7 @@ from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
 from zerofn.shard_state import StateDict, consolidate, shard, validate_global
 from zerofn_torch.exchange import pack, slot_view, start_exchange, unpack, wait_all
-from zerofn_torch.join import Join, Joinable, JoinHook
+from zerofn_torch.join import Join, JoinHook
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -66,6 +67,8 @@ class _ZeroJoinHook(JoinHook):
         self.zero.step()
 
 
+# PyTorch's Joinable base makes this both a PyTorch and a zerofn Joinable (the
+# latter registers the former), so either Join accepts it.
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shard any ``torch.optim`` optimizer's state across the ranks of a group.
 
