@@ -1,0 +1,144 @@
+"""Error feedback: what a lossy hook dropped this iteration, it sends the next.
+
+:func:`error_feedback` wraps any hook. Per bucket it remembers an *error*: the
+part of its last input that this rank's contribution failed to carry. Before
+the inner hook runs, the error is added to the gradient; afterwards the new
+error is that sum minus what this rank's contribution decoded to. So a
+compressor that rounds or drops small entries delays them instead of losing
+them (as in "1-bit SGD" and "Sparsified SGD with memory").
+
+*What this rank's contribution decoded to* is defined without any help from
+the inner hook: it is the inner hook's result on this rank's input alone, in a
+world of one rank. With one rank that is the hook's real result; with more,
+the wrapper computes it by running the inner hook once more on this rank,
+without communicating (pure functions make this a replay, not a side effect:
+the replay's global state is discarded).
+
+What it guarantees, writing ``g`` for a rank's gradient, ``e`` and ``e'`` for
+its error before and after, and ``d`` for the hook's result:
+
+* **One rank:** ``d + e' == g + e``, up to one rounding of the subtraction
+  ``e' = (g + e) - d`` (exact when ``d`` and ``g + e`` are within a factor of
+  two of each other, or either is zero).
+* **Any number of ranks, for hooks that average independently decoded
+  contributions** (every :func:`zerofn.gather.gather_hook`:
+  :mod:`zerofn.quantization`, :func:`zerofn.sparsify.top_k`):
+  ``d + mean(e') == mean(g + e)`` over the ranks, up to rounding: the average
+  of what was sent plus what is still owed is the true average.
+* **Other hooks** (a low-precision all-reduce, whose sum rounds again; hooks
+  whose ranks' contributions interact before decoding): ``e'`` is measured
+  against this rank's input decoded alone, so the identity above holds only
+  approximately.
+
+The error is kept per bucket in the bucket's state
+(:class:`ErrorFeedbackState`), with the bucket's layout. DDP may rebuild its
+buckets after the first iteration; a bucket whose layout changed starts again
+from zero error (dropping at most one iteration's compression error), because
+an error laid out for other gradients would corrupt the new ones.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+import attrs
+import torch
+
+from zerofn.comm import AllGather, AllReduce, Program, Request, Response
+from zerofn.hook import BucketInfo, CommHook
+
+__all__ = ["ErrorFeedbackState", "error_feedback"]
+
+G = TypeVar("G")
+B = TypeVar("B")
+R = TypeVar("R")
+
+
+@attrs.frozen(eq=False)
+class ErrorFeedbackState(Generic[B]):
+    """One bucket's state under :func:`error_feedback`.
+
+    Attributes:
+        error: what this rank still owes: flat, the bucket gradient's shape and dtype.
+        shapes: the layout of the bucket the error belongs to.
+        inner: the inner hook's state for this bucket.
+    """
+
+    error: torch.Tensor
+    shapes: tuple[tuple[int, ...], ...]
+    inner: B | None
+
+
+def error_feedback(inner: CommHook[G, B]) -> CommHook[G, ErrorFeedbackState[B]]:
+    """``inner`` with error feedback: each rank resends what ``inner`` dropped.
+
+    See the module documentation for exactly what is guaranteed. With more
+    than one rank, ``inner``'s computation (not its communication) runs twice
+    per bucket.
+    """
+
+    def start(
+        grad: torch.Tensor, bucket: BucketInfo, g: G, b: ErrorFeedbackState[B] | None
+    ) -> tuple[G, Program[tuple[torch.Tensor, ErrorFeedbackState[B]]]]:
+        compensated = grad + remembered_error(b, grad, bucket)
+        inner_b = b.inner if b is not None else None
+        new_g, inner_program = inner.start(compensated, bucket, g, inner_b)
+
+        def program() -> Program[tuple[torch.Tensor, ErrorFeedbackState[B]]]:
+            # Replay alone before the real run: the driver may reduce the real
+            # run's request tensors in place. With one rank, the real run is alone.
+            alone = None
+            if bucket.world_size > 1:
+                alone = decode_alone(inner, compensated, bucket, g, inner_b)
+            result, inner_state = yield from inner_program
+            decoded = result if alone is None else alone
+            state = ErrorFeedbackState(compensated - decoded, bucket.shapes, inner_state)
+            return result, state
+
+        return new_g, program()
+
+    return CommHook(
+        init=inner.init,
+        start=start,
+        end_iteration=inner.end_iteration,
+        name=f"error_feedback({inner.name})",
+    )
+
+
+def remembered_error(
+    state: ErrorFeedbackState[B] | None, grad: torch.Tensor, bucket: BucketInfo
+) -> torch.Tensor:
+    """The error to add to ``grad``: zero for a new bucket or one whose layout changed."""
+    if state is None or state.shapes != bucket.shapes or state.error.shape != grad.shape:
+        return torch.zeros_like(grad)
+    return state.error.to(grad.dtype)
+
+
+def decode_alone(
+    hook: CommHook[G, B], x: torch.Tensor, bucket: BucketInfo, g: G, b: B | None
+) -> torch.Tensor:
+    """``hook``'s result for input ``x`` in a world of one rank: what ``x``
+    decodes to on its own. Pure: no communication, no state kept."""
+    _, program = hook.start(x, attrs.evolve(bucket, world_size=1), g, b)
+    result, _ = run_alone(program)
+    return result
+
+
+def run_alone(program: Program[R]) -> R:
+    """Run ``program`` as the only rank: each collective returns this rank's
+    own tensors (copies, so the program may write into them)."""
+    try:
+        request = next(program)
+        while True:
+            request = program.send(_fulfil_alone(request))
+    except StopIteration as stop:
+        result: R = stop.value
+        return result
+
+
+def _fulfil_alone(request: Request) -> Response:
+    # The sum, mean and gather over one rank are that rank's own tensors.
+    if isinstance(request, AllGather):
+        return (request.tensor.clone(),)
+    assert isinstance(request, AllReduce)
+    return tuple(t.clone() for t in request.tensors)
