@@ -1,0 +1,446 @@
+"""PowerSGD's pure core on the simulated world: error feedback conserves the
+signal, ranks agree, the compression ratio and the request count are what the
+design promises, the seed stream and random factors are PyTorch's, and the
+state survives a weights-only checkpoint."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    _orthogonalize as torch_orthogonalize,
+)
+
+from zerofn import powersgd
+from zerofn.comm import AllReduce, Program, Request, Response
+from zerofn.hook import BucketInfo, HookState, begin_bucket, init_hook_state
+from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
+from zerofn.testing import strategies as zst
+from zerofn.testing.world import run_programs, simulate_iteration
+
+SETTINGS = settings(max_examples=40, deadline=None)
+State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
+Shapes = list[tuple[int, ...]]
+
+# Shapes of one bucket: matrices worth compressing, vectors, scalars, empties.
+bucket_shapes = st.lists(zst.shapes(0, 3, min_side=0, max_side=12), min_size=1, max_size=5)
+ranks = st.integers(1, 3)
+VARIANTS = {"layerwise": powersgd.layerwise, "batched": powersgd.batched}
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def compressing(hook: PowerSGDHook, config: PowerSGDConfig) -> State:
+    """A fresh state that compresses from its first iteration on."""
+    state = init_hook_state(hook)
+    global_state = attrs.evolve(state.global_state, iteration=config.start_powerSGD_iter)
+    return attrs.evolve(state, global_state=global_state)
+
+
+def random_grads(shapes: Sequence[Shapes], world_size: int, seed: int) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(sum(map(numel, bucket)), generator=generator) for bucket in shapes]
+        for _ in range(world_size)
+    ]
+
+
+def config(rank: int = 1, **overrides: Any) -> PowerSGDConfig:
+    # Tiny padded buckets are rank-deficient: a Gram-Schmidt column can vanish
+    # exactly, and 0 / 0 is NaN without an epsilon (in PyTorch's hook as well).
+    overrides.setdefault("orthogonalization_epsilon", 1e-8)
+    return PowerSGDConfig(matrix_approximation_rank=rank, start_powerSGD_iter=2, **overrides)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@SETTINGS
+@given(shapes=bucket_shapes, rank=ranks, warm_start=st.booleans(), seed=st.integers(0, 99))
+def test_one_rank_decoded_plus_new_error_is_gradient_plus_old_error(
+    variant: str, shapes: Shapes, rank: int, warm_start: bool, seed: int
+) -> None:
+    assume(sum(map(numel, shapes)) > 0)
+    cfg = config(rank, warm_start=warm_start)
+    hook = VARIANTS[variant](cfg)
+    state = compressing(hook, cfg)
+    for step in range(3):  # the first step starts from no error, the others from some
+        old = state.bucket(0)
+        (grads,) = random_grads([shapes], 1, seed + step)
+        (outs,), (state,) = simulate_iteration(hook, [grads], [state], [shapes])
+        new = state.bucket(0)
+        assert new is not None and new.error is not None
+        length = grads[0].numel()
+        old_error = old.error[:length] if old is not None and old.error is not None else 0
+        torch.testing.assert_close(
+            outs[0] + new.error[:length], grads[0] + old_error, rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@SETTINGS
+@given(
+    buckets=st.lists(bucket_shapes, min_size=1, max_size=3),
+    world_size=st.integers(2, 3),
+    rank=ranks,
+    batch=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_all_ranks_decode_the_same_gradient(
+    variant: str, buckets: list[Shapes], world_size: int, rank: int, batch: bool, seed: int
+) -> None:
+    assume(all(sum(map(numel, b)) > 0 for b in buckets))
+    cfg = config(rank, batch_tensors_with_same_shape=batch)
+    hook = VARIANTS[variant](cfg)
+    states = [compressing(hook, cfg) for _ in range(world_size)]
+    for step in range(2):
+        grads = random_grads(buckets, world_size, seed + step)
+        outs, states = simulate_iteration(hook, grads, states, buckets)
+        for rank_outs in outs[1:]:
+            for ours, rank0s in zip(rank_outs, outs[0], strict=True):
+                assert torch.equal(ours, rank0s)
+    assert len({s.global_state.iteration for s in states}) == 1
+
+
+@SETTINGS
+@given(shapes=bucket_shapes, rank=ranks, rate=st.sampled_from([1, 1.5, 2, 4]))
+def test_compression_ratio_is_rank_times_rows_plus_cols_over_size(
+    shapes: Shapes, rank: int, rate: float
+) -> None:
+    layout = powersgd.bucket_layout(shapes, rank, rate)
+    assert layout.numel == sum(map(numel, shapes))
+    for plan, shape in zip(layout.matrices, shapes, strict=True):
+        n, m = plan.rows, plan.cols
+        assert n * m == numel(shape)
+        assert plan.compressed == ((n + m) * plan.rank * rate < n * m)
+        if plan.compressed:
+            assert plan.rank == rank  # compression never pays off at a clipped rank
+            assert plan.sent_numel / plan.numel == pytest.approx(rank * (n + m) / (n * m))
+        else:
+            assert plan.sent_numel == plan.numel
+    assert layout.p_numel == sum(p.rows * p.rank for p in layout.matrices if p.compressed)
+    assert layout.q_numel == sum(p.cols * p.rank for p in layout.matrices if p.compressed)
+
+
+@SETTINGS
+@given(buckets=st.lists(bucket_shapes, min_size=1, max_size=3), rank=ranks)
+def test_statistics_count_every_compressing_bucket(buckets: list[Shapes], rank: int) -> None:
+    assume(all(sum(map(numel, b)) > 0 for b in buckets))
+    cfg = config(rank)
+    hook = powersgd.layerwise(cfg)
+    _, (state,) = simulate_iteration(
+        hook, random_grads(buckets, 1, 0), [compressing(hook, cfg)], buckets
+    )
+    layouts = [powersgd.bucket_layout(b, rank, cfg.min_compression_rate) for b in buckets]
+    before, after = sum(lay.numel for lay in layouts), sum(lay.sent_numel for lay in layouts)
+    rate = before / after if after else 0.0
+    assert powersgd.compression_stats(state.global_state) == (rate, before, after)
+
+
+def counted(program: Program[Any], log: list[Request]) -> Program[Any]:
+    """``program``, recording each request it makes."""
+    try:
+        request = next(program)
+        while True:
+            log.append(request)
+            response: Response = yield request
+            request = program.send(response)
+    except StopIteration as stop:
+        return stop.value
+
+
+def bucket_requests(
+    hook: PowerSGDHook, state: State, grad: torch.Tensor, shapes: Shapes
+) -> tuple[list[Request], State]:
+    info = BucketInfo(0, tuple(shapes), world_size=1, is_last=True)
+    state, program = begin_bucket(hook, state, grad, info)
+    log: list[Request] = []
+    run_programs([counted(program, log)])
+    return log, state
+
+
+@SETTINGS
+@given(shapes=bucket_shapes, rank=ranks)
+def test_two_requests_per_compressing_bucket(shapes: Shapes, rank: int) -> None:
+    assume(sum(map(numel, shapes)) > 0)
+    cfg = config(rank)
+    layout = powersgd.bucket_layout(shapes, rank, cfg.min_compression_rate)
+    hook = powersgd.layerwise(cfg)
+    (grad,) = random_grads([shapes], 1, 0)[0]
+    log, _ = bucket_requests(hook, compressing(hook, cfg), grad, shapes)
+    assert all(isinstance(r, AllReduce) and r.op == "sum" for r in log)
+    assert [r.last for r in log] == [False] * (len(log) - 1) + [True]
+    if not layout.groups:
+        assert len(log) == 1  # nothing to compress: one plain round trip
+        return
+    assert len(log) == 2
+    first, second = log
+    assert isinstance(first, AllReduce) and isinstance(second, AllReduce)
+    unc_numel = sum(p.numel for p in layout.uncompressed)
+    # Round 1: uncompressed gradients and P factors together; round 2: Q factors.
+    assert [t.numel() for t in first.tensors] == [unc_numel, layout.p_numel]
+    assert [t.numel() for t in second.tensors] == [layout.q_numel]
+
+
+@SETTINGS
+@given(shapes=bucket_shapes, rank=ranks)
+def test_batched_sends_two_square_side_factors(shapes: Shapes, rank: int) -> None:
+    total = sum(map(numel, shapes))
+    assume(total > 0)
+    cfg = config(rank)
+    hook = powersgd.batched(cfg)
+    (grad,) = random_grads([shapes], 1, 0)[0]
+    log, state = bucket_requests(hook, compressing(hook, cfg), grad, shapes)
+    side = powersgd.square_side(total)
+    assert side * side >= total > (side - 1) ** 2
+    sizes = [[t.numel() for t in r.tensors] for r in log if isinstance(r, AllReduce)]
+    assert sizes == [[side * min(side, rank)]] * 2
+    assert powersgd.compression_stats(state.global_state)[1:] == (total, 2 * side * min(side, rank))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_plain_average_before_start_then_compression(variant: str) -> None:
+    cfg = config(1)
+    hook = VARIANTS[variant](cfg)
+    shapes = [(16, 16), (16,)]
+    state = init_hook_state(hook)
+    requests = []
+    for step in range(4):
+        (grad,) = random_grads([shapes], 1, step)[0]
+        log, state = bucket_requests(hook, state, grad, shapes)
+        state = attrs.evolve(state, global_state=hook.end_iteration(state.global_state))
+        requests.append(len(log))
+        if step < 2:
+            # What PyTorch's default hook does: divide, then all-reduce.
+            assert isinstance(log[0], AllReduce) and log[0].last
+            assert state.bucket(0) is None
+    assert requests == [1, 1, 2, 2]
+    assert state.global_state.iteration == 4
+
+
+def test_plain_average_is_the_mean_over_ranks() -> None:
+    hook = powersgd.layerwise(config(1))
+    grads = random_grads([[(8, 8)]], 3, 0)
+    (outs, *_), _ = simulate_iteration(hook, grads, shapes=[[(8, 8)]])
+    torch.testing.assert_close(outs[0], sum(g[0] for g in grads) / 3)
+
+
+def test_warm_start_draws_one_seed_per_bucket_once() -> None:
+    shapes = [[(16, 8)], [(8, 16), (4,)]]
+    for warm_start, expected_draws in ((True, 2), (False, 6)):
+        cfg = config(1, warm_start=warm_start)
+        hook = powersgd.layerwise(cfg)
+        state = compressing(hook, cfg)
+        for step in range(3):
+            _, (state,) = simulate_iteration(hook, random_grads(shapes, 1, step), [state], shapes)
+        reference = np.random.RandomState(cfg.random_seed)
+        for _ in range(expected_draws):
+            reference.randint(1_000_000_000)
+        assert state.global_state.seeds.pos == reference.get_state()[2], warm_start
+
+
+def test_seed_stream_follows_numpy_and_survives_weights_only_load() -> None:
+    stream = powersgd.SeedStream.from_seed(1234)
+    reference = np.random.RandomState(1234)
+    for _ in range(700):  # past one Mersenne Twister refill (624 words)
+        seed, stream = powersgd.draw_seed(stream)
+        assert seed == reference.randint(1_000_000_000)
+    assert stream.keys.dtype == torch.uint32
+    cfg = config()
+    state = init_hook_state(powersgd.layerwise(cfg))
+    state = attrs.evolve(state, global_state=attrs.evolve(state.global_state, seeds=stream))
+    _, loaded = powersgd.from_state_dict(weights_only_copy(powersgd.to_state_dict(cfg, state)))
+    stream = loaded.global_state.seeds
+    for _ in range(10):
+        seed, stream = powersgd.draw_seed(stream)
+        assert seed == reference.randint(1_000_000_000)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_random_factors_are_pytorchs_draws(batch: bool) -> None:
+    layout = powersgd.bucket_layout([(6, 5), (9, 4), (6, 5), (6, 5), (3,)], 2, 1)
+    ours = powersgd.random_factors(layout, 77, batch, torch.float32, torch.device("cpu"))
+    # PyTorch: seed the (forked) global generator, one randn per matrix or per shape.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(77)
+        theirs = []
+        for group in layout.groups:
+            if batch:
+                theirs.append(torch.randn(group.size, group.cols, group.rank))
+            else:
+                theirs.append(torch.cat([torch.randn(1, group.cols, 2) for _ in group.offsets]))
+    assert [g.offsets for g in layout.groups] == [(0, 66, 96), (30,)]
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+@SETTINGS
+@given(
+    batch=st.integers(1, 4),
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 5),
+    epsilon=st.sampled_from([0.0, 1e-8]),
+    seed=st.integers(0, 99),
+)
+def test_batched_orthogonalisation_equals_pytorchs_per_matrix_loop(
+    batch: int, rows: int, cols: int, epsilon: float, seed: int
+) -> None:
+    assume(cols <= rows)
+    generator = torch.Generator().manual_seed(seed)
+    matrices = torch.randn(batch, rows, cols, generator=generator)
+    ours = powersgd.orthogonalize(matrices, epsilon)
+    for i in range(batch):
+        theirs = matrices[i : i + 1].clone()
+        torch_orthogonalize(theirs, epsilon)
+        torch.testing.assert_close(ours[i : i + 1], theirs, rtol=1e-6, atol=1e-6)
+    eye = torch.eye(cols).expand(batch, cols, cols)
+    torch.testing.assert_close(ours.transpose(1, 2) @ ours, eye, rtol=1e-5, atol=1e-5)
+
+
+def test_orthogonalize_refuses_wide_or_unbatched_input() -> None:
+    with pytest.raises(ValueError, match="cols <= rows"):
+        powersgd.orthogonalize(torch.randn(1, 2, 3))
+    with pytest.raises(ValueError, match="batch"):
+        powersgd.orthogonalize(torch.randn(4, 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"matrix_approximation_rank": 0}, ValueError, "matrix_approximation_rank"),
+        ({"matrix_approximation_rank": -3}, ValueError, "matrix_approximation_rank"),
+        ({"matrix_approximation_rank": 1.5}, TypeError, "matrix_approximation_rank"),
+        ({"start_powerSGD_iter": -1}, ValueError, "start_powerSGD_iter"),
+        ({"start_powerSGD_iter": 1}, ValueError, "start_powerSGD_iter must be > 1"),
+        ({"min_compression_rate": 0.5}, ValueError, "min_compression_rate"),
+        ({"min_compression_rate": "2"}, TypeError, "min_compression_rate"),
+        ({"orthogonalization_epsilon": -1e-8}, ValueError, "orthogonalization_epsilon"),
+        ({"random_seed": -1}, ValueError, "random_seed"),
+        ({"random_seed": 2**32}, ValueError, "random_seed"),
+    ],
+)
+def test_config_refuses_bad_values(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        PowerSGDConfig(**kwargs)
+
+
+def test_config_defaults_are_pytorchs() -> None:
+    cfg = PowerSGDConfig()
+    assert attrs.asdict(cfg) == {
+        "matrix_approximation_rank": 1,
+        "start_powerSGD_iter": 1_000,
+        "min_compression_rate": 2,
+        "use_error_feedback": True,
+        "warm_start": True,
+        "orthogonalization_epsilon": 0,
+        "random_seed": 0,
+        "compression_stats_logging_frequency": 10_000,
+        "batch_tensors_with_same_shape": False,
+    }
+    # No state kept across steps: compression may start at once.
+    PowerSGDConfig(start_powerSGD_iter=0, use_error_feedback=False, warm_start=False)
+    assert (
+        PowerSGDConfig(compression_stats_logging_frequency=0).compression_stats_logging_frequency
+        == 1
+    )
+
+
+def test_statistics_reports_are_scheduled_after_the_last_bucket() -> None:
+    cfg = config(1, compression_stats_logging_frequency=3)
+    state = powersgd.init_global_state(cfg)
+    state = attrs.evolve(state, iteration=5)
+    not_last = powersgd.record_compression(state, 100, 10, False, cfg)
+    assert not_last.next_stats_report == 0
+    last = powersgd.record_compression(not_last, 100, 10, True, cfg)
+    assert last.next_stats_report == 8
+    assert powersgd.compression_stats(last) == (10.0, 200, 20)
+    assert powersgd.compression_stats(powersgd.init_global_state(cfg)) == (0.0, 0, 0)
+
+
+def weights_only_copy(state_dict: dict[str, Any]) -> Any:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_state_dict_resumes_exactly(variant: str, warm_start: bool) -> None:
+    buckets = [[(12, 10), (10,)], [(7, 7, 2), (9, 9)]]
+    cfg = config(2, warm_start=warm_start, random_seed=5)
+    hook = VARIANTS[variant](cfg)
+    steps = [random_grads(buckets, 2, step) for step in range(6)]
+    through: list[State] = [init_hook_state(hook)] * 2
+    for grads in steps[:3]:
+        _, through = simulate_iteration(hook, grads, through, buckets)
+    loaded = [
+        powersgd.from_state_dict(weights_only_copy(powersgd.to_state_dict(cfg, s))) for s in through
+    ]
+    assert all(c == cfg for c, _ in loaded)
+    resumed = [s for _, s in loaded]
+    for grads in steps[3:]:
+        outs_a, through = simulate_iteration(hook, grads, through, buckets)
+        outs_b, resumed = simulate_iteration(hook, grads, resumed, buckets)
+        for a, b in zip(outs_a[0] + outs_a[1], outs_b[0] + outs_b[1], strict=True):
+            assert torch.equal(a, b)
+    assert resumed[0].global_state.iteration == 6
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda sd: sd.pop("format"), "not a PowerSGD state dict"),
+        (lambda sd: sd.pop("seeds"), "lacks 'seeds'"),
+        (lambda sd: sd["config"].update(matrix_approximation_rank=0), "matrix_approximation_rank"),
+        (lambda sd: sd["config"].update(colour="blue"), "unknown config"),
+        (lambda sd: sd["buckets"][0].update(error=[1.0]), "bucket 0 'error'"),
+        (lambda sd: sd["seeds"].update(keys=torch.zeros(3, dtype=torch.uint32)), "keys"),
+    ],
+)
+def test_from_state_dict_refuses_damaged_dicts(damage: Any, match: str) -> None:
+    cfg = config(1)
+    hook = powersgd.layerwise(cfg)
+    _, (state,) = simulate_iteration(
+        hook, random_grads([[(8, 8)]], 1, 0), [compressing(hook, cfg)], [[(8, 8)]]
+    )
+    state_dict = powersgd.to_state_dict(cfg, state)
+    damage(state_dict)
+    with pytest.raises(ValueError, match=match):
+        powersgd.from_state_dict(state_dict)
+
+
+def test_bucket_state_for_other_shapes_or_variant_is_refused() -> None:
+    cfg = config(1)
+    layer_hook, batched_hook = powersgd.layerwise(cfg), powersgd.batched(cfg)
+    _, (state,) = simulate_iteration(
+        layer_hook, random_grads([[(8, 8)]], 1, 0), [compressing(layer_hook, cfg)], [[(8, 8)]]
+    )
+    info = BucketInfo(0, ((4, 16),), world_size=1, is_last=True)
+    with pytest.raises(ValueError, match=r"bucket 0 .* shapes \[\(8, 8\)\].*\[\(4, 16\)\]"):
+        begin_bucket(layer_hook, state, torch.zeros(64), info)
+    same_shape = BucketInfo(0, ((8, 8),), world_size=1, is_last=True)
+    with pytest.raises(ValueError, match="layer-wise hook and cannot be used by the batched"):
+        begin_bucket(batched_hook, state, torch.zeros(64), same_shape)
+
+
+def test_hook_leaves_the_gradient_alone() -> None:
+    cfg = config(2)
+    for make in VARIANTS.values():
+        hook = make(cfg)
+        grads = random_grads([[(9, 7), (7,)]], 2, 0)
+        before = [g[0].clone() for g in grads]
+        state = [compressing(hook, cfg)] * 2
+        for _ in range(2):
+            _, state = simulate_iteration(hook, grads, state, [[(9, 7), (7,)]])
+        for g, b in zip(grads, before, strict=True):
+            assert torch.equal(g[0], b)
