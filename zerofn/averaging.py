@@ -17,7 +17,7 @@ of an integer here:
 :class:`AveragerState` and :class:`LocalSGDState` are the counters; the
 transitions :func:`take_averaging_step` and :func:`take_bucket` return new
 records. :func:`average_program` is the averaging itself as a communication
-program (see :mod:`zerofn.comm`): one all-reduce of all tensors packed flat.
+program (see ``zerofn.comm``): one all-reduce of all tensors packed flat.
 
 The records are validated when built and raise PyTorch's exception types
 (``ValueError``) for bad periods, warm-ups and group sizes, before the adapter

@@ -12,8 +12,8 @@ rank's subgroup (or not at all), and a model averager (see
 
 Which group a bucket is averaged in is the pure
 :func:`zerofn.averaging.take_bucket`; the averaging itself is the core's
-:func:`zerofn.hook.allreduce_mean` program, run on that group by
-:func:`zerofn_torch.comm.drive`. The counter lives in a
+``zerofn.hook.allreduce_mean`` program, run on that group by
+``zerofn_torch.comm.drive``. The counter lives in a
 :class:`zerofn.averaging.LocalSGDState` and checkpoints as a plain dict.
 
 DDP checks a hook's annotations at registration, so this module keeps them as
