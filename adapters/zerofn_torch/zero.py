@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from zerofn.layout import Slot
 from zerofn.optimizers import check_elementwise
+from zerofn.overlap import OverlapState, owned_params_per_rank
 from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
@@ -83,7 +84,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         process_group: the group to shard across (default: the world).
         parameters_as_bucket_view: make parameters views into the exchange
             buffers, so updated shards land in place without copies.
-        overlap_with_ddp: not supported by this class yet; raises.
+        overlap_with_ddp: step inside DDP's backward, through a hook from
+            :func:`zerofn_torch.hooks.hook_with_zero_step` (or its interleaved
+            twin); ownership then follows DDP's buckets, ``partition`` and
+            ``parameters_as_bucket_view`` do not apply, and :meth:`step` does
+            nothing. Until DDP fixes its buckets every rank steps all
+            parameters itself, so no iteration goes without an update.
         partition: ``"greedy"`` (PyTorch's sorted-greedy, the default),
             ``"balanced"`` (whole tensors, heaviest rank never heavier than
             greedy's), ``"flat"`` (tensors split so each rank holds within one
@@ -98,8 +104,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ValueError: ``params`` is empty, sparse or of mixed dtype/device; a bad
             manual partition; ``partition="flat"`` with a non-element-wise
             optimizer.
-        RuntimeError: a manual partition with more than one param group.
-        NotImplementedError: ``overlap_with_ddp=True``.
+        RuntimeError: a manual partition, or ``overlap_with_ddp=True``, with
+            more than one param group.
     """
 
     def __init__(
@@ -116,10 +122,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ) -> None:
         groups = normalize_params(params)
         check_same_dense_type([p for g in groups for p in g["params"]])
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "overlap_with_ddp=True is not available in zerofn yet; run the ZeRO step "
-                "after backward (overlap_with_ddp=False)"
+        if overlap_with_ddp and len(groups) != 1:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
+                f"group, got {len(groups)}"
+            )
+        if overlap_with_ddp and partition != "greedy":
+            raise ValueError(
+                "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
+                "at its default"
             )
         if partition == "flat":
             check_elementwise(optimizer_class, elementwise)
@@ -130,13 +141,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.process_group: Any = process_group if process_group is not None else dist.group.WORLD
         self.world_size: int = dist.get_world_size(self.process_group)
         self.rank: int = dist.get_rank(self.process_group)
-        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._optimizer_class = optimizer_class
         self._optim_defaults = defaults
         self._default_device = self._all_params[0].device
+        self._overlap: OverlapState | None = OverlapState() if overlap_with_ddp else None
+        if overlap_with_ddp:
+            # Until DDP's buckets are final this rank steps every parameter.
+            everything = list(range(len(self._all_params)))
+            partition = [[] for _ in range(self.world_size)]
+            partition[self.rank] = [self._all_params[i] for i in everything]
         self._plan = self._new_plan(partition)
         self._buffers: list[torch.Tensor] = []
-        self._build_buffers()
+        if not overlap_with_ddp:
+            self._build_buffers()
         self.optim: Optimizer = self._new_local_optimizer()
         _copy_hyperparams(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
@@ -325,6 +343,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Returns:
             The local optimizer's return value (the loss, with a closure).
         """
+        if self._overlap is not None:
+            logger.warning(
+                "step() does nothing with overlap_with_ddp=True: the DDP hook steps the "
+                "optimizer during backward"
+            )
+            return None
         self._prepare_step()
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
         handles = self._send_shards()
@@ -344,6 +368,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
+        if self._overlap is not None:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param group"
+            )
         if self._plan.mode == "manual":
             raise RuntimeError(
                 "a manual partition (params_per_rank) supports a single param group; "
@@ -400,6 +428,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Args:
             to: the group rank that receives the state.
         """
+        self._check_overlap_initialized()
         local = self._local_state_cpu()
         gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
         dst = dist.get_global_rank(self.process_group, to)
@@ -440,6 +469,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ValueError: if ``state_dict`` belongs to another model; then
                 nothing is changed.
         """
+        self._check_overlap_initialized()
         validate_global(self._plan.partition, state_dict)
         self._load_global_state(state_dict)
 
@@ -450,6 +480,44 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(_hyperparams(saved))
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
+
+    # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
+
+    def _check_overlap_initialized(self) -> None:
+        if self._overlap is not None and self._overlap.status != "initialized":
+            raise RuntimeError(
+                "this ZeroRedundancyOptimizer (overlap_with_ddp=True) is not initialized yet: "
+                "DDP fixes its buckets during the first iterations"
+            )
+
+    def _step_with_grads(self, grads: dict[int, torch.Tensor]) -> None:
+        """Step the local optimizer with ``grads`` (global index -> gradient)
+        for some of its parameters; the others sit this step out. Their own
+        ``.grad`` is left as it was."""
+        params = self._all_params
+        local = [p for g in self.optim.param_groups for p in g["params"]]
+        index_of = {id(p): i for i, p in enumerate(params)}
+        saved = [p.grad for p in local]
+        try:
+            for p in local:
+                p.grad = grads.get(index_of[id(p)])
+            _copy_hyperparams(self.param_groups, self.optim.param_groups)
+            self.optim.step()
+            _copy_hyperparams(self.optim.param_groups, self.param_groups)
+        finally:
+            for p, g in zip(local, saved, strict=True):
+                p.grad = g
+
+    def _shard_for_overlap(self) -> None:
+        """Once the bucket plan is fixed: keep only this rank's parameters and
+        their state (every rank held all of it until now)."""
+        assert self._overlap is not None
+        full_state = self.optim.state_dict()  # global indices: it held every parameter
+        params = self._all_params
+        owned = owned_params_per_rank(self._overlap)
+        self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned])
+        self.optim = self._new_local_optimizer()
+        self._load_global_state(full_state)
 
     # ----- Join ---------------------------------------------------------------
 

@@ -1,0 +1,270 @@
+"""Overlap the ZeRO step with DDP's backward: ``hook_with_zero_step`` and
+``hook_with_zero_step_interleaved``.
+
+Wrap any DDP communication hook so that a ``ZeroRedundancyOptimizer`` built
+with ``overlap_with_ddp=True`` steps inside backward::
+
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW,
+                                   overlap_with_ddp=True, lr=1e-3)
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    for x, y in loader:
+        loss_fn(ddp(x), y).backward()      # no zero.step(): backward did it
+
+What differs from PyTorch's version:
+
+* No iteration is vacuous: until DDP fixes its buckets, every rank steps all
+  parameters with the averaged gradients (the same numbers as a plain ZeRO
+  step); then the optimizer state is cut down to each rank's buckets.
+* With the plain averaging hook (``allreduce_hook``, ours or PyTorch's), each
+  bucket's gradients are *reduced to their owner* instead of all-reduced, and
+  the owner's updated parameters are broadcast back: one all-reduce's worth of
+  bytes per step, not one and a half. ``.grad`` on a rank that does not own a
+  bucket is then not the average (the step does not need it there). Any other
+  hook (fp16, PowerSGD, your own) runs as given and owners step from its result.
+* Any ``torch.optim`` optimizer; gloo works (every collective is issued from
+  the hook call, in bucket order, the same on every rank).
+
+The decisions (when the plan is fixed, who owns what, which element range of
+a bucket a shard is) come from :mod:`zerofn.overlap`.
+"""
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed import GradBucket  # type: ignore[attr-defined]
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
+
+from zerofn.ddp_buckets import BucketShard
+from zerofn.overlap import finish_overlap_iteration, observe_bucket, shard_element_range
+from zerofn_torch import hooks as zerofn_hooks
+from zerofn_torch.zero import ZeroRedundancyOptimizer
+
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
+
+_AVERAGING_HOOKS = (zerofn_hooks.allreduce_hook, torch_default_hooks.allreduce_hook)
+
+
+@attrs.define
+class _Pending:
+    """A bucket handed over this iteration, whose reduction may be in flight."""
+
+    index: int
+    params: list[torch.Tensor]
+    buffer: torch.Tensor
+    future: torch.futures.Future[torch.Tensor] | None  # the inner hook's result
+    reductions: list[Any]  # pending reduce-to-owner work
+
+
+def _grads_from_flat(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return out
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class _OverlappedStep:
+    """The stateful shell behind one overlapped hook registration."""
+
+    def __init__(
+        self,
+        hook: DDPHook,
+        ddp: torch.nn.parallel.DistributedDataParallel,
+        zero: ZeroRedundancyOptimizer,
+        shard_buckets: bool,
+        interleaved: bool,
+    ) -> None:
+        if zero._overlap is None:
+            raise ValueError(
+                "the ZeroRedundancyOptimizer must be built with overlap_with_ddp=True to be "
+                "stepped by this hook"
+            )
+        if zero._overlap.status != "uninitialized":
+            raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
+        zero._overlap = attrs.evolve(zero._overlap, shard_buckets=shard_buckets)
+        self.hook = hook
+        self.ddp = weakref.ref(ddp)
+        self.zero = zero
+        self.interleaved = interleaved
+        self.reduce_to_owner = hook in _AVERAGING_HOOKS
+        self.index_of = {id(p): i for i, p in enumerate(zero._all_params)}
+        self.pending: list[_Pending] = []
+        self.broadcasts: list[tuple[BucketShard, torch.Tensor, list[torch.Tensor], Any]] = []
+
+    # ----- one bucket ----------------------------------------------------------
+
+    def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        zero = self.zero
+        assert zero._overlap is not None
+        overlapped = zero._overlap.status == "initialized"
+        params = list(bucket.parameters())
+        ddp = self.ddp()
+        rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", True))
+        zero._overlap = observe_bucket(
+            zero._overlap, bucket.index(), [self.index_of[id(p)] for p in params], rebuilt
+        )
+        if overlapped and self.reduce_to_owner:
+            entry = _Pending(bucket.index(), params, bucket.buffer(), None, self._reduce(bucket))
+            result = _completed(bucket.buffer())
+        else:
+            result = self.hook(state, bucket)
+            entry = _Pending(bucket.index(), params, bucket.buffer(), result, [])
+        self.pending.append(entry)
+        if overlapped and self.interleaved and len(self.pending) >= 2:
+            self._step_buckets([self.pending.pop(0)])
+        if bucket.is_last():
+            self._finish_iteration(overlapped)
+        return result
+
+    def _owner_group_rank(self, shard: BucketShard) -> int:
+        return dist.get_global_rank(self.zero.process_group, shard.rank)
+
+    def _shards_of(self, index: int) -> list[BucketShard]:
+        plan = self.zero._overlap.plan if self.zero._overlap else None
+        assert plan is not None
+        return [s for s in plan.shards if s.bucket == index]
+
+    def _reduce(self, bucket: GradBucket) -> list[Any]:
+        """Reduce each shard of the bucket's averaged gradients to its owner."""
+        buffer = bucket.buffer()
+        buffer.div_(self.zero.world_size)
+        plan = self.zero._overlap.plan if self.zero._overlap else None
+        assert plan is not None
+        works = []
+        for shard in self._shards_of(bucket.index()):
+            start, stop = shard_element_range(plan, shard)
+            works.append(
+                dist.reduce(
+                    buffer[start:stop],
+                    dst=self._owner_group_rank(shard),
+                    group=self.zero.process_group,
+                    async_op=True,
+                )
+            )
+        return works
+
+    # ----- stepping ----------------------------------------------------------------
+
+    def _averaged(self, entry: _Pending) -> list[torch.Tensor]:
+        """The bucket's averaged gradients, once its reduction finished (on an
+        owner; elsewhere the reduce-to-owner path leaves them unspecified)."""
+        for work in entry.reductions:
+            work.wait()
+        flat = entry.future.wait() if entry.future is not None else entry.buffer
+        return _grads_from_flat(flat, entry.params)
+
+    def _step_buckets(self, entries: list[_Pending]) -> None:
+        """Step this rank's shards of ``entries`` in one local step, then start
+        broadcasting every shard of them from its owner."""
+        zero = self.zero
+        grads: dict[int, torch.Tensor] = {}
+        for entry in entries:
+            averaged = self._averaged(entry)
+            for shard in self._shards_of(entry.index):
+                if shard.rank == zero.rank:
+                    for k in range(shard.offset, shard.offset + shard.count):
+                        grads[self.index_of[id(entry.params[k])]] = averaged[k]
+        if grads:
+            zero._step_with_grads(grads)
+        for entry in entries:
+            for shard in self._shards_of(entry.index):
+                owned = entry.params[shard.offset : shard.offset + shard.count]
+                if shard.rank == zero.rank:
+                    flat = torch.cat([p.detach().reshape(-1) for p in owned])
+                else:
+                    flat = torch.empty(shard.numel, dtype=owned[0].dtype, device=owned[0].device)
+                work = dist.broadcast(
+                    flat, src=self._owner_group_rank(shard), group=zero.process_group, async_op=True
+                )
+                self.broadcasts.append((shard, flat, owned, work))
+
+    def _receive_broadcasts(self) -> None:
+        with torch.no_grad():
+            for shard, flat, owned, work in self.broadcasts:
+                work.wait()
+                if shard.rank != self.zero.rank:
+                    for p, value in zip(owned, _grads_from_flat(flat, owned), strict=True):
+                        p.copy_(value)
+        self.broadcasts = []
+
+    def _finish_iteration(self, overlapped: bool) -> None:
+        zero = self.zero
+        assert zero._overlap is not None
+        entries, self.pending = self.pending, []
+        if overlapped:
+            self._step_buckets(entries)
+            self._receive_broadcasts()
+            return
+        # Buckets not final yet: every rank steps every parameter itself.
+        grads: dict[int, torch.Tensor] = {}
+        for entry in entries:
+            for p, g in zip(entry.params, self._averaged(entry), strict=True):
+                grads[self.index_of[id(p)]] = g
+        zero._step_with_grads(grads)
+        sizes = [p.numel() for p in zero._all_params]
+        zero._overlap = finish_overlap_iteration(zero._overlap, sizes, zero.world_size)
+        if zero._overlap.status == "initialized":
+            zero._shard_for_overlap()
+
+
+def _make_hook(step: _OverlappedStep) -> DDPHook:
+    def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return step(state, bucket)
+
+    return hook_with_zero_fn
+
+
+def hook_with_zero_step(
+    hook: DDPHook,
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    shard_buckets: bool = False,
+) -> DDPHook:
+    """Wrap ``hook`` so the ZeRO step runs when DDP hands over its last bucket.
+
+    Args:
+        hook: the communication hook to wrap (PyTorch-style ``(state, bucket)``).
+        ddp: the DDP model the hook is registered on.
+        zero: a ``ZeroRedundancyOptimizer`` built with ``overlap_with_ddp=True``.
+        shard_buckets: split a bucket's parameters across ranks for balance.
+
+    Returns:
+        The hook to pass to ``ddp.register_comm_hook``.
+
+    Raises:
+        ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``.
+        RuntimeError: if ``zero`` is already driven by another hook.
+    """
+    return _make_hook(_OverlappedStep(hook, ddp, zero, shard_buckets, interleaved=False))
+
+
+def hook_with_zero_step_interleaved(
+    hook: DDPHook,
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    shard_buckets: bool = False,
+) -> DDPHook:
+    """Like :func:`hook_with_zero_step`, but each bucket is stepped as soon as
+    the next bucket is handed over, interleaving the step with backward.
+
+    Exact for per-parameter optimizers (every ``torch.optim`` one usable here):
+    the buckets are stepped one after another, each with the others' parameters
+    sitting out.
+
+    Raises:
+        ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``.
+        RuntimeError: if ``zero`` is already driven by another hook.
+    """
+    return _make_hook(_OverlappedStep(hook, ddp, zero, shard_buckets, interleaved=True))

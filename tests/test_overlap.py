@@ -1,0 +1,218 @@
+"""Overlapping the ZeRO step with DDP's backward, on 2 gloo ranks.
+
+Every iteration, from the first, must leave the same parameters as DDP with
+the same inner hook followed by a separate (non-overlapped) ZeRO step; with
+the plain averaging hook the bytes moved per step must be one all-reduce's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _world import run_world
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch import hooks as zhooks
+from zerofn_torch.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
+
+from zerofn.overlap import (
+    OverlapState,
+    finish_overlap_iteration,
+    observe_bucket,
+    owned_params_per_rank,
+)
+
+# ----- pure transitions -------------------------------------------------------------------
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=4), min_size=1, max_size=6),
+    st.integers(1, 4),
+    st.booleans(),
+)
+def test_status_moves_uninitialized_collecting_initialized(
+    buckets: list[list[int]], world: int, shard: bool
+) -> None:
+    sizes = [n for b in buckets for n in b]
+    indices, start = [], 0
+    for b in buckets:
+        indices.append(list(range(start, start + len(b))))
+        start += len(b)
+    state = OverlapState(shard_buckets=shard)
+    for i, ix in enumerate(indices):  # DDP has not rebuilt yet: nothing recorded
+        state = observe_bucket(state, i, ix, ddp_rebuilt=False)
+    assert finish_overlap_iteration(state, sizes, world) == state
+    for i, ix in enumerate(indices):
+        state = observe_bucket(state, i, ix, ddp_rebuilt=True)
+        assert state.status == "collecting"
+    state = finish_overlap_iteration(state, sizes, world)
+    assert state.status == "initialized" and state.plan is not None
+    owned = owned_params_per_rank(state)
+    assert sorted(i for rank in owned for i in rank) == list(range(len(sizes)))
+    assert observe_bucket(state, 0, indices[0], True) == state  # fixed from now on
+
+
+# ----- on 2 ranks ---------------------------------------------------------------------------
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(5)])
+
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 0.01}),  # no functional twin in PyTorch
+}
+
+INNER: dict[str, Callable[..., Any]] = {
+    "zerofn-allreduce": zhooks.allreduce_hook,
+    "torch-allreduce": torch_hooks.allreduce_hook,
+    "fp16": zhooks.fp16_compress_hook,
+}
+
+
+def batches(rank: int, steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(8, 24, generator=g) for _ in range(steps)]
+
+
+def overlap_run(
+    rank: int, wrap: Callable[..., Any], inner: Callable[..., Any], opt: str, shard: bool
+) -> float:
+    cls, kwargs = OPTIMIZERS[opt]
+    ours = DDP(make_model(), bucket_cap_mb=0.003)
+    zero = ZeroRedundancyOptimizer(ours.parameters(), cls, overlap_with_ddp=True, **kwargs)
+    ours.register_comm_hook(None, wrap(inner, ours, zero, shard_buckets=shard))
+    ref = DDP(make_model(), bucket_cap_mb=0.003)
+    ref.register_comm_hook(None, inner)
+    ref_zero = ZeroRedundancyOptimizer(ref.parameters(), cls, **kwargs)
+    worst = 0.0
+    for x in batches(rank, 6):
+        zero.zero_grad()
+        ours(x).square().mean().backward()
+        ref_zero.zero_grad()
+        ref(x).square().mean().backward()
+        ref_zero.step()
+        worst = max(
+            worst,
+            max(
+                ((p - q).abs() / q.abs().clamp_min(1e-3)).max().item()
+                for p, q in zip(ours.parameters(), ref.parameters(), strict=True)
+            ),
+        )
+    return worst
+
+
+# Bytes a rank puts on the wire per byte of payload, for 2 ranks with ring
+# algorithms: an all-reduce sends 2(N-1)/N, a reduce or a broadcast (N-1)/N.
+WIRE_FACTOR = {"all_reduce": 1.0, "reduce": 0.5, "broadcast": 0.5}
+
+
+def wire_bytes(fn: Callable[[], None]) -> float:
+    """Bytes this rank sends while ``fn`` runs, from the collectives it calls."""
+    sent = 0.0
+    originals = {n: getattr(dist, n) for n in WIRE_FACTOR}
+
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            nonlocal sent
+            sent += WIRE_FACTOR[name] * tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+    for n, f in originals.items():
+        setattr(dist, n, wrap(n, f))
+    try:
+        fn()
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    return sent
+
+
+def bytes_world(rank: int) -> dict[str, float]:
+    cls, kwargs = OPTIMIZERS["adam"]
+    ours = DDP(make_model(), bucket_cap_mb=0.003)
+    zero = ZeroRedundancyOptimizer(ours.parameters(), cls, overlap_with_ddp=True, **kwargs)
+    ours.register_comm_hook(None, hook_with_zero_step(zhooks.allreduce_hook, ours, zero))
+    ref = DDP(make_model(), bucket_cap_mb=0.003)
+    ref.register_comm_hook(None, zhooks.allreduce_hook)  # so its all-reduces are counted
+    ref_zero = ZeroRedundancyOptimizer(ref.parameters(), cls, **kwargs)
+    xs = batches(rank, 4)
+    for x in xs[:3]:  # past DDP's bucket rebuild
+        zero.zero_grad()
+        ours(x).sum().backward()
+        ref_zero.zero_grad()
+        ref(x).sum().backward()
+        ref_zero.step()
+
+    zero.zero_grad()
+    ref_zero.zero_grad()
+
+    def separate() -> None:
+        ref(xs[3]).sum().backward()
+        ref_zero.step()
+
+    return {
+        "overlap": wire_bytes(lambda: ours(xs[3]).sum().backward()),
+        "separate": wire_bytes(separate),
+        "model": sum(p.numel() * p.element_size() for p in ours.parameters()),
+    }
+
+
+def overlap_world(rank: int, world: int) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for wrap_name, wrap in (
+        ("step", hook_with_zero_step),
+        ("interleaved", hook_with_zero_step_interleaved),
+    ):
+        for shard in (False, True):
+            for inner_name in INNER:
+                out[(wrap_name, shard, inner_name, "adam")] = overlap_run(
+                    rank, wrap, INNER[inner_name], "adam", shard
+                )
+            for opt in ("sgd", "rmsprop"):
+                out[(wrap_name, shard, "zerofn-allreduce", opt)] = overlap_run(
+                    rank, wrap, zhooks.allreduce_hook, opt, shard
+                )
+    out["bytes"] = bytes_world(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[Any, Any]]:
+    return run_world(overlap_world, 2)
+
+
+@pytest.mark.timeout(240)
+def test_every_iteration_matches_ddp_then_zero(two_ranks: list[dict[Any, Any]]) -> None:
+    for out in two_ranks:
+        cases = {k: v for k, v in out.items() if k != "bytes"}
+        assert len(cases) == 2 * 2 * 5
+        for case, diff in cases.items():
+            assert diff <= 1e-5, case
+
+
+def test_bytes_per_step_equal_one_allreduce(two_ranks: list[dict[Any, Any]]) -> None:
+    for out in two_ranks:
+        b = out["bytes"]
+        one_allreduce = 1.0 * b["model"]  # 2(N-1)/N of the model, N = 2
+        assert b["overlap"] == pytest.approx(one_allreduce)
+        assert b["separate"] == pytest.approx(1.5 * one_allreduce)
+
+
+def test_overlap_requires_overlap_mode(single_rank_group: None) -> None:
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="overlap_with_ddp=True"):
+        hook_with_zero_step(zhooks.allreduce_hook, model, zero)
