@@ -85,15 +85,16 @@ def error_feedback(inner: CommHook[G, B]) -> CommHook[G, ErrorFeedbackState[B]]:
         new_g, inner_program = inner.start(compensated, bucket, g, inner_b)
 
         def program() -> Program[tuple[torch.Tensor, ErrorFeedbackState[B]]]:
-            # Replay alone before the real run: the driver may reduce the real
-            # run's request tensors in place. With one rank, the real run is alone.
-            alone = None
+            # With more ranks, settle the error before the real run: the driver
+            # may reduce that run's request tensors (``compensated`` among them)
+            # in place. With one rank, the real run is the run alone.
+            error = None
             if bucket.world_size > 1:
-                alone = decode_alone(inner, compensated, bucket, g, inner_b)
+                error = compensated - decode_alone(inner, compensated, bucket, g, inner_b)
             result, inner_state = yield from inner_program
-            decoded = result if alone is None else alone
-            state = ErrorFeedbackState(compensated - decoded, bucket.shapes, inner_state)
-            return result, state
+            if error is None:
+                error = compensated - result
+            return result, ErrorFeedbackState(error, bucket.shapes, inner_state)
 
         return new_g, program()
 
