@@ -444,3 +444,30 @@ def test_hook_leaves_the_gradient_alone() -> None:
             _, state = simulate_iteration(hook, grads, state, [[(9, 7), (7,)]])
         for g, b in zip(grads, before, strict=True):
             assert torch.equal(g[0], b)
+
+
+def test_restored_state_waits_out_provisional_buckets() -> None:
+    """A fresh DDP model's first iteration runs on provisional buckets: a
+    restored state averages a bucket that does not fit it, keeps its state for
+    the rebuilt buckets, and refuses misfits again from the next iteration."""
+    cfg = config(1)
+    hook = powersgd.layerwise(cfg)
+    rebuilt, provisional = [(8, 8), (8,)], [(8,), (8, 8)]
+    _, (state,) = simulate_iteration(
+        hook, random_grads([rebuilt], 1, 0), [compressing(hook, cfg)], [rebuilt]
+    )
+    _, restored = powersgd.from_state_dict(weights_only_copy(powersgd.to_state_dict(cfg, state)))
+    assert restored.global_state.restored
+    grads = random_grads([provisional], 2, 1)
+    log, _ = bucket_requests(hook, restored, grads[0][0], provisional)
+    assert len(log) == 1  # plain averaging
+    outs, after = simulate_iteration(hook, grads, [restored, restored], [provisional])
+    torch.testing.assert_close(outs[0][0], (grads[0][0] + grads[1][0]) / 2)
+    saved, kept = restored.bucket(0), after[0].bucket(0)
+    assert saved is not None and kept is not None and kept.error is saved.error
+    assert not after[0].global_state.restored
+    with pytest.raises(ValueError, match="different buckets"):
+        simulate_iteration(hook, grads, after, [provisional])
+    simulate_iteration(hook, random_grads([rebuilt], 2, 2), after, [rebuilt])  # fits: no error
+    log, _ = bucket_requests(hook, after[0], random_grads([rebuilt], 1, 2)[0][0], rebuilt)
+    assert len(log) == 2  # compressing again, from the restored state

@@ -46,6 +46,7 @@ from zerofn.hook import BucketInfo, CommHook, HookState
 __all__ = [
     "STATE_DICT_FORMAT",
     "BucketLayout",
+    "BucketResult",
     "MatrixPlan",
     "PowerSGDBucketState",
     "PowerSGDConfig",
@@ -57,6 +58,7 @@ __all__ = [
     "bucket_layout",
     "compression_stats",
     "draw_seed",
+    "fits_bucket",
     "from_state_dict",
     "init_global_state",
     "layerwise",
@@ -232,6 +234,12 @@ class PowerSGDGlobalState:
         numel_after_compression: elements they actually sent.
         next_stats_report: the iteration from which the next statistics
             report is due (moved forward when one is made).
+        restored: loaded from a checkpoint, and no iteration has run since.
+            A fresh DDP model runs its first iteration on provisional buckets
+            and rebuilds them in gradient order afterwards, so a restored
+            bucket state may not fit the first iteration's bucket at its
+            index: such a bucket is then averaged plainly and keeps its
+            state for the rebuilt buckets, instead of being refused.
     """
 
     iteration: int
@@ -239,6 +247,7 @@ class PowerSGDGlobalState:
     numel_before_compression: int = 0
     numel_after_compression: int = 0
     next_stats_report: int = 0
+    restored: bool = False
 
 
 def init_global_state(config: PowerSGDConfig) -> PowerSGDGlobalState:
@@ -276,6 +285,8 @@ PowerSGDHook: TypeAlias = CommHook[PowerSGDGlobalState, PowerSGDBucketState | No
 """The type of the hooks :func:`layerwise` and :func:`batched` make."""
 
 BucketResult: TypeAlias = tuple[torch.Tensor, PowerSGDBucketState | None]
+"""What a PowerSGD bucket program returns: the averaged flat gradient and the
+bucket's new state."""
 
 
 # ----- which matrices are compressed -------------------------------------------------
@@ -520,7 +531,9 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
         )
     if matrices.shape[2] <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         return _gram_schmidt(matrices, epsilon)
-    q: torch.Tensor = torch.linalg.qr(matrices).Q
+    # LAPACK hands Q back column-major; row-major, as PyTorch's hook keeps it,
+    # so that the products that follow round exactly as its do.
+    q: torch.Tensor = torch.linalg.qr(matrices).Q.contiguous()
     return q
 
 
@@ -616,12 +629,17 @@ def _assemble(
 # ----- the hooks --------------------------------------------------------------------------
 
 
+def fits_bucket(state: PowerSGDBucketState | None, bucket: BucketInfo) -> bool:
+    """Whether a bucket state was made for a bucket of these gradient shapes."""
+    return state is None or state.shapes == bucket.shapes
+
+
 def _check_bucket_state(
     state: PowerSGDBucketState | None, bucket: BucketInfo, batched: bool
 ) -> None:
     if state is None:
         return
-    if state.shapes != bucket.shapes:
+    if not fits_bucket(state, bucket):
         raise ValueError(
             f"PowerSGD state for bucket {bucket.index} was made for gradients of shapes "
             f"{list(state.shapes)}, but this bucket holds {list(bucket.shapes)}: is one "
@@ -633,6 +651,14 @@ def _check_bucket_state(
             f"PowerSGD state for bucket {bucket.index} was made by the {made_by} hook and "
             f"cannot be used by the {used_by} one"
         )
+
+
+def _awaits_rebuilt_buckets(
+    state: PowerSGDGlobalState, bucket_state: PowerSGDBucketState | None, bucket: BucketInfo
+) -> bool:
+    # See PowerSGDGlobalState.restored: a checkpointed state meets DDP's
+    # provisional buckets in a fresh model's first iteration.
+    return state.restored and not fits_bucket(bucket_state, bucket)
 
 
 def _averaging(
@@ -732,7 +758,8 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
 
     Raises:
         ValueError: (from ``start``) if the bucket's state was made for other
-            gradient shapes or by :func:`batched`.
+            gradient shapes (except in the first iteration after a restore,
+            see :attr:`PowerSGDGlobalState.restored`) or by :func:`batched`.
     """
 
     def start(
@@ -741,6 +768,8 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
         state: PowerSGDGlobalState,
         bucket_state: PowerSGDBucketState | None,
     ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+        if _awaits_rebuilt_buckets(state, bucket_state, bucket):
+            return state, _averaging(grad, bucket.world_size, bucket_state)
         _check_bucket_state(bucket_state, bucket, batched=False)
         if state.iteration < config.start_powerSGD_iter:
             return state, _averaging(grad, bucket.world_size, bucket_state)
@@ -770,7 +799,7 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
 
 
 def _advance_iteration(state: PowerSGDGlobalState) -> PowerSGDGlobalState:
-    return attrs.evolve(state, iteration=state.iteration + 1)
+    return attrs.evolve(state, iteration=state.iteration + 1, restored=False)
 
 
 def _batched_program(
@@ -816,7 +845,8 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
 
     Raises:
         ValueError: (from ``start``) if the bucket's state was made for other
-            gradient shapes or by :func:`layerwise`.
+            gradient shapes (except in the first iteration after a restore,
+            see :attr:`PowerSGDGlobalState.restored`) or by :func:`layerwise`.
     """
 
     def start(
@@ -825,6 +855,8 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
         state: PowerSGDGlobalState,
         bucket_state: PowerSGDBucketState | None,
     ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+        if _awaits_rebuilt_buckets(state, bucket_state, bucket):
+            return state, _averaging(grad, bucket.world_size, bucket_state)
         _check_bucket_state(bucket_state, bucket, batched=True)
         if state.iteration < config.start_powerSGD_iter:
             return state, _averaging(grad, bucket.world_size, bucket_state)
@@ -865,7 +897,10 @@ def to_state_dict(
     """Config and state as tensors, numbers, strings, lists and dicts only
     (loadable with ``torch.load(..., weights_only=True)``).
 
-    Tensors are shared with ``state``, which never changes them in place.
+    Tensors are shared with ``state``, which never changes them in place. The
+    seed generator's words are a ``torch.uint32`` tensor, which ``torch.save``
+    handles but plain ``pickle`` cannot in PyTorch 2.13; a pickler converts
+    them to ``torch.int64`` first (:func:`from_state_dict` takes both).
     """
     g = state.global_state
     buckets: dict[int, dict[str, Any]] = {}
@@ -917,10 +952,16 @@ def _optional_tensor(entry: Mapping[str, Any], key: str, where: str) -> torch.Te
 
 def _seed_stream(entry: Mapping[str, Any]) -> SeedStream:
     keys = _entry(entry, "keys", torch.Tensor, "seeds ")
-    if keys.shape != (624,):
-        raise ValueError(f"PowerSGD state dict: seeds 'keys' has shape {tuple(keys.shape)}")
+    if keys.shape != (624,) or keys.dtype not in (torch.uint32, torch.int64):
+        raise ValueError(
+            "PowerSGD state dict: seeds 'keys' must be 624 uint32 (or int64) words, "
+            f"got {keys.dtype} of shape {tuple(keys.shape)}"
+        )
+    if keys.dtype == torch.int64 and not bool(((keys >= 0) & (keys < 2**32)).all()):
+        raise ValueError("PowerSGD state dict: seeds 'keys' hold values outside 32 bits")
     return SeedStream(
-        keys=keys.detach().clone(),
+        # int64 words come from pickles (see to_state_dict), stored as uint32 again.
+        keys=keys.detach().to(torch.uint32, copy=True),
         pos=int(_entry(entry, "pos", int, "seeds ")),
         has_gauss=int(_entry(entry, "has_gauss", int, "seeds ")),
         cached_gaussian=float(_entry(entry, "cached_gaussian", (int, float), "seeds ")),
@@ -967,6 +1008,7 @@ def from_state_dict(
         numel_before_compression=int(_entry(state_dict, "numel_before_compression", int, "")),
         numel_after_compression=int(_entry(state_dict, "numel_after_compression", int, "")),
         next_stats_report=int(_entry(state_dict, "next_stats_report", int, "")),
+        restored=True,
     )
     buckets_entry = _entry(state_dict, "buckets", Mapping, "")
     buckets = tuple(

@@ -1,0 +1,316 @@
+"""PowerSGD DDP communication hooks: PyTorch's names, zerofn's programs.
+
+Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``::
+
+    from zerofn_torch.powersgd import PowerSGDState, powerSGD_hook
+
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                          start_powerSGD_iter=10)
+    ddp.register_comm_hook(state, powerSGD_hook)
+
+:class:`PowerSGDState` is a shell: it holds the process group, the
+configuration record, the hook's state records (see :mod:`zerofn.powersgd`)
+and a lock. Each hook call reads the state, asks the core for the bucket's
+program, runs it with :func:`zerofn_torch.comm.drive` (every collective but the
+last issued from the calling thread, so all ranks issue them in one order,
+however many buckets) and assigns the new state.
+
+DDP checks a hook's annotations at registration, so this module keeps them as
+real objects (no postponed evaluation).
+"""
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import GradBucket  # type: ignore[attr-defined]
+
+from zerofn import hook as core
+from zerofn import powersgd
+from zerofn.hook import BucketInfo, HookState
+from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
+from zerofn_torch.comm import drive
+
+__all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
+
+logger = logging.getLogger(__name__)
+
+_State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
+
+
+class PowerSGDState:
+    """PowerSGD's configuration and state, shared by all buckets of one model.
+
+    The constructor takes PyTorch's ``PowerSGDState`` arguments, with the same
+    defaults and meanings (see :class:`zerofn.powersgd.PowerSGDConfig`).
+
+    Args:
+        process_group: the group to average over (``None``: the world).
+        matrix_approximation_rank: rank of the low-rank factors.
+        start_powerSGD_iter: plain-averaging iterations before compression.
+        min_compression_rate: compress a matrix only if it shrinks this much.
+        use_error_feedback: carry each step's compression error to the next.
+        warm_start: start each step from the previous step's ``Q`` factors.
+        orthogonalization_epsilon: guards orthogonalisation against zero columns.
+        random_seed: seed of the per-step seeds (the same on every rank).
+        compression_stats_logging_frequency: iterations between statistics logs.
+        batch_tensors_with_same_shape: draw same-shape factors as one batch
+            (PyTorch's random numbers for that setting).
+
+    Raises:
+        ValueError: for a rank below 1, a negative start iteration, a start
+            iteration below 2 with error feedback or warm start, or a
+            compression rate below 1.
+        TypeError: for a value of the wrong type.
+    """
+
+    def __init__(
+        self,
+        process_group: Any,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0,
+        random_seed: int = 0,
+        compression_stats_logging_frequency: int = 10_000,
+        batch_tensors_with_same_shape: bool = False,
+    ) -> None:
+        config = PowerSGDConfig(
+            matrix_approximation_rank=matrix_approximation_rank,
+            start_powerSGD_iter=start_powerSGD_iter,
+            min_compression_rate=min_compression_rate,
+            use_error_feedback=use_error_feedback,
+            warm_start=warm_start,
+            orthogonalization_epsilon=orthogonalization_epsilon,
+            random_seed=random_seed,
+            compression_stats_logging_frequency=compression_stats_logging_frequency,
+            batch_tensors_with_same_shape=batch_tensors_with_same_shape,
+        )
+        logger.info("PowerSGD config: %s", config)
+        self.process_group = process_group
+        self._adopt(config, HookState(powersgd.init_global_state(config)))
+
+    def _adopt(self, config: PowerSGDConfig, state: _State) -> None:
+        self.config = config
+        self.hook_state: _State = state
+        self.layerwise_hook: PowerSGDHook = powersgd.layerwise(config)
+        self.batched_hook: PowerSGDHook = powersgd.batched(config)
+        self._lock = threading.Lock()
+
+    # PyTorch's attribute names, read-only: the configuration is a frozen record.
+    @property
+    def matrix_approximation_rank(self) -> int:
+        """Rank of the low-rank factors."""
+        return self.config.matrix_approximation_rank
+
+    @property
+    def start_powerSGD_iter(self) -> int:
+        """Iterations of plain averaging before compression."""
+        return self.config.start_powerSGD_iter
+
+    @property
+    def min_compression_rate(self) -> float:
+        """How much a matrix must shrink to be compressed."""
+        return self.config.min_compression_rate
+
+    @property
+    def use_error_feedback(self) -> bool:
+        """Whether compression errors carry over to the next step."""
+        return self.config.use_error_feedback
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether each step starts from the previous ``Q`` factors."""
+        return self.config.warm_start
+
+    @property
+    def orthogonalization_epsilon(self) -> float:
+        """Added to column norms while orthogonalising."""
+        return self.config.orthogonalization_epsilon
+
+    @property
+    def compression_stats_logging_frequency(self) -> int:
+        """Iterations between statistics logs."""
+        return self.config.compression_stats_logging_frequency
+
+    @property
+    def batch_tensors_with_same_shape(self) -> bool:
+        """Whether same-shape factors are drawn as one batch."""
+        return self.config.batch_tensors_with_same_shape
+
+    @property
+    def iter(self) -> int:
+        """Completed training iterations (PyTorch's ``state.iter``)."""
+        return self.hook_state.global_state.iteration
+
+    def compression_stats(self) -> tuple[float, int, int]:
+        """``(rate, numel_before, numel_after)`` over all compressing iterations.
+
+        Returns:
+            The rate (before / after; 0 before anything was compressed), the
+            elements the compressed buckets held, and those sent instead.
+        """
+        return powersgd.compression_stats(self.hook_state.global_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Configuration and state as tensors, numbers, strings and containers.
+
+        Safe to save with ``torch.save`` and to load with ``torch.load(...,
+        weights_only=True)``: no process group, no classes. Tensors are shared
+        with the live state, which never modifies them in place.
+
+        Returns:
+            The state dict (see :func:`zerofn.powersgd.to_state_dict`).
+        """
+        with self._lock:
+            return powersgd.to_state_dict(self.config, self.hook_state)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore configuration and state from :meth:`state_dict`'s result.
+
+        Training continues exactly as if never stopped: same iteration, seed
+        position, error feedback and warm-start factors. The process group is
+        kept. In a freshly built DDP model, whose first iteration runs on
+        provisional buckets, a bucket that does not fit its restored state is
+        averaged plainly in that one iteration (with a warning), and PowerSGD
+        resumes on the rebuilt buckets.
+
+        Args:
+            state_dict: a dict :meth:`state_dict` made (tensors are copied).
+
+        Raises:
+            ValueError: if it is not a valid PowerSGD state dict; the state is
+                then left as it was.
+        """
+        config, state = powersgd.from_state_dict(state_dict)
+        with self._lock:
+            self._adopt(config, state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling keeps working as with PyTorch's state: everything but the
+        # process group (not picklable), restored as the default group.
+        logger.warning("NOTE: the process group is not pickled with a PowerSGDState.")
+        state = self.state_dict()
+        # Plain pickle cannot restore uint32 tensors in PyTorch 2.13 (torch.save can).
+        seeds = state["seeds"]
+        state["seeds"] = {**seeds, "keys": seeds["keys"].to(torch.int64)}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.process_group = dist.distributed_c10d._get_default_group()
+        logger.warning(
+            "NOTE: an unpickled PowerSGDState uses the default process group; "
+            "assign its process_group attribute for another one."
+        )
+        self._adopt(*powersgd.from_state_dict(state))
+
+    def __repr__(self) -> str:
+        return f"PowerSGDState(iter={self.iter}, config={self.config})"
+
+
+def _bucket_info(bucket: GradBucket, group: Any) -> BucketInfo:
+    return BucketInfo(
+        index=bucket.index(),
+        shapes=tuple(tuple(g.shape) for g in bucket.gradients()),
+        world_size=dist.get_world_size(group),
+        is_last=bucket.is_last(),
+    )
+
+
+def _warn_if_awaiting_rebuilt_buckets(hook_state: _State, info: BucketInfo) -> None:
+    saved = hook_state.bucket(info.index)
+    if hook_state.global_state.restored and not powersgd.fits_bucket(saved, info):
+        logger.warning(
+            "PowerSGD: bucket %s differs from the restored state's (DDP's provisional "
+            "first-iteration buckets?); averaging it plainly in this iteration and keeping "
+            "its state for the rebuilt buckets",
+            info.index,
+        )
+
+
+def _log_stats_if_due(state: PowerSGDState, before: PowerSGDGlobalState) -> None:
+    after = state.hook_state.global_state
+    if after.next_stats_report != before.next_stats_report:
+        rate, numel_before, numel_after = powersgd.compression_stats(after)
+        logger.info(
+            "PowerSGD compression stats: iter %s, %s elements before compression, "
+            "%s after, rate %s",
+            before.iteration,
+            numel_before,
+            numel_after,
+            rate,
+        )
+
+
+def _run(
+    state: PowerSGDState, hook: PowerSGDHook, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    info = _bucket_info(bucket, group)
+    with state._lock:
+        _warn_if_awaiting_rebuilt_buckets(state.hook_state, info)
+        before = state.hook_state.global_state
+        new_state, program = core.begin_bucket(hook, state.hook_state, bucket.buffer(), info)
+        if info.is_last:
+            new_state = core.finish_iteration(hook, new_state)
+        state.hook_state = new_state
+    _log_stats_if_due(state, before)
+
+    def record(fut: torch.futures.Future[powersgd.BucketResult]) -> torch.Tensor:
+        grad, bucket_state = fut.value()
+        with state._lock:
+            state.hook_state = core.finish_bucket(state.hook_state, info.index, bucket_state)
+        return grad
+
+    return drive(program, group).then(record)
+
+
+def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PowerSGD, each gradient matrix compressed on its own (PyTorch's ``powerSGD_hook``).
+
+    Plain averaging for the first ``state.start_powerSGD_iter`` iterations;
+    then matrices worth compressing travel as rank-``r`` factors and the rest
+    as they are, in two all-reduces per bucket (uncompressed gradients with
+    the ``P`` factors, then the ``Q`` factors) instead of PyTorch's three.
+    Works with any number of buckets on any backend.
+
+    Args:
+        state: the model's :class:`PowerSGDState`.
+        bucket: DDP's bucket.
+
+    Returns:
+        A future of the bucket's averaged (approximated) flat gradient.
+
+    Raises:
+        ValueError: if ``state`` holds state for this bucket index made for
+            other gradient shapes (a state shared by two models).
+    """
+    return _run(state, state.layerwise_hook, bucket)
+
+
+def batched_powerSGD_hook(
+    state: PowerSGDState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """PowerSGD on the whole bucket as one square matrix (PyTorch's ``batched_powerSGD_hook``).
+
+    Faster than :func:`powerSGD_hook`, usually less accurate beyond rank 1.
+    The numbers PyTorch's hook was written to give (PyTorch 2.13's fails on
+    every call; see :func:`zerofn.powersgd.batched`).
+
+    Args:
+        state: the model's :class:`PowerSGDState`.
+        bucket: DDP's bucket.
+
+    Returns:
+        A future of the bucket's averaged (approximated) flat gradient.
+
+    Raises:
+        ValueError: if ``state`` holds state for this bucket index made for
+            other gradient shapes or by :func:`powerSGD_hook`.
+    """
+    return _run(state, state.batched_hook, bucket)
