@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import attrs
 import numpy as np
@@ -570,7 +570,9 @@ def random_factors(
     return factors
 
 
-def _split_factors(flat: torch.Tensor, layout: BucketLayout, side: str) -> list[torch.Tensor]:
+def _split_factors(
+    flat: torch.Tensor, layout: BucketLayout, side: Literal["p", "q"]
+) -> list[torch.Tensor]:
     """Cut a flat ``P`` (``side="p"``) or ``Q`` (``side="q"``) into per-group batches."""
     out = []
     offset = 0
@@ -686,16 +688,19 @@ def _next_bucket_state(
     bucket: BucketInfo,
     batched: bool,
     config: PowerSGDConfig,
-    error: torch.Tensor,
+    signal: torch.Tensor,
+    result: torch.Tensor,
     p: torch.Tensor,
     q: torch.Tensor,
 ) -> PowerSGDBucketState | None:
+    """What the bucket keeps: the error (what ``result`` missed of ``signal``,
+    PyTorch's definition: measured against the averaged result) and the factors."""
     if not (config.use_error_feedback or config.warm_start):
         return None
     return PowerSGDBucketState(
         shapes=bucket.shapes,
         batched=batched,
-        error=error if config.use_error_feedback else None,
+        error=signal - result if config.use_error_feedback else None,
         p=p if config.warm_start else None,
         q=q if config.warm_start else None,
     )
@@ -719,7 +724,7 @@ def _layerwise_program(
         (summed,) = yield AllReduce((uncompressed,), "sum", last=True)
         out = _assemble(layout, summed / world_size, [], signal)
         empty = signal.new_empty(0)
-        return out, _next_bucket_state(bucket, False, config, signal - out, empty, empty)
+        return out, _next_bucket_state(bucket, False, config, signal, out, empty, empty)
     # Round 1: the uncompressed gradients ride along with the P factors.
     # P is not averaged: orthogonalisation removes the scale anyway.
     summed, p_sum = yield AllReduce((uncompressed, _flat(ps, signal)), "sum")
@@ -731,8 +736,7 @@ def _layerwise_program(
     qs = _split_factors(q_mean, layout, "q")
     decoded = [torch.bmm(p, q.transpose(1, 2)) for p, q in zip(ps, qs, strict=True)]
     out = _assemble(layout, summed / world_size, decoded, signal)
-    error = signal - out
-    return out, _next_bucket_state(bucket, False, config, error, _flat(ps, signal), q_mean)
+    return out, _next_bucket_state(bucket, False, config, signal, out, _flat(ps, signal), q_mean)
 
 
 def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
@@ -818,8 +822,9 @@ def _batched_program(
     (q_sum,) = yield AllReduce((torch.bmm(matrix.transpose(1, 2), p),), "sum", last=True)
     q_mean = q_sum / bucket.world_size
     decoded = torch.bmm(p, q_mean.transpose(1, 2)).view(-1)
-    out = decoded[:numel].clone()
-    return out, _next_bucket_state(bucket, True, config, signal - decoded, p[0], q_mean[0])
+    # The error covers the padding too, as in PyTorch; the result drops it.
+    state = _next_bucket_state(bucket, True, config, signal, decoded, p[0], q_mean[0])
+    return decoded[:numel], state
 
 
 def batched(config: PowerSGDConfig) -> PowerSGDHook:
