@@ -33,12 +33,19 @@ from zerofn_torch.comm import drive
 
 __all__ = [
     "HookRunner",
+    "PostLocalSGDState",
+    "PowerSGDState",
     "allreduce_hook",
+    "batched_powerSGD_hook",
     "bf16_compress_hook",
     "bf16_compress_wrapper",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
     "noop_hook",
+    "post_localSGD_hook",
+    "powerSGD_hook",
     "quantization_perchannel_hook",
     "quantization_pertensor_hook",
     "run_hook",
@@ -188,3 +195,9 @@ def _cast_wrapper(dtype: torch.dtype, hook: DDPHook) -> DDPHook:
         return hook(state, bucket).then(lambda fut: fut.value().to(original_dtype))
 
     return compress_wrapper_hook
+
+
+# The stateful hooks live in modules of their own; PyTorch's users find them here.
+from zerofn_torch.overlap import hook_with_zero_step, hook_with_zero_step_interleaved  # noqa: E402
+from zerofn_torch.post_local_sgd import PostLocalSGDState, post_localSGD_hook  # noqa: E402
+from zerofn_torch.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook  # noqa: E402

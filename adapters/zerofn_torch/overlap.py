@@ -40,14 +40,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 
 from zerofn.ddp_buckets import BucketShard
 from zerofn.overlap import finish_overlap_iteration, observe_bucket, shard_element_range
-from zerofn_torch import hooks as zerofn_hooks
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
-_AVERAGING_HOOKS = (zerofn_hooks.allreduce_hook, torch_default_hooks.allreduce_hook)
+
+def _is_averaging_hook(hook: DDPHook) -> bool:
+    """Whether ``hook`` is plain averaging, which the overlap replaces by
+    reduce-to-owner. (zerofn_torch.hooks re-exports this module, hence the
+    import here.)"""
+    from zerofn_torch.hooks import allreduce_hook
+
+    return hook in (allreduce_hook, torch_default_hooks.allreduce_hook)
 
 
 @attrs.define
@@ -98,7 +104,7 @@ class _OverlappedStep:
         self.ddp = weakref.ref(ddp)
         self.zero = zero
         self.interleaved = interleaved
-        self.reduce_to_owner = hook in _AVERAGING_HOOKS
+        self.reduce_to_owner = _is_averaging_hook(hook)
         self.index_of = {id(p): i for i, p in enumerate(zero._all_params)}
         self.pending: list[_Pending] = []
         self.broadcasts: list[tuple[BucketShard, torch.Tensor, list[torch.Tensor], Any]] = []
