@@ -108,11 +108,13 @@ def side_by_side(ours_hook: Hook, theirs_hook: Hook, **kwargs: Any) -> dict[str,
     }
 
 
-def patched_orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
+TORCH_ORTHOGONALIZE = torch_psgd._orthogonalize
+
+
+def fixed_orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
     """PyTorch's orthogonalisation, also taking the 2-D factors its batched
-    hook passes (the one-line fix the hook needs)."""
-    original = torch_psgd.__dict__["_original_orthogonalize"]
-    original(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+    hook passes (the fix that hook needs: a batch of one, as a view)."""
+    TORCH_ORTHOGONALIZE(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
 
 
 def count_all_reduces(fn: Callable[[], None]) -> int:
@@ -169,8 +171,7 @@ def parity_checks() -> dict[str, Any]:
         out["torch_batched_error"] = None
     except Exception as error:  # what PyTorch 2.13 raises on its first compressing step
         out["torch_batched_error"] = (type(error).__name__, str(error))
-    torch_psgd.__dict__["_original_orthogonalize"] = torch_psgd._orthogonalize
-    torch_psgd._orthogonalize = patched_orthogonalize  # type: ignore[assignment]
+    torch_psgd._orthogonalize = fixed_orthogonalize  # in this spawned rank only
     for i, kwargs in enumerate(BATCHED_CASES):
         out[("batched", i)] = side_by_side(
             batched_powerSGD_hook, torch_psgd.batched_powerSGD_hook, **kwargs
