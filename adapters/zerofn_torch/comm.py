@@ -7,18 +7,22 @@ the caller's thread in program order: ranks that call hooks in bucket order
 issue identical sequences, whatever order futures complete in. The last
 request is left in flight and the program is finished in the future's
 callback, so DDP overlaps it with the rest of the backward pass.
+
+:class:`ProgramPipeline` keeps that guarantee for multi-round programs without
+blocking backward on their early rounds: a bucket's next round is issued at
+the next hook call.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from zerofn.comm import AllGather, AllReduce, Program, Request, Response
 
-__all__ = ["drive", "issue"]
+__all__ = ["ProgramPipeline", "drive", "issue"]
 
 R = TypeVar("R")
 
@@ -104,3 +108,85 @@ def drive(program: Program[R], group: Any) -> torch.futures.Future[R]:
         raise RuntimeError("a communication program made a request after its last one")
 
     return issue(request, group).then(finish)
+
+
+class _Running(Generic[R]):
+    """One bucket's program inside a :class:`ProgramPipeline`."""
+
+    def __init__(self, program: Program[R], group: Any) -> None:
+        self.program = program
+        self.group = group
+        self.result: torch.futures.Future[R] = torch.futures.Future()
+        self.issued_last = False
+        self.pending: torch.futures.Future[Response] | None = None
+        try:
+            self._issue(next(program))
+        except StopIteration as stop:
+            self._finish(stop.value)
+
+    def _finish(self, value: R) -> None:
+        self.issued_last = True
+        self.result.set_result(value)
+
+    def _issue(self, request: Request) -> None:
+        self.pending = issue(request, self.group)
+        if request.last:
+            self.issued_last = True
+            self.pending.then(self._complete)
+
+    def _complete(self, fut: torch.futures.Future[Response]) -> None:
+        try:
+            self.program.send(fut.value())
+        except StopIteration as stop:
+            self.result.set_result(stop.value)
+            return
+        except Exception as e:  # surface it through the bucket's future
+            self.result.set_exception(e)  # type: ignore[arg-type]
+            return
+        self.result.set_exception(
+            RuntimeError("a communication program made a request after its last one")  # type: ignore[arg-type]
+        )
+
+    def advance(self) -> None:
+        """Wait for the pending request, then issue the program's next one."""
+        if self.issued_last:
+            return
+        assert self.pending is not None
+        try:
+            self._issue(self.program.send(self.pending.wait()))
+        except StopIteration as stop:
+            self._finish(stop.value)
+
+
+class ProgramPipeline:
+    """Runs the programs of several buckets at once, from the caller's thread.
+
+    Each hook call starts its bucket's program (its first request goes out at
+    once) and then moves every older program one request on. So a multi-round
+    program's next round waits for the next hook call instead of blocking
+    backward, while every request is still issued by the caller, in an order
+    fixed by bucket and round: the same on every rank. The last bucket of an
+    iteration drains all programs.
+    """
+
+    def __init__(self) -> None:
+        self._running: list[_Running[Any]] = []
+
+    def run(self, program: Program[R], group: Any, is_last: bool) -> torch.futures.Future[R]:
+        """Start ``program``; the future yields its return value.
+
+        Args:
+            program: the bucket's program.
+            group: the process group to communicate in.
+            is_last: the iteration's last bucket: finish issuing everything.
+        """
+        older = self._running
+        started = _Running(program, group)
+        for running in older:
+            running.advance()
+        self._running = [r for r in [*older, started] if not r.issued_last]
+        while is_last and self._running:
+            for running in self._running:
+                running.advance()
+            self._running = [r for r in self._running if not r.issued_last]
+        return started.result

@@ -29,7 +29,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from zerofn import hook as core
 from zerofn import quantization
 from zerofn.hook import BucketInfo, CommHook, HookState
-from zerofn_torch.comm import drive
+from zerofn_torch.comm import ProgramPipeline, drive
 
 __all__ = [
     "HookRunner",
@@ -85,6 +85,7 @@ class HookRunner(Generic[G, B]):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.state: HookState[G, B] = core.init_hook_state(hook)
         self._lock = threading.Lock()
+        self._pipeline = ProgramPipeline()
 
     def __call__(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         info = bucket_info(bucket, self.process_group)
@@ -99,7 +100,7 @@ class HookRunner(Generic[G, B]):
                 self.state = core.finish_bucket(self.state, info.index, bucket_state)
             return grad
 
-        return drive(program, self.process_group).then(record)
+        return self._pipeline.run(program, self.process_group, info.is_last).then(record)
 
 
 def run_hook(
