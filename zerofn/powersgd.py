@@ -606,10 +606,12 @@ def _gather_uncompressed(flat: torch.Tensor, layout: BucketLayout) -> torch.Tens
 def _assemble(
     layout: BucketLayout,
     uncompressed: torch.Tensor,
-    decoded: Sequence[torch.Tensor],
+    ps: Sequence[torch.Tensor],
+    qs: Sequence[torch.Tensor],
     like: torch.Tensor,
 ) -> torch.Tensor:
-    """The bucket's flat result: averaged uncompressed gradients and decoded matrices."""
+    """The bucket's flat result: the averaged uncompressed gradients, and each
+    compressed matrix decoded as ``P Q^T``."""
     out = torch.empty_like(like)
     offset = 0
     for matrix in layout.uncompressed:
@@ -617,13 +619,17 @@ def _assemble(
             offset : offset + matrix.numel
         ]
         offset += matrix.numel
-    for group, batch in zip(layout.groups, decoded, strict=True):
+    for group, p, q in zip(layout.groups, ps, qs, strict=True):
         numel = group.rows * group.cols
         if group.adjacent:
+            # Decode straight into the result: the products are the bucket's
+            # largest tensors, not worth a second copy.
             start = group.offsets[0]
-            out[start : start + group.size * numel] = batch.reshape(-1)
+            target = out[start : start + group.size * numel]
+            torch.bmm(p, q.transpose(1, 2), out=target.view(group.size, group.rows, group.cols))
         else:
-            for offset_in_bucket, matrix in zip(group.offsets, batch, strict=True):
+            decoded = torch.bmm(p, q.transpose(1, 2))
+            for offset_in_bucket, matrix in zip(group.offsets, decoded, strict=True):
                 out[offset_in_bucket : offset_in_bucket + numel] = matrix.reshape(-1)
     return out
 
@@ -673,11 +679,19 @@ def _averaging(
 
 
 def _error_corrected(
-    grad: torch.Tensor, state: PowerSGDBucketState | None, config: PowerSGDConfig
+    grad: torch.Tensor, state: PowerSGDBucketState | None, config: PowerSGDConfig, owned: bool
 ) -> torch.Tensor:
-    if config.use_error_feedback and state is not None and state.error is not None:
-        return grad + state.error
-    return grad
+    """The matrix to compress: ``grad`` plus the remembered error.
+
+    With error feedback the result is always a tensor of the program's own
+    (``grad`` itself only if ``owned``), because the program turns it into the
+    new error in place: a bucket-sized allocation fewer per step.
+    """
+    if not config.use_error_feedback:
+        return grad
+    if state is not None and state.error is not None:
+        return grad.add_(state.error) if owned else grad + state.error
+    return grad if owned else grad.clone()
 
 
 def _needs_random_start(state: PowerSGDBucketState | None, config: PowerSGDConfig) -> bool:
@@ -694,13 +708,18 @@ def _next_bucket_state(
     q: torch.Tensor,
 ) -> PowerSGDBucketState | None:
     """What the bucket keeps: the error (what ``result`` missed of ``signal``,
-    PyTorch's definition: measured against the averaged result) and the factors."""
+    PyTorch's definition: measured against the averaged result) and the factors.
+
+    With error feedback, ``signal`` (the program's own, see
+    :func:`_error_corrected`) becomes the error in place; it must not be used
+    afterwards.
+    """
     if not (config.use_error_feedback or config.warm_start):
         return None
     return PowerSGDBucketState(
         shapes=bucket.shapes,
         batched=batched,
-        error=signal - result if config.use_error_feedback else None,
+        error=signal.sub_(result) if config.use_error_feedback else None,
         p=p if config.warm_start else None,
         q=q if config.warm_start else None,
     )
@@ -722,7 +741,7 @@ def _layerwise_program(
     if not layout.groups:
         # Nothing worth compressing: one round trip is enough.
         (summed,) = yield AllReduce((uncompressed,), "sum", last=True)
-        out = _assemble(layout, summed / world_size, [], signal)
+        out = _assemble(layout, summed / world_size, [], [], signal)
         empty = signal.new_empty(0)
         return out, _next_bucket_state(bucket, False, config, signal, out, empty, empty)
     # Round 1: the uncompressed gradients ride along with the P factors.
@@ -734,8 +753,7 @@ def _layerwise_program(
     (q_sum,) = yield AllReduce((_flat(qs, signal),), "sum", last=True)
     q_mean = q_sum / world_size
     qs = _split_factors(q_mean, layout, "q")
-    decoded = [torch.bmm(p, q.transpose(1, 2)) for p, q in zip(ps, qs, strict=True)]
-    out = _assemble(layout, summed / world_size, decoded, signal)
+    out = _assemble(layout, summed / world_size, ps, qs, signal)
     return out, _next_bucket_state(bucket, False, config, signal, out, _flat(ps, signal), q_mean)
 
 
@@ -791,7 +809,7 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
         else:
             assert bucket_state is not None and bucket_state.q is not None
             qs = _split_factors(bucket_state.q, layout, "q")
-        signal = _error_corrected(grad, bucket_state, config)
+        signal = _error_corrected(grad, bucket_state, config, owned=False)
         return state, _layerwise_program(signal, layout, qs, bucket, config)
 
     return CommHook(
@@ -879,7 +897,7 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
             q = bucket_state.q
         padded = torch.zeros(side * side, dtype=grad.dtype, device=grad.device)
         padded[:numel] = grad
-        signal = _error_corrected(padded, bucket_state, config)
+        signal = _error_corrected(padded, bucket_state, config, owned=True)
         return state, _batched_program(signal, numel, q, bucket, config)
 
     return CommHook(
