@@ -331,8 +331,13 @@ def test_layerwise_matches_pytorch_across_start(two_ranks: list[dict[str, Any]])
             case = rank_out["parity"][("layerwise", i)]
             assert len(case["grad_gaps"]) == STEPS
             assert case["grad_gaps"][:START] == [0.0] * START, kwargs  # plain averaging
-            assert max(case["grad_gaps"]) <= 1e-5, (kwargs, case["grad_gaps"])
-            assert case["param_gap"] <= 1e-5, kwargs
+            # Rounding differs from PyTorch's (our products run transposed, and
+            # batched); at rank 4 the power iteration amplifies it step by step
+            # in the weakest direction (measured: 5e-7, 2e-6, 8e-6), while the
+            # parameters stay within 1e-7.
+            bound = 5e-5 if kwargs["matrix_approximation_rank"] == 4 else 1e-5
+            assert max(case["grad_gaps"]) <= bound, (kwargs, case["grad_gaps"])
+            assert case["param_gap"] <= 1e-6, kwargs
             assert all(gap <= 1e-5 for gap in case["factor_gaps"].values()), kwargs
             ours, theirs = case["stats"]
             assert ours == pytest.approx(theirs) and ours[0] > 1, kwargs
@@ -347,7 +352,7 @@ def test_batched_matches_pytorchs_once_fixed(two_ranks: list[dict[str, Any]]) ->
         for i, kwargs in enumerate(BATCHED_CASES):
             case = rank_out["parity"][("batched", i)]
             assert max(case["grad_gaps"]) <= 1e-5, (kwargs, case["grad_gaps"])
-            assert case["param_gap"] <= 1e-5, kwargs
+            assert case["param_gap"] <= 1e-6, kwargs
             assert all(gap <= 1e-5 for gap in case["factor_gaps"].values()), kwargs
             assert case["stats"][0] == pytest.approx(case["stats"][1])
 

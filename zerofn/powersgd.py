@@ -9,7 +9,7 @@ gradient (*error feedback*), and ``Q`` is carried from step to step (*warm
 start*), so the approximation tracks the gradients' dominant subspace.
 
 This module expresses PyTorch's ``powerSGD_hook`` and ``batched_powerSGD_hook``
-(same configuration, same random draws, same numbers) as
+(same configuration, same random draws, the same numbers up to rounding) as
 :class:`zerofn.hook.CommHook` records:
 
 * :class:`PowerSGDConfig`: the hyperparameters, validated once;
@@ -531,8 +531,8 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
         )
     if matrices.shape[2] <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         return _gram_schmidt(matrices, epsilon)
-    # LAPACK hands Q back column-major; row-major, as PyTorch's hook keeps it,
-    # so that the products that follow round exactly as its do.
+    # LAPACK hands Q back column-major; every factor here is row-major (the
+    # layout that is flattened, all-reduced and checkpointed).
     q: torch.Tensor = torch.linalg.qr(matrices).Q.contiguous()
     return q
 
@@ -568,6 +568,23 @@ def random_factors(
             ]
         factors.append(torch.cat(draws).to(device))
     return factors
+
+
+def _project(matrices: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``matrices @ factors`` for a batch of wide-by-thin products (``P = M Q``).
+
+    Computed as ``(factors^T matrices^T)^T``: the same sums, but CPU BLAS
+    kernels run this orientation 2 to 4 times faster for a thin ``factors``
+    (measured on one MKL thread at rank 4: 0.42 ms instead of 1.3 ms for
+    1024 x 1024). The result is a transposed view; reshaping it copies.
+    """
+    return torch.bmm(factors.transpose(1, 2), matrices.transpose(1, 2)).transpose(1, 2)
+
+
+def _project_transposed(matrices: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``matrices^T @ factors`` (``Q = M^T P``) as ``(factors^T matrices)^T``,
+    4 to 12 times faster on CPU than the product as written."""
+    return torch.bmm(factors.transpose(1, 2), matrices).transpose(1, 2)
 
 
 def _split_factors(
@@ -736,7 +753,7 @@ def _layerwise_program(
     world_size = bucket.world_size
     matrices = [_gather_group(signal, group) for group in layout.groups]
     qs = [orthogonalize(q, eps) for q in initial_qs]
-    ps = [torch.bmm(m, q) for m, q in zip(matrices, qs, strict=True)]
+    ps = [_project(m, q) for m, q in zip(matrices, qs, strict=True)]
     uncompressed = _gather_uncompressed(signal, layout)
     if not layout.groups:
         # Nothing worth compressing: one round trip is enough.
@@ -748,7 +765,7 @@ def _layerwise_program(
     # P is not averaged: orthogonalisation removes the scale anyway.
     summed, p_sum = yield AllReduce((uncompressed, _flat(ps, signal)), "sum")
     ps = [orthogonalize(p, eps) for p in _split_factors(p_sum, layout, "p")]
-    qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(matrices, ps, strict=True)]
+    qs = [_project_transposed(m, p) for m, p in zip(matrices, ps, strict=True)]
     # Round 2: the Q factors.
     (q_sum,) = yield AllReduce((_flat(qs, signal),), "sum", last=True)
     q_mean = q_sum / world_size
@@ -768,7 +785,9 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
     factors (one, if nothing in the bucket is worth compressing).
 
     Given the same configuration, it draws the same random numbers as
-    PyTorch's hook, in the same order, and so computes the same factors.
+    PyTorch's hook, in the same order, and so computes the same factors, up
+    to rounding: the products run in the orientation CPU BLAS is fastest at
+    (see :func:`_project`), and same-shape matrices as one batch.
 
     Args:
         config: the hyperparameters.
@@ -835,9 +854,9 @@ def _batched_program(
     side = initial_q.shape[0]
     matrix = signal.view(1, side, side)
     q = orthogonalize(initial_q.unsqueeze(0), eps)
-    (p_sum,) = yield AllReduce((torch.bmm(matrix, q),), "sum")
+    (p_sum,) = yield AllReduce((_project(matrix, q).contiguous(),), "sum")
     p = orthogonalize(p_sum, eps)
-    (q_sum,) = yield AllReduce((torch.bmm(matrix.transpose(1, 2), p),), "sum", last=True)
+    (q_sum,) = yield AllReduce((_project_transposed(matrix, p).contiguous(),), "sum", last=True)
     q_mean = q_sum / bucket.world_size
     decoded = torch.bmm(p, q_mean.transpose(1, 2)).view(-1)
     # The error covers the padding too, as in PyTorch; the result drops it.
