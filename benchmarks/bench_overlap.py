@@ -28,8 +28,7 @@ from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.hooks import allreduce_hook
 from zerofn_torch.launch import run_local_world
 from zerofn_torch.overlap import hook_with_zero_step
-
-WIRE_FACTOR = {"all_reduce": 1.0, "reduce": 0.5, "broadcast": 0.5}
+from zerofn_torch.traffic import collective_traffic
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -38,26 +37,10 @@ def make_model(width: int, depth: int) -> torch.nn.Module:
 
 
 def wire_bytes(fn: Callable[[], None]) -> float:
-    """Bytes this rank sends while ``fn`` runs (2-rank ring estimate)."""
-    sent = 0.0
-    originals = {name: getattr(dist, name) for name in WIRE_FACTOR}
-
-    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            nonlocal sent
-            sent += WIRE_FACTOR[name] * tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
-
-        return counted
-
-    for name, original in originals.items():
-        setattr(dist, name, wrap(name, original))
-    try:
+    """Bytes this rank sends while ``fn`` runs (ring estimate, 2 ranks)."""
+    with collective_traffic() as traffic:
         fn()
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-    return sent
+    return traffic.sent_bytes(2)
 
 
 def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _world import run_world
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch import hooks as zhooks
 from zerofn_torch.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
+from zerofn_torch.traffic import collective_traffic
 
 from zerofn.overlap import (
     OverlapState,
@@ -112,32 +112,11 @@ def overlap_run(
     return worst
 
 
-# Bytes a rank puts on the wire per byte of payload, for 2 ranks with ring
-# algorithms: an all-reduce sends 2(N-1)/N, a reduce or a broadcast (N-1)/N.
-WIRE_FACTOR = {"all_reduce": 1.0, "reduce": 0.5, "broadcast": 0.5}
-
-
 def wire_bytes(fn: Callable[[], None]) -> float:
-    """Bytes this rank sends while ``fn`` runs, from the collectives it calls."""
-    sent = 0.0
-    originals = {n: getattr(dist, n) for n in WIRE_FACTOR}
-
-    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            nonlocal sent
-            sent += WIRE_FACTOR[name] * tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
-
-        return counted
-
-    for n, f in originals.items():
-        setattr(dist, n, wrap(n, f))
-    try:
+    """Bytes this rank sends while ``fn`` runs (ring estimate, 2 ranks)."""
+    with collective_traffic() as traffic:
         fn()
-    finally:
-        for n, f in originals.items():
-            setattr(dist, n, f)
-    return sent
+    return traffic.sent_bytes(2)
 
 
 def bytes_world(rank: int) -> dict[str, float]:

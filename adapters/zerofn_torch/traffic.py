@@ -1,0 +1,81 @@
+"""Count the collectives a piece of code issues, and estimate the bytes it sends.
+
+For benchmarks, tests and the demo: wrap a training step in
+:func:`collective_traffic` and read how many collectives of each kind went out
+and how many payload bytes they carried. Only collectives called through the
+``torch.distributed`` module are seen (DDP's built-in all-reduce, issued from
+C++, is not: register a hook such as ``allreduce_hook`` to count it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+__all__ = ["Traffic", "collective_traffic"]
+
+# Bytes a rank sends per payload byte under ring algorithms, N ranks.
+_SEND_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "all_gather": lambda n: float(n - 1),  # the payload is one rank's share
+}
+
+
+@attrs.define
+class Traffic:
+    """What :func:`collective_traffic` saw.
+
+    Attributes:
+        calls: number of calls per collective kind.
+        payload_bytes: bytes handed to each kind (one rank's input).
+    """
+
+    calls: dict[str, int] = attrs.field(factory=dict)
+    payload_bytes: dict[str, int] = attrs.field(factory=dict)
+
+    @property
+    def total_calls(self) -> int:
+        """All collectives counted."""
+        return sum(self.calls.values())
+
+    def sent_bytes(self, world_size: int) -> float:
+        """Bytes one rank sends, estimated for ring algorithms on ``world_size`` ranks."""
+        return sum(_SEND_FACTOR[k](world_size) * b for k, b in self.payload_bytes.items())
+
+
+def _payload(kind: str, args: tuple[Any, ...]) -> torch.Tensor:
+    # all_gather(output_list, input); every other kind takes its tensor first.
+    tensor: torch.Tensor = args[1] if kind == "all_gather" else args[0]
+    return tensor
+
+
+@contextmanager
+def collective_traffic() -> Iterator[Traffic]:
+    """Count ``torch.distributed`` collectives issued inside the ``with`` block."""
+    traffic = Traffic()
+    originals = {kind: getattr(dist, kind) for kind in _SEND_FACTOR}
+
+    def counting(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tensor = _payload(kind, args)
+            traffic.calls[kind] = traffic.calls.get(kind, 0) + 1
+            size = tensor.numel() * tensor.element_size()
+            traffic.payload_bytes[kind] = traffic.payload_bytes.get(kind, 0) + size
+            return original(*args, **kwargs)
+
+        return counted
+
+    for kind, original in originals.items():
+        setattr(dist, kind, counting(kind, original))
+    try:
+        yield traffic
+    finally:
+        for kind, original in originals.items():
+            setattr(dist, kind, original)
