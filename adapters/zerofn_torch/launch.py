@@ -39,6 +39,9 @@ def _rank_main(
     )
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(tmp, f"result{rank}.pt"))
+        # Let every rank's outstanding collectives and their callbacks finish
+        # before the group is torn down (tearing it down under them aborts).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
