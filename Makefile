@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 WORLD   ?= 2
 
-.PHONY: test lint demo bench docs clean
+.PHONY: test lint demo bench docs notebooks clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ $(VENV)/.docs-installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e ".[docs]"
 	touch $@
 
+$(VENV)/.notebooks-installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[notebooks]"
+	touch $@
+
 lint: $(VENV)/.test-installed
 	$(BIN)/ruff check zerofn adapters tests benchmarks examples
 	$(BIN)/ruff format --check zerofn adapters tests benchmarks examples
@@ -42,6 +47,11 @@ bench: $(VENV)/.test-installed
 
 docs: $(VENV)/.docs-installed
 	$(BIN)/mkdocs build --strict --site-dir site
+
+# Executes every notebook (cells time out after 300 s) and fails on any error; the
+# committed .ipynb files stay output-free, executed copies go to notebooks/out/.
+notebooks: $(VENV)/.notebooks-installed
+	$(BIN)/python notebooks/run_notebooks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
