@@ -44,6 +44,8 @@ demo: $(VENV)/.demo-installed
 
 bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_zero.py
+	$(BIN)/python benchmarks/bench_hooks.py
+	$(BIN)/python benchmarks/bench_overlap.py
 
 docs: $(VENV)/.docs-installed
 	$(BIN)/mkdocs build --strict --site-dir site
