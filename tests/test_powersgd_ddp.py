@@ -450,12 +450,19 @@ def test_one_rank_several_buckets_match_pytorch(rank: int) -> None:
         ours, theirs = PowerSGDState(None, **kwargs), torch_psgd.PowerSGDState(None, **kwargs)
         g = torch.Generator().manual_seed(seed)
         for _ in range(STEPS):
+            # As DDP does: call the hook for every bucket, then wait. (Ours
+            # issues a bucket's second all-reduce in the next bucket's call.)
+            futures = []
             for i, shapes in enumerate(BUCKETS):
                 flat = torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=g)
                 last = i == len(BUCKETS) - 1
-                a = powerSGD_hook(ours, HandMadeBucket(i, shapes, flat.clone(), last)).wait()
-                b = torch_psgd.powerSGD_hook(theirs, HandMadeBucket(i, shapes, flat, last)).wait()
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=str(kwargs))
+                a = powerSGD_hook(ours, HandMadeBucket(i, shapes, flat.clone(), last))
+                b = torch_psgd.powerSGD_hook(theirs, HandMadeBucket(i, shapes, flat, last))
+                futures.append((a, b))
+            for a, b in futures:
+                torch.testing.assert_close(
+                    a.wait(), b.wait(), rtol=1e-5, atol=1e-5, msg=str(kwargs)
+                )
         assert ours.iter == theirs.iter == STEPS
         assert ours.compression_stats() == pytest.approx(theirs.compression_stats())
         assert ours.hook_state.global_state.seeds.pos == theirs.rng.get_state()[2]

@@ -11,9 +11,11 @@ Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``::
 :class:`PowerSGDState` is a shell: it holds the process group, the
 configuration record, the hook's state records (see :mod:`zerofn.powersgd`)
 and a lock. Each hook call reads the state, asks the core for the bucket's
-program, runs it with :func:`zerofn_torch.comm.drive` (every collective but the
-last issued from the calling thread, so all ranks issue them in one order,
-however many buckets) and assigns the new state.
+program, runs it in a :class:`zerofn_torch.comm.ProgramPipeline` and assigns
+the new state. The pipeline issues every collective from the thread that calls
+the hook, in bucket-and-round order, so all ranks issue them in one order
+however many buckets there are; and a bucket's second all-reduce goes out in
+the next bucket's hook call, so backward never waits for the first.
 
 DDP checks a hook's annotations at registration, so this module keeps them as
 real objects (no postponed evaluation).
@@ -32,7 +34,7 @@ from zerofn import hook as core
 from zerofn import powersgd
 from zerofn.hook import BucketInfo, HookState
 from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
-from zerofn_torch.comm import drive
+from zerofn_torch.comm import ProgramPipeline
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
@@ -93,14 +95,20 @@ class PowerSGDState:
         )
         logger.info("PowerSGD config: %s", config)
         self.process_group = process_group
+        self._start_runtime()
         self._adopt(config, HookState(powersgd.init_global_state(config)))
+
+    def _start_runtime(self) -> None:
+        # Neither is state to checkpoint: the lock guards assignments made in
+        # future callbacks, the pipeline holds the current iteration's programs.
+        self._lock = threading.Lock()
+        self._pipeline = ProgramPipeline()
 
     def _adopt(self, config: PowerSGDConfig, state: _State) -> None:
         self.config = config
         self.hook_state: _State = state
         self.layerwise_hook: PowerSGDHook = powersgd.layerwise(config)
         self.batched_hook: PowerSGDHook = powersgd.batched(config)
-        self._lock = threading.Lock()
 
     # PyTorch's attribute names, read-only: the configuration is a frozen record.
     @property
@@ -207,6 +215,7 @@ class PowerSGDState:
             "NOTE: an unpickled PowerSGDState uses the default process group; "
             "assign its process_group attribute for another one."
         )
+        self._start_runtime()
         self._adopt(*powersgd.from_state_dict(state))
 
     def __repr__(self) -> str:
@@ -267,7 +276,7 @@ def _run(
             state.hook_state = core.finish_bucket(state.hook_state, info.index, bucket_state)
         return grad
 
-    return drive(program, group).then(record)
+    return state._pipeline.run(program, group, info.is_last).then(record)
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -277,7 +286,10 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     then matrices worth compressing travel as rank-``r`` factors and the rest
     as they are, in two all-reduces per bucket (uncompressed gradients with
     the ``P`` factors, then the ``Q`` factors) instead of PyTorch's three.
-    Works with any number of buckets on any backend.
+    Works with any number of buckets on any backend. A bucket's second
+    all-reduce is issued in the next bucket's call (in the last bucket's, all
+    remaining ones), so, as under DDP, call the hook for every bucket of an
+    iteration before waiting on the futures.
 
     Args:
         state: the model's :class:`PowerSGDState`.
