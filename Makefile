@@ -32,8 +32,8 @@ $(VENV)/.notebooks-installed: pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check zerofn adapters tests benchmarks examples notebooks
-	$(BIN)/ruff format --check zerofn adapters tests benchmarks examples notebooks
+	$(BIN)/ruff check zerofn adapters tests benchmarks examples notebooks/*.py
+	$(BIN)/ruff format --check zerofn adapters tests benchmarks examples notebooks/*.py
 	$(BIN)/mypy
 
 test: lint
