@@ -21,10 +21,21 @@ import torch
 import torch.distributed as dist
 
 from zerofn.comm import AllGather, AllReduce, Program, Request, Response
+from zerofn.hook import BucketInfo
 
-__all__ = ["ProgramPipeline", "drive", "issue"]
+__all__ = ["ProgramPipeline", "bucket_info", "drive", "issue"]
 
 R = TypeVar("R")
+
+
+def bucket_info(bucket: Any, group: Any) -> BucketInfo:
+    """What the core needs to know of a DDP ``GradBucket``."""
+    return BucketInfo(
+        index=bucket.index(),
+        shapes=tuple(tuple(g.shape) for g in bucket.gradients()),
+        world_size=dist.get_world_size(group),
+        is_last=bucket.is_last(),
+    )
 
 
 def _flatten(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:

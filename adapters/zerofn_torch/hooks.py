@@ -28,8 +28,8 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from zerofn import hook as core
 from zerofn import quantization
-from zerofn.hook import BucketInfo, CommHook, HookState
-from zerofn_torch.comm import ProgramPipeline, drive
+from zerofn.hook import CommHook, HookState
+from zerofn_torch.comm import ProgramPipeline, bucket_info, drive
 
 __all__ = [
     "HookRunner",
@@ -55,16 +55,6 @@ G = TypeVar("G")
 B = TypeVar("B")
 
 DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-def bucket_info(bucket: GradBucket, group: Any) -> BucketInfo:
-    """What the core needs to know of a DDP ``GradBucket``."""
-    return BucketInfo(
-        index=bucket.index(),
-        shapes=tuple(tuple(g.shape) for g in bucket.gradients()),
-        world_size=dist.get_world_size(group),
-        is_last=bucket.is_last(),
-    )
 
 
 class HookRunner(Generic[G, B]):

@@ -34,7 +34,7 @@ from zerofn import hook as core
 from zerofn import powersgd
 from zerofn.hook import BucketInfo, HookState
 from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
-from zerofn_torch.comm import ProgramPipeline
+from zerofn_torch.comm import ProgramPipeline, bucket_info
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
@@ -222,15 +222,6 @@ class PowerSGDState:
         return f"PowerSGDState(iter={self.iter}, config={self.config})"
 
 
-def _bucket_info(bucket: GradBucket, group: Any) -> BucketInfo:
-    return BucketInfo(
-        index=bucket.index(),
-        shapes=tuple(tuple(g.shape) for g in bucket.gradients()),
-        world_size=dist.get_world_size(group),
-        is_last=bucket.is_last(),
-    )
-
-
 def _warn_if_awaiting_rebuilt_buckets(hook_state: _State, info: BucketInfo) -> None:
     saved = hook_state.bucket(info.index)
     if hook_state.global_state.restored and not powersgd.fits_bucket(saved, info):
@@ -260,7 +251,7 @@ def _run(
     state: PowerSGDState, hook: PowerSGDHook, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    info = _bucket_info(bucket, group)
+    info = bucket_info(bucket, group)
     with state._lock:
         _warn_if_awaiting_rebuilt_buckets(state.hook_state, info)
         before = state.hook_state.global_state
