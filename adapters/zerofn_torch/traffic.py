@@ -50,9 +50,11 @@ class Traffic:
         return sum(_SEND_FACTOR[k](world_size) * b for k, b in self.payload_bytes.items())
 
 
-def _payload(kind: str, args: tuple[Any, ...]) -> torch.Tensor:
-    # all_gather(output_list, input); every other kind takes its tensor first.
-    tensor: torch.Tensor = args[1] if kind == "all_gather" else args[0]
+def _payload(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    # all_gather(tensor_list, tensor); every other kind takes its tensor first.
+    # Callers such as PyTorch's ZeroRedundancyOptimizer pass it as ``tensor=``.
+    position = 1 if kind == "all_gather" else 0
+    tensor: torch.Tensor = args[position] if len(args) > position else kwargs["tensor"]
     return tensor
 
 
@@ -64,7 +66,7 @@ def collective_traffic() -> Iterator[Traffic]:
 
     def counting(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            tensor = _payload(kind, args)
+            tensor = _payload(kind, args, kwargs)
             traffic.calls[kind] = traffic.calls.get(kind, 0) + 1
             size = tensor.numel() * tensor.element_size()
             traffic.payload_bytes[kind] = traffic.payload_bytes.get(kind, 0) + size

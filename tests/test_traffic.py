@@ -1,0 +1,31 @@
+"""collective_traffic: counts collectives however their tensor is passed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from zerofn_torch.traffic import collective_traffic
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_counts_positional_and_keyword_tensors() -> None:
+    t = torch.zeros(10)  # 40 bytes
+    with collective_traffic() as traffic:
+        dist.all_reduce(t)
+        dist.broadcast(tensor=t, src=0)  # how PyTorch's ZeroRedundancyOptimizer calls it
+        dist.broadcast(t, 0)
+        dist.all_gather([torch.zeros(10)], tensor=t)
+    assert traffic.calls == {"all_reduce": 1, "broadcast": 2, "all_gather": 1}
+    assert traffic.payload_bytes == {"all_reduce": 40, "broadcast": 80, "all_gather": 40}
+    assert traffic.total_calls == 4
+    # Ring estimate on 4 ranks: all-reduce 2*3/4, broadcast 3/4, all-gather 3 per byte.
+    assert traffic.sent_bytes(4) == pytest.approx(40 * 1.5 + 80 * 0.75 + 40 * 3)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_restores_the_collectives() -> None:
+    before = dist.all_reduce
+    with collective_traffic():
+        assert dist.all_reduce is not before
+    assert dist.all_reduce is before
