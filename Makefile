@@ -21,6 +21,11 @@ $(VENV)/.demo-installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e ".[demo]"
 	touch $@
 
+$(VENV)/.bench-installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[bench]"
+	touch $@
+
 $(VENV)/.docs-installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[docs]"
@@ -42,10 +47,9 @@ test: lint
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/demo.py --world-size $(WORLD)
 
-bench: $(VENV)/.test-installed
-	$(BIN)/python benchmarks/bench_zero.py
-	$(BIN)/python benchmarks/bench_hooks.py
-	$(BIN)/python benchmarks/bench_overlap.py
+# Every benchmark in one run; rewrites docs/benchmarks.md and docs/img/benchmarks.png.
+bench: $(VENV)/.bench-installed
+	$(BIN)/python benchmarks/run_all.py
 
 docs: $(VENV)/.docs-installed
 	$(BIN)/mkdocs build --strict --site-dir site

@@ -18,14 +18,13 @@ Prints Markdown; no timing is asserted anywhere. (No postponed annotations in
 this file: DDP checks a hook's annotations when it is registered.)
 """
 
-import argparse
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from report import Headline, Section, Spread, md_table, paired_ratios, standalone_main
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.hooks import PowerSGDState, allreduce_hook, powerSGD_hook
@@ -112,30 +111,66 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="PowerSGD DDP iteration: zerofn vs PyTorch")
-    parser.add_argument("--quick", action="store_true", help="small model, few rounds")
-    parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args(argv)
-    width, depth, rounds = (256, 4, 4) if args.quick else (1024, 4, args.rounds)
+def bench_powersgd(quick: bool) -> Section:
+    width, depth, rounds = (256, 4, 4) if quick else (1024, 4, 20)
     r0 = run_local_world(_rank, 2, width, depth, rounds)[0]
-    med = {k: statistics.median(v) for k, v in r0["times"].items()}
-    buckets = r0["counted"]["plain all-reduce"]["calls"]
-    print(
-        f"## DDP + PowerSGD (rank {RANK}), 2 gloo ranks, {r0['numel'] / 1e6:.1f}M parameters, "
-        f"{buckets} buckets, {rounds} rounds alternating\n"
+    times = {name: Spread.of(t).scaled(1e3) for name, t in r0["times"].items()}
+    counted = r0["counted"]
+    buckets = counted["plain all-reduce"]["calls"]
+    table = md_table(
+        ["implementation", "iteration (ms): median [q1, q3]", "collectives / iteration", "bytes"],
+        [
+            [
+                name,
+                times[name].fmt(1) if name in times else "-",
+                counted[name]["calls"],
+                f"{counted[name]['bytes']:,}",
+            ]
+            for name in ("zerofn", "pytorch", "plain all-reduce")
+        ],
     )
-    print(
-        "| implementation | iteration median (ms) | collectives / iteration | bytes / iteration |"
+    model = f"MLP {r0['numel'] / 1e6:.1f}M params, {buckets} buckets, 2 gloo ranks"
+    step = paired_ratios(r0["times"]["zerofn"], r0["times"]["pytorch"])
+    sent = counted["zerofn"]["bytes"] / counted["pytorch"]["bytes"]
+    compressed = counted["zerofn"]["bytes"] / counted["plain all-reduce"]["bytes"]
+    headlines = [
+        Headline(
+            f"DDP + PowerSGD rank {RANK} ({model})",
+            "iteration time: zerofn / PyTorch",
+            step,
+            "<= 0.9",
+            step.median <= 0.9,
+            short="DDP + PowerSGD",
+        ),
+        Headline(
+            f"DDP + PowerSGD rank {RANK} ({model})",
+            "bytes per iteration: zerofn / PyTorch",
+            Spread.exact(sent),
+            "<= 1.0",
+            sent <= 1.0,
+        ),
+        Headline(
+            f"DDP + PowerSGD rank {RANK} ({model})",
+            "bytes per iteration: zerofn PowerSGD / plain all-reduce",
+            Spread.exact(compressed),
+        ),
+    ]
+    body = "\n\n".join(
+        [
+            f"{r0['numel'] / 1e6:.1f}M parameters in {buckets} DDP buckets, rank {RANK} from "
+            f"iteration {START_ITER}; {rounds} timed rounds after warm-up, the two "
+            "implementations alternating (order flipping each round); forward + backward "
+            "timed on rank 0 after a barrier. Bytes are those handed to `all_reduce` / "
+            "`all_gather` by one rank in one iteration.",
+            table,
+            f"zerofn / PyTorch iteration time, round by round: {step.fmt()} (median [q1, q3]).",
+        ]
     )
-    print("| --- | ---: | ---: | ---: |")
-    for name in ("zerofn", "pytorch", "plain all-reduce"):
-        c = r0["counted"][name]
-        ms = f"{med[name] * 1e3:.1f}" if name in med else ""
-        print(f"| {name} | {ms} | {c['calls']} | {c['bytes']:,} |")
-    ratio = med["zerofn"] / med["pytorch"]
-    print(f"\nzerofn / PyTorch iteration time: **{ratio:.2f}** (target <= 0.9)")
+    return Section("DDP + PowerSGD iteration (2 gloo ranks, CPU)", body, headlines)
+
+
+BENCHES: dict[str, Callable[[bool], Section]] = {"powersgd": bench_powersgd}
 
 
 if __name__ == "__main__":
-    main()
+    standalone_main(BENCHES, __doc__)

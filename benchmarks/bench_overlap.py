@@ -1,28 +1,31 @@
-"""DDP + ZeRO: the step overlapped with backward against a separate step, in one run.
+"""DDP + ZeRO: the step overlapped with backward against separate steps, in one run.
 
-Two gloo ranks on CPU train identical MLPs (Adam). One runs zerofn's
+Two gloo ranks on CPU train identical MLPs (Adam) three ways: zerofn's
 ``hook_with_zero_step`` around the plain averaging hook (gradients reduced to
-their owner, updated parameters broadcast back); the other runs DDP with the
-averaging hook and then ``ZeroRedundancyOptimizer.step()`` (all-reduce, then
-the shard exchange). They take turns iteration by iteration after DDP has
-fixed its buckets; each timed iteration is forward + backward (+ step).
+their owner, updated parameters broadcast back, all inside backward); DDP with
+the averaging hook and then zerofn's ``ZeroRedundancyOptimizer.step()``; and
+DDP with PyTorch's averaging hook and then PyTorch's
+``ZeroRedundancyOptimizer.step()`` (all-reduce, then the shard exchange).
+PyTorch's own overlap hooks refuse gloo, so its separate step is the best it
+offers here. The three take turns iteration by iteration after DDP has fixed
+its buckets; each timed iteration is forward + backward (+ step).
 
 Bytes per iteration and rank are counted from the collectives each side calls,
 weighted by what a ring sends per payload byte on 2 ranks (all-reduce 1.0,
 reduce 0.5, broadcast 0.5), and compared with one all-reduce of the gradients.
-PyTorch's own overlap hooks refuse gloo, so they are not in this table.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from report import Headline, Section, Spread, md_table, paired_ratios, standalone_main
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.hooks import allreduce_hook
@@ -52,6 +55,9 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
     separate = DDP(make_model(width, depth), bucket_cap_mb=4)
     separate.register_comm_hook(None, allreduce_hook)
     zero_s = ZeroRedundancyOptimizer(separate.parameters(), torch.optim.Adam, lr=1e-3)
+    theirs = DDP(make_model(width, depth), bucket_cap_mb=4)
+    theirs.register_comm_hook(None, torch_default_hooks.allreduce_hook)  # counted, unlike C++'s
+    zero_t = TorchZero(theirs.parameters(), torch.optim.Adam, lr=1e-3)
     batch = torch.randn(32, width, generator=torch.Generator().manual_seed(rank))
 
     def run_overlapped() -> None:
@@ -63,11 +69,18 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
         separate(batch).square().mean().backward()
         zero_s.step()
 
-    runs = {"overlapped": run_overlapped, "separate": run_separate}
+    def run_pytorch() -> None:
+        zero_t.zero_grad()
+        theirs(batch).square().mean().backward()
+        zero_t.step()
+
+    runs = {"overlapped": run_overlapped, "separate": run_separate, "pytorch": run_pytorch}
+    names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in runs}
     warmup = 3  # DDP fixes its buckets after the first iteration
     for r in range(warmup + rounds):
-        for name in list(runs)[:: 1 if r % 2 else -1]:
+        for k in range(len(names)):
+            name = names[(k + r) % len(names)]  # rotate who goes first
             dist.barrier()
             start = time.perf_counter()
             runs[name]()
@@ -76,31 +89,75 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
     wire = {name: wire_bytes(fn) for name, fn in runs.items()}
     diff = max(
         (p - q).abs().max().item()
-        for p, q in zip(overlapped.parameters(), separate.parameters(), strict=True)
+        for other in (separate, theirs)
+        for p, q in zip(overlapped.parameters(), other.parameters(), strict=True)
     )
     grad_bytes = sum(p.numel() * p.element_size() for p in separate.parameters())
     return {"times": times, "wire": wire, "grad_bytes": grad_bytes, "diff": diff}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="small model, few rounds")
-    parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args(argv)
-    width, depth, rounds = (256, 4, 4) if args.quick else (1024, 8, args.rounds)
+def bench_overlap(quick: bool) -> Section:
+    width, depth, rounds = (256, 4, 4) if quick else (1024, 8, 20)
     r0 = run_local_world(_rank, 2, width, depth, rounds)[0]
-    med = {name: statistics.median(t) for name, t in r0["times"].items()}
+    times = {name: Spread.of(t).scaled(1e3) for name, t in r0["times"].items()}
     one_allreduce = 1.0 * r0["grad_bytes"]  # 2(N-1)/N of the gradients, N = 2
-    print(f"## DDP + ZeRO (Adam), 2 gloo ranks, {r0['grad_bytes'] / 4e6:.1f}M parameters\n")
-    print("| iteration | median (ms) | bytes sent / rank | vs one all-reduce |")
-    print("| --- | ---: | ---: | ---: |")
-    for name in ("overlapped", "separate"):
-        wire = r0["wire"][name]
-        print(f"| {name} | {med[name] * 1e3:.1f} | {wire:,.0f} | {wire / one_allreduce:.2f}x |")
-    ratio = med["overlapped"] / med["separate"]
-    print(f"\noverlapped / separate iteration time: **{ratio:.2f}** (target <= 1.0)")
-    print(f"largest parameter difference between the two: {r0['diff']:.3g}")
+    table = md_table(
+        ["iteration", "time (ms): median [q1, q3]", "bytes sent / rank", "vs one all-reduce"],
+        [
+            [
+                name,
+                times[name].fmt(1),
+                f"{r0['wire'][name]:,.0f}",
+                f"{r0['wire'][name] / one_allreduce:.2f}x",
+            ]
+            for name in r0["times"]
+        ],
+    )
+    model = f"DDP + ZeRO overlap (Adam, MLP {r0['grad_bytes'] / 4e6:.1f}M params, 2 gloo ranks)"
+    headlines = []
+    for other, label in (
+        ("pytorch", "PyTorch's separate step"),
+        ("separate", "zerofn's separate step"),
+    ):
+        step = paired_ratios(r0["times"]["overlapped"], r0["times"][other])
+        headlines.append(
+            Headline(
+                model,
+                f"iteration time: overlapped / {label}",
+                step,
+                "<= 1.0",
+                step.median <= 1.0,
+                short="DDP + ZeRO overlap",
+            )
+        )
+    against_one = r0["wire"]["overlapped"] / one_allreduce
+    headlines.append(
+        Headline(
+            model,
+            "bytes per iteration: overlapped / one all-reduce of the gradients",
+            Spread.exact(against_one),
+            "= 1.0",
+            abs(against_one - 1.0) < 0.01,
+        )
+    )
+    body = "\n\n".join(
+        [
+            f"{rounds} timed rounds after 3 warm-up iterations, the three setups taking turns "
+            "(who goes first rotates each round): zerofn's overlapped step, DDP + zerofn's "
+            "`step()` after backward ('separate'), and DDP + PyTorch's "
+            "`ZeroRedundancyOptimizer.step()` after backward ('pytorch'); "
+            "forward + backward (+ step) timed on rank 0 after a barrier. Bytes sent by one "
+            "rank, from the collectives it called, weighted as a ring on 2 ranks sends them "
+            "(all-reduce 1.0, reduce and broadcast 0.5 per payload byte).",
+            table,
+            f"Largest parameter difference between the three after the run: {r0['diff']:.3g}.",
+        ]
+    )
+    return Section("DDP + ZeRO: step overlapped with backward (2 gloo ranks, CPU)", body, headlines)
+
+
+BENCHES: dict[str, Callable[[bool], Section]] = {"overlap": bench_overlap}
 
 
 if __name__ == "__main__":
-    main()
+    standalone_main(BENCHES, __doc__)

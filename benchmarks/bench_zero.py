@@ -30,73 +30,41 @@ Sections:
    ``assign_buckets(shard_buckets=True)`` for 1k / 10k / 100k parameters at
    world sizes 2 / 8 / 64: how planning cost grows with model and world size.
 
-Run ``python benchmarks/bench_zero.py`` (``make bench``); ``--quick`` shrinks
-every section for a smoke run. Tables go to stdout and to ``--out``
-(``benchmarks/results.md`` by default; ``--out ''`` writes nothing).
+Run ``python benchmarks/bench_zero.py`` for these sections alone (``--quick``
+shrinks each for a smoke run, ``--only NAME`` picks some); ``make bench`` runs
+them with the hook and overlap benchmarks through ``run_all.py``, which writes
+the combined page ``docs/benchmarks.md`` and its figure.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
+from report import (
+    Curve,
+    Headline,
+    Panel,
+    Section,
+    Spread,
+    fmt_bytes,
+    md_table,
+    paired_ratios,
+    standalone_main,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.launch import run_local_world
+from zerofn_torch.traffic import collective_traffic
 
 from zerofn.ddp_buckets import assign_buckets
 from zerofn.partition import balanced_partition, flat_partition, greedy_partition, rank_loads
-
-# ----------------------------------------------------------------------------
-# Markdown helpers
-# ----------------------------------------------------------------------------
-
-
-def _numeric(value: object) -> bool:
-    if isinstance(value, int | float):
-        return True
-    try:
-        float(str(value).replace(",", "").removesuffix("x"))
-    except ValueError:
-        return False
-    return True
-
-
-def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub-flavoured Markdown table; numeric columns right-aligned."""
-    aligns = [
-        "---:" if rows and all(_numeric(row[i]) for row in rows) else "---"
-        for i in range(len(header))
-    ]
-    lines = [
-        "| " + " | ".join(header) + " |",
-        "| " + " | ".join(aligns) + " |",
-    ]
-    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def fmt_bytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
-    """(q1, median, q3) of ``xs``."""
-    if len(xs) < 2:
-        return xs[0], xs[0], xs[0]
-    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return q1, q2, q3
-
 
 # ----------------------------------------------------------------------------
 # 1. ZeRO step on 2 gloo ranks
@@ -198,9 +166,15 @@ def _zero_step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup
         for params in copies[1:]
         for p, q in zip(params, reference, strict=True)
     )
+    traffic = []
+    for opt in optimizers:
+        with collective_traffic() as counted:
+            opt.step()
+        traffic.append({"calls": counted.total_calls, "sent": counted.sent_bytes(world_size)})
     return {
         "times": times,
         "exchange_times": exchange_times,
+        "traffic": traffic,
         "state_bytes": [state_bytes(opt.optim) for opt in optimizers],  # type: ignore[attr-defined]
         "max_diff": max_diff,
         "numel": sum(t.numel() for t in init),
@@ -208,83 +182,99 @@ def _zero_step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup
     }
 
 
-def bench_zero_step(quick: bool, rounds: int | None = None) -> str:
+def _impl_index(impl: str, bucket_view: bool) -> int:
+    return next(i for i, (_, name, bv) in enumerate(IMPLS) if name == impl and bv == bucket_view)
+
+
+def bench_zero_step(quick: bool, rounds: int | None = None) -> Section:
     world_size = 2
     default_rounds, warmup = (5, 1) if quick else (25, 3)
     rounds = rounds or default_rounds
     results = run_local_world(_zero_step_rank, world_size, quick, rounds, warmup)
     r0 = results[0]
-    stats = [quartiles(t) for t in r0["times"]]
-    xstats = [quartiles(t) for t in r0["exchange_times"]]
-    rows: list[list[object]] = []
-    for i, (label, _impl, _bv) in enumerate(IMPLS):
-        (q1, med, q3), (xq1, xmed, xq3) = stats[i], xstats[i]
-        rows.append(
-            [
-                label,
-                f"{med * 1e3:.1f}",
-                f"{(q3 - q1) * 1e3:.1f}",
-                f"{min(r0['times'][i]) * 1e3:.1f}",
-                f"{xmed * 1e3:.1f}",
-                f"{(xq3 - xq1) * 1e3:.1f}",
-            ]
-        )
+    steps = [Spread.of(t).scaled(1e3) for t in r0["times"]]
+    exchanges = [Spread.of(t).scaled(1e3) for t in r0["exchange_times"]]
     timing = md_table(
         [
             "implementation",
-            "step: median (ms)",
-            "step: IQR (ms)",
+            "step (ms): median [q1, q3]",
             "step: min (ms)",
-            "exchange only: median (ms)",
-            "exchange only: IQR (ms)",
+            "exchange only (ms): median [q1, q3]",
+            "collectives / step",
+            "bytes sent / step / rank",
         ],
-        rows,
+        [
+            [
+                label,
+                steps[i].fmt(1),
+                f"{min(r0['times'][i]) * 1e3:.1f}",
+                exchanges[i].fmt(1),
+                r0["traffic"][i]["calls"],
+                fmt_bytes(r0["traffic"][i]["sent"]),
+            ]
+            for i, (label, _impl, _bv) in enumerate(IMPLS)
+        ],
     )
 
+    model = f"Adam, {r0['numel'] / 1e6:.1f}M params in {r0['tensors']} tensors, 2 gloo ranks"
+    headlines: list[Headline] = []
     ratio_rows: list[list[object]] = []
     for bv in (False, True):
-        z = next(i for i, (_, impl, b) in enumerate(IMPLS) if impl == "zerofn" and b == bv)
-        t = next(i for i, (_, impl, b) in enumerate(IMPLS) if impl == "torch" and b == bv)
-        ratio = stats[z][1] / stats[t][1]
+        z, t = _impl_index("zerofn", bv), _impl_index("torch", bv)
+        step = paired_ratios(r0["times"][z], r0["times"][t])
+        exchange = paired_ratios(r0["exchange_times"][z], r0["exchange_times"][t])
+        sent = r0["traffic"][z]["sent"] / r0["traffic"][t]["sent"]
         ratio_rows.append(
-            [
-                f"parameters_as_bucket_view={bv}",
-                f"{ratio:.2f}",
-                "yes" if ratio <= 0.8 else "no",
-                f"{min(r0['times'][z]) / min(r0['times'][t]):.2f}",
-                f"{xstats[z][1] / xstats[t][1]:.2f}",
-            ]
+            [f"parameters_as_bucket_view={bv}", step.fmt(), exchange.fmt(), f"{sent:.2f}"]
+        )
+        headlines.append(
+            Headline(
+                f"ZeRO step ({model}, bucket_view={bv})",
+                "step time: zerofn / PyTorch",
+                step,
+                "<= 0.8",
+                step.median <= 0.8,
+                short=f"ZeRO step, bucket_view={bv}",
+            )
+        )
+        headlines.append(
+            Headline(
+                f"ZeRO step ({model}, bucket_view={bv})",
+                "bytes sent per step: zerofn / PyTorch",
+                Spread.exact(sent),
+            )
         )
     ratios = md_table(
         [
             "setting",
-            "step: zerofn / PyTorch (medians)",
-            "<= 0.8 (target)",
-            "step: ratio of minima",
-            "exchange only: ratio of medians",
+            "step time: zerofn / PyTorch",
+            "exchange only: zerofn / PyTorch",
+            "bytes sent: zerofn / PyTorch",
         ],
         ratio_rows,
     )
 
-    mem_rows: list[list[object]] = []
-    for i, (label, _impl, _bv) in enumerate(IMPLS):
-        mem_rows.append([label, *(fmt_bytes(res["state_bytes"][i]) for res in results)])
     memory = md_table(
-        ["implementation", *(f"rank {r} optimizer state" for r in range(world_size))], mem_rows
+        ["implementation", *(f"rank {r} optimizer state" for r in range(world_size))],
+        [
+            [label, *(fmt_bytes(res["state_bytes"][i]) for res in results)]
+            for i, (label, _impl, _bv) in enumerate(IMPLS)
+        ],
     )
     diff = max(res["max_diff"] for res in results)
-    return "\n\n".join(
+    body = "\n\n".join(
         [
-            "## 1. ZeRO step (2 gloo ranks, CPU, Adam)",
             f"Model: {r0['numel'] / 1e6:.1f}M parameters in {r0['tensors']} tensors; "
             f"{warmup} warm-up rounds, {rounds} timed rounds, implementations alternating "
             "step by step; `opt.step()` timed on rank 0 after a barrier; one thread per rank. "
             "'Exchange only' times, in separate alternating rounds, just the shard exchange "
-            "that follows the local Adam update (zerofn's `_send_shards` + `_receive`, PyTorch's "
-            "`_sync_params`; both private), to separate communication from the optimizer "
-            "math that both run identically. The minimum is the least disturbed sample "
-            "when other processes share the cores; compare it with the median.",
+            "that follows the local Adam update (zerofn's `_send_shards` + `_receive`, "
+            "PyTorch's `_sync_params`; both private), to separate communication from the "
+            "optimizer math that both run identically. The minimum is the least disturbed "
+            "sample when other processes share the cores; compare it with the median. "
+            "Collectives and bytes are counted over one more step of each.",
             timing,
+            "Ratios taken round by round (median [q1, q3] over rounds):",
             ratios,
             "Per-rank optimizer state (sum of tensor bytes in `opt.optim.state`):",
             memory,
@@ -292,6 +282,7 @@ def bench_zero_step(quick: bool, rounds: int | None = None) -> str:
             f"{diff:.3g} (same Adam on the same gradients).",
         ]
     )
+    return Section("ZeRO step (2 gloo ranks, CPU, Adam)", body, headlines)
 
 
 # ----------------------------------------------------------------------------
@@ -355,65 +346,103 @@ MODES: tuple[tuple[str, Callable[[Sequence[Sequence[int]], int], Any]], ...] = (
 )
 
 
-def _imbalance_rows(
-    label: str, models: Sequence[Sequence[int]], ws: int
-) -> tuple[list[list[object]], int, int]:
-    """Mean and worst rows for ``models`` at ``ws``; also how often balanced
-    was lighter / heavier than greedy."""
-    per_mode: list[list[float]] = [[] for _ in MODES]
-    bounds: list[float] = []
-    lighter = heavier = 0
-    for sizes in models:
-        loads = [rank_loads(fn([sizes], ws)) for _, fn in MODES]
-        lighter += max(loads[1]) < max(loads[0])
-        heavier += max(loads[1]) > max(loads[0])
-        for k, ld in enumerate(loads):
-            per_mode[k].append(imbalance(ld))
-        bounds.append(whole_tensor_bound(sizes, ws))
-    rows: list[list[object]] = [
-        [
-            f"{label}: mean",
-            ws,
-            *(f"{statistics.fmean(v):.3f}" for v in per_mode),
-            f"{statistics.fmean(bounds):.3f}",
-            lighter,
-        ],
-        [
-            f"{label}: worst",
-            ws,
-            *(f"{max(v):.3f}" for v in per_mode),
-            f"{max(bounds):.3f}",
-            "",
-        ],
-    ]
-    return rows, lighter, heavier
+@attrs.frozen
+class ImbalanceSample:
+    """Imbalance of each partition mode over a family of models at one world size."""
+
+    per_mode: dict[str, list[float]]  # mode -> one imbalance per model
+    bounds: list[float]
+
+    @classmethod
+    def measure(cls, models: Sequence[Sequence[int]], world_size: int) -> ImbalanceSample:
+        per_mode: dict[str, list[float]] = {name: [] for name, _ in MODES}
+        for sizes in models:
+            for name, fn in MODES:
+                per_mode[name].append(imbalance(rank_loads(fn([sizes], world_size))))
+        return cls(per_mode, [whole_tensor_bound(sizes, world_size) for sizes in models])
+
+    def count(self, better: str, than: str) -> int:
+        """Models where ``better`` left a strictly lighter heaviest rank."""
+        pairs = zip(self.per_mode[better], self.per_mode[than], strict=True)
+        return sum(b < t for b, t in pairs)
+
+    def rows(self, label: str, world_size: int) -> list[list[object]]:
+        modes = [name for name, _ in MODES]
+        return [
+            [
+                f"{label}: mean",
+                world_size,
+                *(f"{statistics.fmean(self.per_mode[m]):.3f}" for m in modes),
+                f"{statistics.fmean(self.bounds):.3f}",
+                self.count("balanced", "greedy"),
+            ],
+            [
+                f"{label}: worst",
+                world_size,
+                *(f"{max(self.per_mode[m]):.3f}" for m in modes),
+                f"{max(self.bounds):.3f}",
+                "",
+            ],
+        ]
 
 
-def bench_imbalance(quick: bool) -> str:
+def bench_imbalance(quick: bool) -> Section:
     world_sizes = (2, 8, 64)
     n_models = 40 if quick else 200
     rng = random.Random(12345)
     models = [random_model(rng) for _ in range(n_models)]
     gpt2 = gpt2_small_sizes()
+    gpt2_label = f"GPT-2 small ({sum(gpt2) / 1e6:.1f}M, {len(gpt2)} tensors)"
     rows: list[list[object]] = []
+    headlines: list[Headline] = []
+    curves: dict[str, list[float]] = {}
     heavier_total = 0
     for ws in world_sizes:
-        r = [imbalance(rank_loads(fn([gpt2], ws))) for _, fn in MODES]
+        gpt2_sample = ImbalanceSample.measure([gpt2], ws)
         rows.append(
             [
-                f"GPT-2 small ({sum(gpt2) / 1e6:.1f}M, {len(gpt2)} tensors)",
+                gpt2_label,
                 ws,
-                *(f"{x:.3f}" for x in r),
-                f"{whole_tensor_bound(gpt2, ws):.3f}",
-                int(r[1] < r[0]),
+                *(f"{gpt2_sample.per_mode[m][0]:.3f}" for m, _ in MODES),
+                f"{gpt2_sample.bounds[0]:.3f}",
+                gpt2_sample.count("balanced", "greedy"),
             ]
         )
-        mixed, _, heavier = _imbalance_rows(f"{n_models} random models", models, ws)
-        heavier_total += heavier
-        few = [few_per_rank_model(rng, ws) for _ in range(n_models)]
-        sparse, _, heavier = _imbalance_rows(f"{n_models} models, 1-3 tensors/rank", few, ws)
-        heavier_total += heavier
-        rows += mixed + sparse
+        mixed = ImbalanceSample.measure(models, ws)
+        few = ImbalanceSample.measure([few_per_rank_model(rng, ws) for _ in range(n_models)], ws)
+        rows += mixed.rows(f"{n_models} random models", ws)
+        rows += few.rows(f"{n_models} models, 1-3 tensors/rank", ws)
+        heavier_total += mixed.count("greedy", "balanced") + few.count("greedy", "balanced")
+        for mode, _ in MODES:
+            curves.setdefault(f"GPT-2 small, {mode}", []).append(gpt2_sample.per_mode[mode][0])
+            curves.setdefault(f"random models (mean), {mode}", []).append(
+                statistics.fmean(mixed.per_mode[mode])
+            )
+        if ws == 8:
+            g = gpt2_sample.per_mode
+            headlines.append(
+                Headline(
+                    f"partition, {gpt2_label}, 8 ranks",
+                    "heaviest rank: flat / greedy (PyTorch's)",
+                    Spread.exact(g["flat"][0] / g["greedy"][0]),
+                )
+            )
+            for mode in ("balanced", "flat"):
+                # Neither may ever leave a heavier rank than greedy, in either family.
+                versus_greedy = [
+                    b / a
+                    for sample in (mixed, few)
+                    for a, b in zip(sample.per_mode["greedy"], sample.per_mode[mode], strict=True)
+                ]
+                headlines.append(
+                    Headline(
+                        f"partition, {n_models} random models, 8 ranks",
+                        f"heaviest rank: {mode} / greedy (spread over models)",
+                        paired_ratios(mixed.per_mode[mode], mixed.per_mode["greedy"]),
+                        "never above 1.0",
+                        max(versus_greedy) <= 1.0,
+                    )
+                )
     table = md_table(
         [
             "model",
@@ -426,9 +455,8 @@ def bench_imbalance(quick: bool) -> str:
         ],
         rows,
     )
-    return "\n\n".join(
+    body = "\n\n".join(
         [
-            "## 2. Partition imbalance: max rank load / (total / world size)",
             "1.0 is a perfect split. No whole-tensor partition (greedy, balanced) can go below "
             "the bound max(largest tensor, ideal) / ideal; flat splits tensors and reaches 1.0. "
             "Random models (seeded `random`): 4-400 tensors of mixed shapes, 30% with one "
@@ -438,6 +466,17 @@ def bench_imbalance(quick: bool) -> str:
             f"Models where balanced was heavier than greedy: {heavier_total} "
             f"(over {2 * n_models * len(world_sizes)} random models and world sizes).",
         ]
+    )
+    panel = Panel(
+        "Partition imbalance (1.0 = perfect)",
+        "world size",
+        "heaviest rank / ideal share",
+        [Curve(label, world_sizes, ys) for label, ys in curves.items()],
+        log_x=True,
+        log_y=True,
+    )
+    return Section(
+        "Partition imbalance: max rank load / (total / world size)", body, headlines, [panel]
     )
 
 
@@ -461,33 +500,51 @@ def ddp_buckets(sizes: Sequence[int]) -> list[list[int]]:
     return buckets
 
 
-def median_time(repeats: int, fn: Callable[..., object], *args: Any, **kwargs: Any) -> float:
-    """Median wall time of ``fn(*args, **kwargs)`` over ``repeats`` calls."""
+def timed(repeats: int, fn: Callable[..., object], *args: Any, **kwargs: Any) -> Spread:
+    """Wall time of ``fn(*args, **kwargs)`` over ``repeats`` calls."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn(*args, **kwargs)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return Spread.of(times)
 
 
-def bench_scaling(quick: bool) -> str:
+SCALED: tuple[tuple[str, Callable[..., object]], ...] = (
+    ("greedy", greedy_partition),
+    ("balanced", balanced_partition),
+    ("flat", flat_partition),
+    ("assign_buckets", assign_buckets),
+)
+
+
+def bench_scaling(quick: bool) -> Section:
     counts = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
     world_sizes = (2, 8, 64)
     rng = random.Random(7)
     rows: list[list[object]] = []
+    at_8: dict[str, list[float]] = {name: [] for name, _ in SCALED}
     for n in counts:
         sizes = [int(2 ** rng.uniform(0, 20)) for _ in range(n)]
         buckets = ddp_buckets(sizes)
         repeats = 5 if n <= 10_000 else 3
         for ws in world_sizes:
-            timings = [
-                median_time(repeats, greedy_partition, [sizes], ws),
-                median_time(repeats, balanced_partition, [sizes], ws),
-                median_time(repeats, flat_partition, [sizes], ws),
-                median_time(repeats, assign_buckets, buckets, ws, shard_buckets=True),
-            ]
-            rows.append([f"{n:,}", len(buckets), ws, *(f"{t:.4f}" for t in timings)])
+            timings = {
+                name: timed(repeats, fn, buckets, ws, shard_buckets=True)
+                if name == "assign_buckets"
+                else timed(repeats, fn, [sizes], ws)
+                for name, fn in SCALED
+            }
+            rows.append(
+                [f"{n:,}", len(buckets), ws, *(f"{t.median:.4f}" for t in timings.values())]
+            )
+            if ws == 8:
+                for name, t in timings.items():
+                    at_8[name].append(t.median)
+            if n == counts[-1] and ws == world_sizes[-1]:
+                # What ZeroRedundancyOptimizer(partition="greedy") plans on a model of
+                # this size under overlap_with_ddp: the partition and the bucket split.
+                plan = timings["greedy"].median + timings["assign_buckets"].median
     table = md_table(
         [
             "parameters",
@@ -500,81 +557,52 @@ def bench_scaling(quick: bool) -> str:
         ],
         rows,
     )
-    growth = ""
-    if len(counts) >= 2:
-        names = ("greedy", "balanced", "flat", "assign_buckets")
-        lo, hi = counts[-2], counts[-1]
-        at = {(row[0], row[2]): row[3:] for row in rows}
-        factors = [
-            float(str(at[(f"{hi:,}", 8)][k])) / max(float(str(at[(f"{lo:,}", 8)][k])), 1e-9)
-            for k in range(len(names))
-        ]
-        growth = (
-            f"Growth from {lo:,} to {hi:,} parameters at world size 8: "
-            + ", ".join(f"{n} x{f:.0f}" for n, f in zip(names, factors, strict=True))
-            + f" (x{hi // lo} would be linear)."
+    lo, hi = counts[-2], counts[-1]
+    headlines = [
+        Headline(
+            f"core scaling, {lo:,} to {hi:,} parameters, 8 ranks",
+            f"{name} time: {hi:,} / {lo:,} parameters",
+            Spread.exact(times[-1] / max(times[-2], 1e-9)),
+            f"~{hi // lo} (linear)",
         )
-    return "\n\n".join(
+        for name, times in at_8.items()
+    ]
+    headlines.append(
+        Headline(
+            f"core scaling, {counts[-1]:,} parameters, {world_sizes[-1]} ranks",
+            "greedy_partition + assign_buckets (s)",
+            Spread.exact(plan),
+            "well under 1 s",
+            plan < 0.5,
+        )
+    )
+    body = "\n\n".join(
         [
-            "## 3. Core scaling: seconds per call (median of 3-5)",
-            "Parameter sizes log-uniform in [1, 2^20); buckets are consecutive runs of "
-            "at most 25 MiB of fp32, as DDP's default.",
+            "Median of 3-5 calls. Parameter sizes log-uniform in [1, 2^20); buckets are "
+            "consecutive runs of at most 25 MiB of fp32, as DDP's default.",
             table,
-            *([growth] if growth else []),
         ]
     )
+    panel = Panel(
+        "Core planning time, 8 ranks",
+        "parameters",
+        "seconds per call",
+        [Curve(name, counts, times) for name, times in at_8.items()],
+        log_x=True,
+        log_y=True,
+    )
+    return Section("Core scaling: seconds per call", body, headlines, [panel])
 
 
 # ----------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="small model, few rounds")
-    parser.add_argument(
-        "--out",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.md"),
-        help="Markdown file for the tables ('' to skip)",
-    )
-    parser.add_argument("--rounds", type=int, help="timed rounds of the ZeRO step (default 25)")
-    parser.add_argument(
-        "--only", choices=("step", "imbalance", "scaling"), action="append", help="sections"
-    )
-    args = parser.parse_args(argv)
-    sections = args.only or ["step", "imbalance", "scaling"]
-
-    started = time.perf_counter()
-    header = "\n".join(
-        [
-            "# zerofn benchmarks" + (" (--quick)" if args.quick else ""),
-            "",
-            f"{datetime.date.today().isoformat()}; torch {torch.__version__}; "
-            f"Python {platform.python_version()}; {os.cpu_count()} CPU cores; "
-            f"{platform.machine()}.",
-        ]
-    )
-    print(header, flush=True)
-    parts = [header]
-    benches: dict[str, Callable[[bool], str]] = {
-        "step": lambda quick: bench_zero_step(quick, args.rounds),
-        "imbalance": bench_imbalance,
-        "scaling": bench_scaling,
-    }
-    for name in ("step", "imbalance", "scaling"):
-        if name in sections:
-            t0 = time.perf_counter()
-            text = benches[name](args.quick)
-            text += f"\n\n_section took {time.perf_counter() - t0:.1f} s_"
-            print("\n" + text, flush=True)
-            parts.append(text)
-    footer = f"Total: {time.perf_counter() - started:.1f} s."
-    print("\n" + footer)
-    parts.append(footer)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write("\n\n".join(parts) + "\n")
-        print(f"(written to {args.out})", file=sys.stderr)
+BENCHES: dict[str, Callable[[bool], Section]] = {
+    "zero-step": bench_zero_step,
+    "imbalance": bench_imbalance,
+    "scaling": bench_scaling,
+}
 
 
 if __name__ == "__main__":
-    main()
+    standalone_main(BENCHES, __doc__)

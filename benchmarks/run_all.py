@@ -1,0 +1,155 @@
+"""``make bench``: every benchmark in one run, written to one page and one figure.
+
+Runs the ZeRO step, DDP + PowerSGD, overlap, partition imbalance and core
+scaling benchmarks (each also runnable alone: ``bench_zero.py``,
+``bench_hooks.py``, ``bench_overlap.py``), prints each section as it ends, and
+writes:
+
+* ``docs/benchmarks.md``: the summary table (every ratio with its spread and
+  its target), the figure, then each benchmark's own tables. It is the docs
+  site's benchmark page, so a fresh ``make bench`` updates the site.
+* ``docs/img/benchmarks.png``: the summary ratios with their interquartile
+  ranges, partition imbalance against world size, planning time against model
+  size.
+
+``--quick`` shrinks every benchmark for a smoke run and, unless ``--out`` is
+given, writes under ``benchmarks/out/`` instead of over the committed page.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import bench_hooks
+import bench_overlap
+import bench_zero
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display here or in CI
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from report import Headline, Panel, Section, environment, headline_table, parser_for, run_benches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Order of the page: the comparisons with PyTorch first, then the core alone.
+BENCHES: dict[str, Callable[[bool], Section]] = {
+    "zero-step": bench_zero.bench_zero_step,
+    "powersgd": bench_hooks.bench_powersgd,
+    "overlap": bench_overlap.bench_overlap,
+    "imbalance": bench_zero.bench_imbalance,
+    "scaling": bench_zero.bench_scaling,
+}
+
+
+def page(sections: Sequence[Section], image: str, quick: bool, seconds: float) -> str:
+    """The Markdown page: summary, figure, then every section."""
+    headlines = [h for s in sections for h in s.headlines]
+    parts = [
+        "# Benchmarks" + (" (--quick smoke run)" if quick else ""),
+        "<!-- Written by `make bench` (benchmarks/run_all.py); edit that, not this. -->",
+        f"Measured by `make bench` on {environment()} Every timing is taken with zerofn "
+        "and PyTorch (or two zerofn set-ups) taking turns in the same process group, and "
+        "every ratio's spread is over those rounds: median [first quartile, third "
+        "quartile]. No test asserts on time; these numbers are what this machine showed.",
+        "## Summary",
+        headline_table(headlines),
+        f"![Benchmark summary]({image})",
+        *(s.markdown() for s in sections),
+        f"_All benchmarks took {seconds:.0f} s._",
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _ratio_panel(ax: Axes, headlines: Sequence[Headline]) -> None:
+    rows = [h for h in headlines if "time" in h.measure and h.value.n > 1]
+    labels = [f"{h.short or h.benchmark}: {h.measure.split(':')[1].strip()}" for h in rows]
+    for i, h in enumerate(rows):
+        v = h.value
+        ax.errorbar(
+            v.median,
+            i,
+            xerr=[[v.median - v.q1], [v.q3 - v.median]],
+            fmt="o",
+            color="tab:green" if h.met else "tab:red" if h.met is False else "tab:gray",
+            capsize=3,
+        )
+        if h.target.startswith("<="):
+            ax.plot(float(h.target[2:]), i, marker="|", color="black", markersize=12)
+    ax.axvline(1.0, color="gray", linestyle=":")
+    ax.set_yticks(range(len(rows)), [_short(label) for label in labels], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ratio (median, IQR); | = target; < 1 is better")
+    ax.set_title("Timed ratios (zerofn / PyTorch or alternative)")
+
+
+def _short(label: str, width: int = 60) -> str:
+    return label if len(label) <= width else label[: width - 1] + "…"
+
+
+def _curve_panel(ax: Axes, panel: Panel) -> None:
+    markers = "os^vDx"
+    for i, curve in enumerate(panel.curves):
+        # Curves often coincide (greedy = balanced on most models): shrinking
+        # markers and alternating dashes keep each one visible.
+        ax.plot(
+            curve.x,
+            curve.y,
+            marker=markers[i % len(markers)],
+            markersize=9 - i,
+            linestyle="-" if i % 2 == 0 else "--",
+            label=curve.label,
+        )
+    if panel.log_x:
+        ax.set_xscale("log")
+        ticks = sorted({x for curve in panel.curves for x in curve.x})
+        ax.set_xticks(ticks, [f"{x:,g}" for x in ticks])
+        ax.minorticks_off()
+    if panel.log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(panel.x_label)
+    ax.set_ylabel(panel.y_label)
+    ax.set_title(panel.title)
+    ax.legend(fontsize=6)
+
+
+def figure(sections: Sequence[Section], path: str) -> None:
+    """Write the summary figure: timed ratios, then each section's panels."""
+    panels = [p for s in sections for p in s.panels]
+    fig, axes = plt.subplots(1 + len(panels), 1, figsize=(10, 3.6 * (1 + len(panels))))
+    axes_list = list(axes) if len(panels) else [axes]
+    _ratio_panel(axes_list[0], [h for s in sections for h in s.headlines])
+    for ax, panel in zip(axes_list[1:], panels, strict=True):
+        _curve_panel(ax, panel)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = parser_for(BENCHES, __doc__)
+    parser.add_argument("--out", help="Markdown page (default docs/benchmarks.md)")
+    args = parser.parse_args(argv)
+    out = args.out or (
+        os.path.join(ROOT, "benchmarks", "out", "benchmarks.md")
+        if args.quick
+        else os.path.join(ROOT, "docs", "benchmarks.md")
+    )
+    image = os.path.join("img", "benchmarks.png")
+    print(environment(), flush=True)
+    started = time.perf_counter()
+    sections = run_benches(BENCHES, args.quick, args.only)
+    seconds = time.perf_counter() - started
+    figure(sections, os.path.join(os.path.dirname(out), image))
+    text = page(sections, image, args.quick, seconds)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print("\n## Summary\n\n" + headline_table([h for s in sections for h in s.headlines]))
+    print(f"\n(written to {out} and {os.path.join(os.path.dirname(out), image)})")
+
+
+if __name__ == "__main__":
+    main()
