@@ -53,7 +53,9 @@ def page(sections: Sequence[Section], image: str, quick: bool, seconds: float) -
         f"Measured by `make bench` on {environment()} Every timing is taken with zerofn "
         "and PyTorch (or two zerofn set-ups) taking turns in the same process group, and "
         "every ratio's spread is over those rounds: median [first quartile, third "
-        "quartile]. No test asserts on time; these numbers are what this machine showed.",
+        "quartile]. No test asserts on time; these numbers are what this machine showed. "
+        "Where a target is missed, the feature's page says why: [ZeRO](zero.md#speed), "
+        "[overlap](overlap.md#what-is-better-than-pytorchs), [PowerSGD](powersgd.md#speed).",
         "## Summary",
         headline_table(headlines),
         f"![Benchmark summary]({image})",
@@ -118,12 +120,13 @@ def _curve_panel(ax: Axes, panel: Panel) -> None:
 def figure(sections: Sequence[Section], path: str) -> None:
     """Write the summary figure: timed ratios, then each section's panels."""
     panels = [p for s in sections for p in s.panels]
-    fig, axes = plt.subplots(1 + len(panels), 1, figsize=(10, 3.6 * (1 + len(panels))))
+    fig, axes = plt.subplots(
+        1 + len(panels), 1, figsize=(10, 3.6 * (1 + len(panels))), layout="constrained"
+    )
     axes_list = list(axes) if len(panels) else [axes]
     _ratio_panel(axes_list[0], [h for s in sections for h in s.headlines])
     for ax, panel in zip(axes_list[1:], panels, strict=True):
         _curve_panel(ax, panel)
-    fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
