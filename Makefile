@@ -48,8 +48,10 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/demo.py --world-size $(WORLD)
 
 # Every benchmark in one run; rewrites docs/benchmarks.md and docs/img/benchmarks.png.
+# BENCH_ARGS=--quick: a smoke run (CI) that writes under benchmarks/out/ instead.
+BENCH_ARGS ?=
 bench: $(VENV)/.bench-installed
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 docs: $(VENV)/.docs-installed
 	$(BIN)/mkdocs build --strict --site-dir site
