@@ -18,13 +18,20 @@ Prints Markdown; no timing is asserted anywhere. (No postponed annotations in
 this file: DDP checks a hook's annotations when it is registered.)
 """
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from report import Headline, Section, Spread, md_table, paired_ratios, standalone_main
+from report import (
+    Headline,
+    Section,
+    Spread,
+    md_table,
+    paired_ratios,
+    standalone_main,
+    take_turns,
+)
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.hooks import PowerSGDState, allreduce_hook, powerSGD_hook
@@ -89,14 +96,11 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
         model.zero_grad(set_to_none=False)
         model(batch).square().mean().backward()
 
-    times: dict[str, list[float]] = {"zerofn": [], "pytorch": []}
-    for r in range(START_ITER + 3 + rounds):
-        for name, model in (("zerofn", ours), ("pytorch", theirs))[:: 1 if r % 2 else -1]:
-            dist.barrier()
-            start = time.perf_counter()
-            iteration(model)
-            if r >= START_ITER + 3:
-                times[name].append(time.perf_counter() - start)
+    times = take_turns(
+        {"zerofn": lambda: iteration(ours), "pytorch": lambda: iteration(theirs)},
+        rounds,
+        warmup=START_ITER + 3,
+    )
 
     counted: dict[str, dict[str, int]] = {}
     iteration(plain)  # DDP rebuilds its buckets after the first iteration

@@ -17,13 +17,19 @@ reduce 0.5, broadcast 0.5), and compared with one all-reduce of the gradients.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from report import Headline, Section, Spread, md_table, paired_ratios, standalone_main
+from report import (
+    Headline,
+    Section,
+    Spread,
+    md_table,
+    paired_ratios,
+    standalone_main,
+    take_turns,
+)
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -75,17 +81,7 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
         zero_t.step()
 
     runs = {"overlapped": run_overlapped, "separate": run_separate, "pytorch": run_pytorch}
-    names = list(runs)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    warmup = 3  # DDP fixes its buckets after the first iteration
-    for r in range(warmup + rounds):
-        for k in range(len(names)):
-            name = names[(k + r) % len(names)]  # rotate who goes first
-            dist.barrier()
-            start = time.perf_counter()
-            runs[name]()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - start)
+    times = take_turns(runs, rounds, warmup=3)  # DDP fixes its buckets after iteration 1
     wire = {name: wire_bytes(fn) for name, fn in runs.items()}
     diff = max(
         (p - q).abs().max().item()

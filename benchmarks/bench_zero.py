@@ -46,7 +46,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 from report import (
     Curve,
     Headline,
@@ -57,6 +56,7 @@ from report import (
     md_table,
     paired_ratios,
     standalone_main,
+    take_turns,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
@@ -134,30 +134,19 @@ def _zero_step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup
         optimizers.append(opt)
         copies.append(params)
 
-    times: list[list[float]] = [[] for _ in IMPLS]
-    for r in range(warmup + rounds):
-        for k in range(len(IMPLS)):
-            i = (k + r) % len(IMPLS)  # rotate who goes first
-            dist.barrier()
-            start = time.perf_counter()
-            optimizers[i].step()
-            elapsed = time.perf_counter() - start
-            if r >= warmup:
-                times[i].append(elapsed)
-
+    labels = [label for label, _, _ in IMPLS]
+    steps = take_turns(
+        {label: opt.step for label, opt in zip(labels, optimizers, strict=True)}, rounds, warmup
+    )
     # Diagnostic: the parameter exchange alone (each implementation's private
     # exchange method; it re-sends the current shards, so it changes nothing).
-    exchanges = [_exchange_only(opt) for opt in optimizers]
-    exchange_times: list[list[float]] = [[] for _ in IMPLS]
-    for r in range(warmup + rounds):
-        for k in range(len(IMPLS)):
-            i = (k + r) % len(IMPLS)
-            dist.barrier()
-            start = time.perf_counter()
-            exchanges[i]()
-            elapsed = time.perf_counter() - start
-            if r >= warmup:
-                exchange_times[i].append(elapsed)
+    exchanges = take_turns(
+        {label: _exchange_only(opt) for label, opt in zip(labels, optimizers, strict=True)},
+        rounds,
+        warmup,
+    )
+    times = [steps[label] for label in labels]
+    exchange_times = [exchanges[label] for label in labels]
 
     # Every copy took the same Adam steps on the same gradients.
     reference = copies[0]

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 import torch
+import torch.distributed as dist
 
 
 @attrs.frozen
@@ -62,6 +63,27 @@ class Spread:
         if self.n == 1:
             return f"{self.median:.{digits}f}"
         return f"{self.median:.{digits}f} [{self.q1:.{digits}f}, {self.q3:.{digits}f}]"
+
+
+def take_turns(
+    runs: Mapping[str, Callable[[], object]], rounds: int, warmup: int
+) -> dict[str, list[float]]:
+    """Time every one of ``runs`` once per round, who goes first rotating each
+    round, each call after a ``dist.barrier()`` so that all ranks start it
+    together. Returns the seconds of the last ``rounds`` rounds per name
+    (the first ``warmup`` rounds run untimed), aligned round by round."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + rounds):
+        for k in range(len(names)):
+            name = names[(k + r) % len(names)]
+            dist.barrier()
+            start = time.perf_counter()
+            runs[name]()
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[name].append(elapsed)
+    return times
 
 
 def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> Spread:
