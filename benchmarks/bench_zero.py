@@ -512,28 +512,19 @@ def bench_scaling(quick: bool) -> Section:
     world_sizes = (2, 8, 64)
     rng = random.Random(7)
     rows: list[list[object]] = []
-    at_8: dict[str, list[float]] = {name: [] for name, _ in SCALED}
+    median: dict[tuple[str, int, int], float] = {}  # (function, parameters, world size)
     for n in counts:
         sizes = [int(2 ** rng.uniform(0, 20)) for _ in range(n)]
         buckets = ddp_buckets(sizes)
         repeats = 5 if n <= 10_000 else 3
         for ws in world_sizes:
-            timings = {
-                name: timed(repeats, fn, buckets, ws, shard_buckets=True)
-                if name == "assign_buckets"
-                else timed(repeats, fn, [sizes], ws)
-                for name, fn in SCALED
-            }
+            for name, fn in SCALED:
+                args = (buckets, ws) if name == "assign_buckets" else ([sizes], ws)
+                kwargs = {"shard_buckets": True} if name == "assign_buckets" else {}
+                median[name, n, ws] = timed(repeats, fn, *args, **kwargs).median
             rows.append(
-                [f"{n:,}", len(buckets), ws, *(f"{t.median:.4f}" for t in timings.values())]
+                [f"{n:,}", len(buckets), ws, *(f"{median[f, n, ws]:.4f}" for f, _ in SCALED)]
             )
-            if ws == 8:
-                for name, t in timings.items():
-                    at_8[name].append(t.median)
-            if n == counts[-1] and ws == world_sizes[-1]:
-                # What ZeroRedundancyOptimizer(partition="greedy") plans on a model of
-                # this size under overlap_with_ddp: the partition and the bucket split.
-                plan = timings["greedy"].median + timings["assign_buckets"].median
     table = md_table(
         [
             "parameters",
@@ -546,19 +537,30 @@ def bench_scaling(quick: bool) -> Section:
         ],
         rows,
     )
-    lo, hi = counts[-2], counts[-1]
+    lo, hi, ws_lo, ws_hi = counts[-2], counts[-1], world_sizes[0], world_sizes[-1]
     headlines = [
         Headline(
             f"core scaling, {lo:,} to {hi:,} parameters, 8 ranks",
             f"{name} time: {hi:,} / {lo:,} parameters",
-            Spread.exact(times[-1] / max(times[-2], 1e-9)),
+            Spread.exact(median[name, hi, 8] / max(median[name, lo, 8], 1e-9)),
             f"~{hi // lo} (linear)",
         )
-        for name, times in at_8.items()
+        for name, _ in SCALED
     ]
+    headlines += [
+        Headline(
+            f"core scaling, {hi:,} parameters, {ws_lo} to {ws_hi} ranks",
+            f"{name} time: {ws_hi} / {ws_lo} ranks",
+            Spread.exact(median[name, hi, ws_hi] / max(median[name, hi, ws_lo], 1e-9)),
+        )
+        for name, _ in SCALED
+    ]
+    # What ZeroRedundancyOptimizer(partition="greedy") plans for the largest model
+    # under overlap_with_ddp: the partition and the bucket split.
+    plan = median["greedy", hi, ws_hi] + median["assign_buckets", hi, ws_hi]
     headlines.append(
         Headline(
-            f"core scaling, {counts[-1]:,} parameters, {world_sizes[-1]} ranks",
+            f"core scaling, {hi:,} parameters, {ws_hi} ranks",
             "greedy_partition + assign_buckets (s)",
             Spread.exact(plan),
             "well under 1 s",
@@ -572,15 +574,25 @@ def bench_scaling(quick: bool) -> Section:
             table,
         ]
     )
-    panel = Panel(
-        "Core planning time, 8 ranks",
-        "parameters",
-        "seconds per call",
-        [Curve(name, counts, times) for name, times in at_8.items()],
-        log_x=True,
-        log_y=True,
-    )
-    return Section("Core scaling: seconds per call", body, headlines, [panel])
+    panels = [
+        Panel(
+            "Core planning time against model size, 8 ranks",
+            "parameters",
+            "seconds per call",
+            [Curve(f, counts, [median[f, n, 8] for n in counts]) for f, _ in SCALED],
+            log_x=True,
+            log_y=True,
+        ),
+        Panel(
+            f"Core planning time against world size, {hi:,} parameters",
+            "world size",
+            "seconds per call",
+            [Curve(f, world_sizes, [median[f, hi, ws] for ws in world_sizes]) for f, _ in SCALED],
+            log_x=True,
+            log_y=True,
+        ),
+    ]
+    return Section("Core scaling: seconds per call", body, headlines, panels)
 
 
 # ----------------------------------------------------------------------------
