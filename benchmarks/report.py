@@ -1,10 +1,10 @@
 """What every benchmark returns, and how it is written out.
 
-A benchmark returns :class:`Section` records: its Markdown tables, the rows it
-contributes to the summary table (:class:`Headline`, always a ratio with its
-spread) and the curves it wants drawn (:class:`Panel`). ``run_all.py`` gathers
-the sections of all benchmarks into one Markdown page and one figure; each
-benchmark script run alone prints its own sections.
+A benchmark returns a :class:`Section` record: its Markdown tables, the rows
+it contributes to the summary table (:class:`Headline`: a ratio, or a measured
+quantity, with its spread) and the curves it wants drawn (:class:`Panel`).
+``run_all.py`` gathers the sections of all benchmarks into one Markdown page
+and one figure; each benchmark script run alone prints its own sections.
 
 Spreads: when two implementations take turns round by round, the ratio is taken
 per round (zerofn's time in round *i* over PyTorch's in round *i*) and
