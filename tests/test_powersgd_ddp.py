@@ -532,3 +532,54 @@ def test_hooks_register_with_ddp() -> None:
             model(
                 torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
             ).sum().backward()
+
+
+def _one_iteration(state: PowerSGDState, buckets: list[list[tuple[int, ...]]]) -> None:
+    """Call the hook for every bucket of one iteration, then wait, as DDP does."""
+    g = torch.Generator().manual_seed(state.iter)
+    futures = [
+        powerSGD_hook(
+            state,
+            HandMadeBucket(
+                i,
+                shapes,
+                torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=g),
+                i == len(buckets) - 1,
+            ),
+        )
+        for i, shapes in enumerate(buckets)
+    ]
+    for fut in futures:
+        fut.wait()
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_logs_compression_stats_when_due(caplog: pytest.LogCaptureFixture) -> None:
+    state = PowerSGDState(
+        None,
+        start_powerSGD_iter=START,
+        min_compression_rate=1,
+        compression_stats_logging_frequency=2,
+    )
+    with caplog.at_level("INFO", logger="zerofn_torch.powersgd"):
+        for _ in range(START + 3):
+            _one_iteration(state, BUCKETS)
+    reports = [r for r in caplog.records if "compression stats" in r.getMessage()]
+    assert reports, "no compression statistics were logged"
+    assert state.iter == START + 3
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_warns_when_restored_state_meets_other_buckets(caplog: pytest.LogCaptureFixture) -> None:
+    trained = PowerSGDState(None, start_powerSGD_iter=START, min_compression_rate=1)
+    for _ in range(START + 1):
+        _one_iteration(trained, BUCKETS)
+    restored = PowerSGDState(None, start_powerSGD_iter=START, min_compression_rate=1)
+    restored.load_state_dict(trained.state_dict())
+    with caplog.at_level("WARNING", logger="zerofn_torch.powersgd"):
+        _one_iteration(restored, [BUCKETS[1], BUCKETS[0]])  # provisional order
+    assert any("differs from the restored state" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zerofn_torch.powersgd"):
+        _one_iteration(restored, BUCKETS)  # the rebuilt buckets fit again
+    assert not any("differs from the restored state" in r.getMessage() for r in caplog.records)

@@ -15,17 +15,21 @@ the next hook call.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from zerofn import hook as core
 from zerofn.comm import AllGather, AllReduce, Program, Request, Response
-from zerofn.hook import BucketInfo
+from zerofn.hook import BucketInfo, CommHook, HookState
 
-__all__ = ["ProgramPipeline", "bucket_info", "drive", "issue"]
+__all__ = ["HookCell", "ProgramPipeline", "bucket_info", "drive", "issue"]
 
 R = TypeVar("R")
+G = TypeVar("G")
+B = TypeVar("B")
 
 
 def bucket_info(bucket: Any, group: Any) -> BucketInfo:
@@ -201,3 +205,49 @@ class ProgramPipeline:
                 running.advance()
             self._running = [r for r in self._running if not r.issued_last]
         return started.result
+
+
+class HookCell(Generic[G, B]):
+    """A hook's state between calls, and what it takes to advance it safely.
+
+    The adapter's shells (:class:`zerofn_torch.hooks.HookRunner`,
+    :class:`zerofn_torch.powersgd.PowerSGDState`) keep one cell each: every
+    bucket call reads :attr:`state`, asks the core for the bucket's program,
+    runs it in the cell's :class:`ProgramPipeline` and assigns the new state.
+    The lock guards the assignments, because programs finish in future
+    callbacks, possibly on other threads.
+
+    Args:
+        state: the hook's initial state.
+    """
+
+    def __init__(self, state: HookState[G, B]) -> None:
+        self.state = state
+        self.lock = threading.Lock()
+        self.pipeline = ProgramPipeline()
+
+    def run(
+        self, hook: CommHook[G, B], bucket: Any, group: Any
+    ) -> tuple[HookState[G, B], BucketInfo, torch.futures.Future[torch.Tensor]]:
+        """Start ``hook``'s program for DDP's ``bucket`` in ``group``.
+
+        Returns:
+            The state before this call, the bucket's :class:`BucketInfo`, and a
+            future of the bucket's reduced flat gradient (the cell's state takes
+            the bucket's result when it completes).
+        """
+        info = bucket_info(bucket, group)
+        with self.lock:
+            before = self.state
+            state, program = core.begin_bucket(hook, before, bucket.buffer(), info)
+            if info.is_last:
+                state = core.finish_iteration(hook, state)
+            self.state = state
+
+        def record(fut: torch.futures.Future[tuple[torch.Tensor, B]]) -> torch.Tensor:
+            grad, bucket_state = fut.value()
+            with self.lock:
+                self.state = core.finish_bucket(self.state, info.index, bucket_state)
+            return grad
+
+        return before, info, self.pipeline.run(program, group, info.is_last).then(record)

@@ -18,7 +18,6 @@ DDP checks a hook's annotations at registration, so this module keeps them as
 real objects (no postponed evaluation).
 """
 
-import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -29,7 +28,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from zerofn import hook as core
 from zerofn import quantization
 from zerofn.hook import CommHook, HookState
-from zerofn_torch.comm import ProgramPipeline, bucket_info, drive
+from zerofn_torch.comm import HookCell, bucket_info, drive
 
 __all__ = [
     "HookRunner",
@@ -60,10 +59,10 @@ DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 class HookRunner(Generic[G, B]):
     """The stateful shell around a :class:`zerofn.hook.CommHook`.
 
-    It holds the hook's :class:`zerofn.hook.HookState` and the process group;
-    each call reads the state, asks the core for the bucket's program, runs it
-    and assigns the new state. A lock guards the assignments, because bucket
-    programs may finish in future callbacks on other threads.
+    It holds the hook's :class:`zerofn.hook.HookState` (in a
+    :class:`zerofn_torch.comm.HookCell`) and the process group; each call reads
+    the state, asks the core for the bucket's program, runs it and assigns the
+    new state.
 
     Args:
         hook: the hook to run.
@@ -73,24 +72,15 @@ class HookRunner(Generic[G, B]):
     def __init__(self, hook: CommHook[G, B], process_group: Any | None = None) -> None:
         self.hook = hook
         self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.state: HookState[G, B] = core.init_hook_state(hook)
-        self._lock = threading.Lock()
-        self._pipeline = ProgramPipeline()
+        self._cell: HookCell[G, B] = HookCell(core.init_hook_state(hook))
+
+    @property
+    def state(self) -> HookState[G, B]:
+        """The hook's state after the calls so far."""
+        return self._cell.state
 
     def __call__(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        info = bucket_info(bucket, self.process_group)
-        with self._lock:
-            self.state, program = core.begin_bucket(self.hook, self.state, bucket.buffer(), info)
-            if info.is_last:
-                self.state = core.finish_iteration(self.hook, self.state)
-
-        def record(fut: torch.futures.Future[tuple[torch.Tensor, B]]) -> torch.Tensor:
-            grad, bucket_state = fut.value()
-            with self._lock:
-                self.state = core.finish_bucket(self.state, info.index, bucket_state)
-            return grad
-
-        return self._pipeline.run(program, self.process_group, info.is_last).then(record)
+        return self._cell.run(self.hook, bucket, self.process_group)[2]
 
 
 def run_hook(

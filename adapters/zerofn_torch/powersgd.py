@@ -9,11 +9,14 @@ Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``::
     ddp.register_comm_hook(state, powerSGD_hook)
 
 :class:`PowerSGDState` is a shell: it holds the process group, the
-configuration record, the hook's state records (see :mod:`zerofn.powersgd`)
-and a lock. Each hook call reads the state, asks the core for the bucket's
-program, runs it in a :class:`zerofn_torch.comm.ProgramPipeline` and assigns
-the new state. The pipeline issues every collective from the thread that calls
-the hook, in bucket-and-round order, so all ranks issue them in one order
+configuration record and a :class:`zerofn_torch.comm.HookCell` with the hook's
+state records (see :mod:`zerofn.powersgd`). Each hook call reads the state,
+asks the core for the bucket's program, runs it in the cell's
+:class:`zerofn_torch.comm.ProgramPipeline` and assigns the new state, exactly
+as :class:`zerofn_torch.hooks.HookRunner` does for any hook; PowerSGD adds
+only its warning for restored state and its statistics log. The pipeline
+issues every collective from the thread that calls the hook, in bucket-and-round
+order, so all ranks issue them in one order
 however many buckets there are; and a bucket's second all-reduce goes out in
 the next bucket's hook call, so backward never waits for the first.
 
@@ -22,7 +25,6 @@ real objects (no postponed evaluation).
 """
 
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,11 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
-from zerofn import hook as core
 from zerofn import powersgd
 from zerofn.hook import BucketInfo, HookState
 from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
-from zerofn_torch.comm import ProgramPipeline, bucket_info
+from zerofn_torch.comm import HookCell
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
@@ -95,22 +96,23 @@ class PowerSGDState:
         )
         logger.info("PowerSGD config: %s", config)
         self.process_group = process_group
-        self._start_runtime()
-        self._adopt(config, HookState(powersgd.init_global_state(config)))
-
-    def _start_runtime(self) -> None:
-        # Neither is state to checkpoint: the lock guards assignments made in
-        # future callbacks, the pipeline holds the current iteration's programs.
-        self._lock = threading.Lock()
-        self._pipeline = ProgramPipeline()
+        initial: _State = HookState(powersgd.init_global_state(config))
+        # Not state to checkpoint: the cell's lock and pipeline belong to this
+        # process; its state is replaced by load_state_dict.
+        self._cell = HookCell(initial)
+        self._adopt(config, initial)
 
     def _adopt(self, config: PowerSGDConfig, state: _State) -> None:
         self.config = config
-        self.hook_state: _State = state
+        self._cell.state = state
         self.layerwise_hook: PowerSGDHook = powersgd.layerwise(config)
         self.batched_hook: PowerSGDHook = powersgd.batched(config)
 
-    # PyTorch's attribute names, read-only: the configuration is a frozen record.
+    @property
+    def hook_state(self) -> _State:
+        """The hook's state records after the calls so far."""
+        return self._cell.state
+
     @property
     def matrix_approximation_rank(self) -> int:
         """Rank of the low-rank factors."""
@@ -175,7 +177,7 @@ class PowerSGDState:
         Returns:
             The state dict (see :func:`zerofn.powersgd.to_state_dict`).
         """
-        with self._lock:
+        with self._cell.lock:
             return powersgd.to_state_dict(self.config, self.hook_state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -196,7 +198,7 @@ class PowerSGDState:
                 then left as it was.
         """
         config, state = powersgd.from_state_dict(state_dict)
-        with self._lock:
+        with self._cell.lock:
             self._adopt(config, state)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -215,8 +217,9 @@ class PowerSGDState:
             "NOTE: an unpickled PowerSGDState uses the default process group; "
             "assign its process_group attribute for another one."
         )
-        self._start_runtime()
-        self._adopt(*powersgd.from_state_dict(state))
+        config, restored = powersgd.from_state_dict(state)
+        self._cell = HookCell(restored)
+        self._adopt(config, restored)
 
     def __repr__(self) -> str:
         return f"PowerSGDState(iter={self.iter}, config={self.config})"
@@ -251,23 +254,10 @@ def _run(
     state: PowerSGDState, hook: PowerSGDHook, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    info = bucket_info(bucket, group)
-    with state._lock:
-        _warn_if_awaiting_rebuilt_buckets(state.hook_state, info)
-        before = state.hook_state.global_state
-        new_state, program = core.begin_bucket(hook, state.hook_state, bucket.buffer(), info)
-        if info.is_last:
-            new_state = core.finish_iteration(hook, new_state)
-        state.hook_state = new_state
-    _log_stats_if_due(state, before)
-
-    def record(fut: torch.futures.Future[powersgd.BucketResult]) -> torch.Tensor:
-        grad, bucket_state = fut.value()
-        with state._lock:
-            state.hook_state = core.finish_bucket(state.hook_state, info.index, bucket_state)
-        return grad
-
-    return state._pipeline.run(program, group, info.is_last).then(record)
+    before, info, result = state._cell.run(hook, bucket, group)
+    _warn_if_awaiting_rebuilt_buckets(before, info)
+    _log_stats_if_due(state, before.global_state)
+    return result
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
