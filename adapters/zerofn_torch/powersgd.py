@@ -15,10 +15,10 @@ asks the core for the bucket's program, runs it in the cell's
 :class:`zerofn_torch.comm.ProgramPipeline` and assigns the new state, exactly
 as :class:`zerofn_torch.hooks.HookRunner` does for any hook; PowerSGD adds
 only its warning for restored state and its statistics log. The pipeline
-issues every collective from the thread that calls the hook, in bucket-and-round
-order, so all ranks issue them in one order
-however many buckets there are; and a bucket's second all-reduce goes out in
-the next bucket's hook call, so backward never waits for the first.
+issues every collective from the thread that calls the hook, in bucket-and-
+round order, so all ranks issue them in one order however many buckets there
+are; and a bucket's second all-reduce goes out in the next bucket's hook call,
+so backward never waits for the first.
 
 DDP checks a hook's annotations at registration, so this module keeps them as
 real objects (no postponed evaluation).
