@@ -711,6 +711,30 @@ def _error_corrected(
     return grad if owned else grad.clone()
 
 
+def _uncompressed_this_iteration(
+    grad: torch.Tensor,
+    bucket: BucketInfo,
+    state: PowerSGDGlobalState,
+    bucket_state: PowerSGDBucketState | None,
+    config: PowerSGDConfig,
+    batched: bool,
+) -> Program[BucketResult] | None:
+    """The plain-averaging program when this bucket is not compressed in this
+    iteration (before ``start_powerSGD_iter``, or while a restored state waits
+    for DDP's rebuilt buckets); ``None`` when it is.
+
+    Raises:
+        ValueError: if ``bucket_state`` does not fit the bucket (see
+            :func:`_check_bucket_state`).
+    """
+    if _awaits_rebuilt_buckets(state, bucket_state, bucket):
+        return _averaging(grad, bucket.world_size, bucket_state)
+    _check_bucket_state(bucket_state, bucket, batched=batched)
+    if state.iteration < config.start_powerSGD_iter:
+        return _averaging(grad, bucket.world_size, bucket_state)
+    return None
+
+
 def _needs_random_start(state: PowerSGDBucketState | None, config: PowerSGDConfig) -> bool:
     return not config.warm_start or state is None or state.q is None
 
@@ -809,11 +833,9 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
         state: PowerSGDGlobalState,
         bucket_state: PowerSGDBucketState | None,
     ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
-        if _awaits_rebuilt_buckets(state, bucket_state, bucket):
-            return state, _averaging(grad, bucket.world_size, bucket_state)
-        _check_bucket_state(bucket_state, bucket, batched=False)
-        if state.iteration < config.start_powerSGD_iter:
-            return state, _averaging(grad, bucket.world_size, bucket_state)
+        plain = _uncompressed_this_iteration(grad, bucket, state, bucket_state, config, False)
+        if plain is not None:
+            return state, plain
         layout = bucket_layout(
             bucket.shapes, config.matrix_approximation_rank, config.min_compression_rate
         )
@@ -897,11 +919,9 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
         state: PowerSGDGlobalState,
         bucket_state: PowerSGDBucketState | None,
     ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
-        if _awaits_rebuilt_buckets(state, bucket_state, bucket):
-            return state, _averaging(grad, bucket.world_size, bucket_state)
-        _check_bucket_state(bucket_state, bucket, batched=True)
-        if state.iteration < config.start_powerSGD_iter:
-            return state, _averaging(grad, bucket.world_size, bucket_state)
+        plain = _uncompressed_this_iteration(grad, bucket, state, bucket_state, config, True)
+        if plain is not None:
+            return state, plain
         numel = grad.numel()
         side = square_side(numel)
         rank = min(side, config.matrix_approximation_rank)
