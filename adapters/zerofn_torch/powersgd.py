@@ -113,6 +113,7 @@ class PowerSGDState:
         """The hook's state records after the calls so far."""
         return self._cell.state
 
+    # PyTorch's attribute names, read-only: the configuration is a frozen record.
     @property
     def matrix_approximation_rank(self) -> int:
         """Rank of the low-rank factors."""
