@@ -147,9 +147,9 @@ class Section:
     panels: tuple[Panel, ...] = attrs.field(default=(), converter=tuple)
     seconds: float = 0.0
 
-    def markdown(self, level: int = 2) -> str:
+    def markdown(self) -> str:
         timing = f"\n\n_section took {self.seconds:.1f} s_" if self.seconds else ""
-        return f"{'#' * level} {self.title}\n\n{self.body}{timing}"
+        return f"## {self.title}\n\n{self.body}{timing}"
 
 
 def _numeric(value: object) -> bool:
