@@ -17,7 +17,22 @@ from typing import Literal, TypeAlias, TypeVar
 import attrs
 import torch
 
-__all__ = ["AllGather", "AllReduce", "Program", "Reduction", "Request", "Response"]
+__all__ = [
+    "AllGather",
+    "AllReduce",
+    "Broadcast",
+    "CollectiveKind",
+    "GatherSegments",
+    "Program",
+    "Reduce",
+    "Reduction",
+    "Request",
+    "Response",
+    "describe",
+    "kind_of",
+    "request_bytes",
+    "tensors_of",
+]
 
 Reduction: TypeAlias = Literal["sum", "avg"]
 
@@ -62,8 +77,121 @@ class AllGather:
     last: bool = False
 
 
-Request: TypeAlias = AllReduce | AllGather
+@attrs.frozen(eq=False)
+class Broadcast:
+    """Send rank ``src``'s ``tensor`` to every rank.
+
+    Attributes:
+        tensor: on ``src``, the payload; elsewhere a buffer of the same shape
+            and dtype, handed over: the driver writes the payload into it.
+        src: the sending rank's index in the group.
+        last: as for :class:`AllReduce`.
+
+    The response is ``(tensor,)`` holding ``src``'s payload.
+    """
+
+    tensor: torch.Tensor
+    src: int
+    last: bool = False
+
+
+@attrs.frozen(eq=False)
+class Reduce:
+    """Sum ``tensor`` across ranks onto rank ``dst`` alone.
+
+    Attributes:
+        tensor: this rank's contribution, handed over (reduced in place).
+        dst: the receiving rank's index in the group.
+        last: as for :class:`AllReduce`.
+
+    The response is ``(tensor,)``: the sum on ``dst``; on other ranks its
+    contents are unspecified (the program must not read them).
+    """
+
+    tensor: torch.Tensor
+    dst: int
+    last: bool = False
+
+
+@attrs.frozen(eq=False)
+class GatherSegments:
+    """Fill each rank's segment of a buffer from that rank.
+
+    Attributes:
+        segments: one tensor per rank (its own filled, the others buffers to
+            receive into), all handed over; segments may differ in size.
+        rank: this rank's index in the group.
+        via: how the bytes move: ``"all_gather"`` (one collective; what NCCL
+            does best) or ``"broadcasts"`` (one broadcast per non-empty
+            segment from its owner; measured faster on gloo). Either way each
+            rank receives exactly the other ranks' segments.
+        last: as for :class:`AllReduce`.
+
+    The response is the segments, every one filled.
+    """
+
+    segments: tuple[torch.Tensor, ...] = attrs.field(converter=_tensors)
+    rank: int
+    via: Literal["all_gather", "broadcasts"] = "broadcasts"
+    last: bool = False
+
+
+Request: TypeAlias = AllReduce | AllGather | Broadcast | Reduce | GatherSegments
 """Any collective a program may ask for."""
+
+
+CollectiveKind: TypeAlias = Literal["all_reduce", "all_gather", "broadcast", "reduce", "exchange"]
+
+
+def kind_of(request: Request) -> CollectiveKind:
+    """The collective ``request`` asks for, by name."""
+    kinds: dict[type, CollectiveKind] = {
+        AllReduce: "all_reduce",
+        AllGather: "all_gather",
+        Broadcast: "broadcast",
+        Reduce: "reduce",
+        GatherSegments: "exchange",
+    }
+    return kinds[type(request)]
+
+
+def tensors_of(request: Request) -> tuple[torch.Tensor, ...]:
+    """The tensors ``request`` hands over on this rank."""
+    if isinstance(request, AllReduce | GatherSegments):
+        return request.tensors if isinstance(request, AllReduce) else request.segments
+    return (request.tensor,)
+
+
+def request_bytes(request: Request) -> int:
+    """The bytes of this rank's tensors in ``request`` (for
+    :class:`GatherSegments`, the whole buffer: every rank's segment)."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(request))
+
+
+def _size(request: Request) -> str:
+    count = request_bytes(request)
+    if count < 1024:
+        return f"{count} B"
+    if count < 1024**2:
+        return f"{count / 1024:.1f} KiB"
+    return f"{count / 1024**2:.1f} MiB"
+
+
+def describe(request: Request) -> str:
+    """A short account of ``request`` for messages: the collective, its
+    payload and size, e.g. ``"all_reduce (sum) of 2 tensors, 8.0 KiB"``."""
+    if isinstance(request, AllReduce):
+        n = len(request.tensors)
+        return f"all_reduce ({request.op}) of {n} tensor{'s' * (n != 1)}, {_size(request)}"
+    if isinstance(request, AllGather):
+        return f"all_gather of {_size(request)} per rank"
+    if isinstance(request, Broadcast):
+        return f"broadcast from rank {request.src} of {_size(request)}"
+    if isinstance(request, Reduce):
+        return f"reduce to rank {request.dst} of {_size(request)}"
+    via = request.via.replace("_", "-")
+    return f"exchange of {len(request.segments)} segments by {via}, {_size(request)} in all"
+
 
 Response: TypeAlias = tuple[torch.Tensor, ...]
 """What a program receives back for a request."""

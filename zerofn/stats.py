@@ -17,12 +17,19 @@ the buckets, as :func:`comm_stats` does, gives the iteration's totals.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 import torch
 
-from zerofn.comm import AllGather, AllReduce, Program, Request, Response
+from zerofn.comm import (
+    CollectiveKind,
+    Program,
+    Request,
+    Response,
+    kind_of,
+    request_bytes,
+)
 from zerofn.hook import BucketInfo, CommHook, HookState
 
 __all__ = [
@@ -44,11 +51,11 @@ class CollectiveRecord:
     """One collective a hook asked for.
 
     Attributes:
-        kind: ``"all_reduce"`` or ``"all_gather"``.
+        kind: the collective's name (see :data:`zerofn.comm.CollectiveKind`).
         nbytes: the bytes of this rank's tensors in the request.
     """
 
-    kind: Literal["all_reduce", "all_gather"]
+    kind: CollectiveKind
     nbytes: int
 
 
@@ -91,18 +98,8 @@ class CommStats:
     total_bytes: int
 
 
-def request_bytes(request: Request) -> int:
-    """The bytes of this rank's tensors in ``request``."""
-    if isinstance(request, AllGather):
-        return request.tensor.numel() * request.tensor.element_size()
-    return sum(t.numel() * t.element_size() for t in request.tensors)
-
-
 def _record(request: Request) -> CollectiveRecord:
-    kind: Literal["all_reduce", "all_gather"] = (
-        "all_reduce" if isinstance(request, AllReduce) else "all_gather"
-    )
-    return CollectiveRecord(kind, request_bytes(request))
+    return CollectiveRecord(kind_of(request), request_bytes(request))
 
 
 def with_stats(inner: CommHook[G, B]) -> CommHook[G, StatsState[B]]:

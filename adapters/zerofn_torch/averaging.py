@@ -74,6 +74,10 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: Any) -> No
         params: the tensors to average; every rank passes the same shapes and
             dtypes in the same order.
         process_group: the group to average over (``None``: the world).
+
+    Raises:
+        zerofn.errors.CollectiveError: the all-reduce failed (a peer died or
+            timed out); the parameters are unchanged.
     """
     group = process_group if process_group is not None else dist.group.WORLD
     if not _is_member(group):
@@ -84,7 +88,8 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: Any) -> No
     # an accelerator; the collective must read their final values.
     if torch.accelerator.is_available():
         torch.accelerator.synchronize()
-    averaged = drive(program, group).wait()
+    purpose = f"averaging {len(params)} parameters"
+    averaged = drive(program, group, purpose).wait()  # raises CollectiveError: params untouched
     with torch.no_grad():
         for param, value in zip(params, averaged, strict=True):
             param.copy_(value)

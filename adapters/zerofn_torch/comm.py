@@ -11,23 +11,57 @@ callback, so DDP overlaps it with the rest of the backward pass.
 :class:`ProgramPipeline` keeps that guarantee for multi-round programs without
 blocking backward on their early rounds: a bucket's next round is issued at
 the next hook call.
+
+This module is where a failed collective becomes an error: :func:`issue`
+reads every collective's own outcome, and a failure (a dead peer, a timeout,
+a broken transport) fails the request's future with a
+:class:`zerofn.errors.CollectiveError` naming the collective, its purpose and
+the group, with the transport's error as its cause. A program whose request
+failed is closed, never resumed with a result. Futures are chained with
+:func:`then` rather than ``Future.then``, which would flatten errors into
+strings.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from zerofn import hook as core
-from zerofn.comm import AllGather, AllReduce, Program, Request, Response
+from zerofn.comm import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    GatherSegments,
+    Program,
+    Reduce,
+    Request,
+    Response,
+    describe,
+)
+from zerofn.errors import CollectiveError
 from zerofn.hook import BucketInfo, CommHook, HookState
 
-__all__ = ["HookCell", "ProgramPipeline", "bucket_info", "drive", "issue"]
+__all__ = [
+    "HookCell",
+    "ProgramPipeline",
+    "bucket_info",
+    "describe_group",
+    "drive",
+    "failed",
+    "for_ddp",
+    "guarded",
+    "issue",
+    "then",
+]
 
 R = TypeVar("R")
+T = TypeVar("T")
 G = TypeVar("G")
 B = TypeVar("B")
 
@@ -40,6 +74,127 @@ def bucket_info(bucket: Any, group: Any) -> BucketInfo:
         world_size=dist.get_world_size(group),
         is_last=bucket.is_last(),
     )
+
+
+# ----- futures that keep their errors -------------------------------------------
+
+
+def failed(error: BaseException) -> torch.futures.Future[Any]:
+    """A future already failed with ``error`` (its type and cause kept)."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_exception(error)  # type: ignore[arg-type]
+    return fut
+
+
+def then(fut: torch.futures.Future[T], fn: Callable[[T], R]) -> torch.futures.Future[R]:
+    """The future of ``fn(fut's value)``.
+
+    Unlike ``Future.then``, an error in ``fut`` (or raised by ``fn``) reaches
+    the new future as the same exception object, type and cause intact;
+    ``fn`` never runs on a failed future.
+    """
+    out: torch.futures.Future[R] = torch.futures.Future()
+
+    def done(f: torch.futures.Future[T]) -> None:
+        try:
+            value = fn(f.value())
+        except Exception as e:
+            out.set_exception(e)  # type: ignore[arg-type]
+        else:
+            out.set_result(value)
+
+    fut.add_done_callback(done)
+    return out
+
+
+def _value(fut: torch.futures.Future[T]) -> T:
+    return fut.wait()
+
+
+def for_ddp(fut: torch.futures.Future[T]) -> torch.futures.Future[T]:
+    """The future to hand DDP for ``fut``.
+
+    ``Future.set_exception`` (used by :func:`then` to keep an error's type)
+    stores the error as the future's *value*, which DDP's C++ reducer would
+    take for a result; chaining once with ``Future.then`` turns it into an
+    error DDP sees, and raises from backward as a ``RuntimeError`` whose
+    message holds the :class:`zerofn.errors.CollectiveError`'s.
+    """
+    return fut.then(_value)
+
+
+def _all(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[list[Any]]:
+    """The future of every value of ``futures``, or the first of their errors,
+    once all of them are done."""
+    out: torch.futures.Future[list[Any]] = torch.futures.Future()
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def one(_: torch.futures.Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            out.set_result([f.value() for f in futures])
+        except Exception as e:
+            out.set_exception(e)  # type: ignore[arg-type]
+
+    if not futures:
+        out.set_result([])
+    for f in futures:
+        f.add_done_callback(one)
+    return out
+
+
+def _work_future(work: dist.Work | None) -> torch.futures.Future[Any]:
+    if work is None:  # a rank outside the group takes no part
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+        return done
+    return work.get_future()
+
+
+# ----- naming what failed ----------------------------------------------------------
+
+
+def describe_group(group: Any) -> str:
+    """The group for messages: backend, size and this rank's place in it."""
+    try:
+        return (
+            f"{dist.get_backend(group)} group of {dist.get_world_size(group)} ranks "
+            f"(this is rank {dist.get_rank(group)})"
+        )
+    except Exception:  # a group torn down under us still gets named
+        return "a process group that is no longer usable"
+
+
+def _collective_error(
+    collective: str, purpose: str, group: Any, cause: BaseException
+) -> CollectiveError:
+    reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    error = CollectiveError(collective, purpose, describe_group(group), reason)
+    error.__cause__ = cause
+    return error
+
+
+@contextmanager
+def guarded(collective: str, purpose: str, group: Any) -> Iterator[None]:
+    """Turn an error raised by a blocking collective inside the block into a
+    :class:`zerofn.errors.CollectiveError` naming ``collective`` and ``purpose``.
+
+    For collectives the core does not express as requests (object
+    collectives, ``torch.distributed.checkpoint``).
+    """
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except Exception as e:
+        raise _collective_error(collective, purpose, group, e) from e
+
+
+# ----- issuing requests ------------------------------------------------------------
 
 
 def _flatten(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -58,96 +213,185 @@ def _split(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> Response:
     return tuple(out)
 
 
-def issue(request: Request, group: Any) -> torch.futures.Future[Response]:
+def _all_reduce(request: AllReduce, group: Any) -> torch.futures.Future[Response]:
+    dtypes = list(dict.fromkeys(t.dtype for t in request.tensors))
+    if len(dtypes) > 1:  # one collective per dtype, awaited together
+        parts = [tuple(t for t in request.tensors if t.dtype == d) for d in dtypes]
+        futures = [_all_reduce(AllReduce(p, request.op), group) for p in parts]
+
+        def merge(values: list[Response]) -> Response:
+            by_dtype = {d: list(v) for d, v in zip(dtypes, values, strict=True)}
+            return tuple(by_dtype[t.dtype].pop(0) for t in request.tensors)
+
+        return then(_all(futures), merge)
+    flat = _flatten(request.tensors)
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    world = dist.get_world_size(group)
+
+    def unpack(_: Any) -> Response:
+        if request.op == "avg":
+            flat.div_(world)
+        return _split(flat, request.tensors)
+
+    return then(_work_future(work), unpack)
+
+
+def _gather_segments(request: GatherSegments, group: Any) -> torch.futures.Future[Response]:
+    segments = request.segments
+    if request.via == "all_gather":
+        work = dist.all_gather(list(segments), segments[request.rank], group=group, async_op=True)
+        return then(_work_future(work), lambda _: segments)
+    futures = [
+        _work_future(
+            dist.broadcast(
+                segment, src=dist.get_global_rank(group, owner), group=group, async_op=True
+            )
+        )
+        for owner, segment in enumerate(segments)
+        if segment.numel() > 0
+    ]
+    return then(_all(futures), lambda _: segments)
+
+
+def _start(request: Request, group: Any) -> torch.futures.Future[Response]:
+    if isinstance(request, AllReduce):
+        return _all_reduce(request, group)
+    if isinstance(request, AllGather):
+        outputs = [torch.empty_like(request.tensor) for _ in range(dist.get_world_size(group))]
+        work = dist.all_gather(outputs, request.tensor.contiguous(), group=group, async_op=True)
+        return then(_work_future(work), lambda _: tuple(outputs))
+    if isinstance(request, Broadcast):
+        src = dist.get_global_rank(group, request.src)
+        work = dist.broadcast(request.tensor, src=src, group=group, async_op=True)
+        return then(_work_future(work), lambda _: (request.tensor,))
+    if isinstance(request, Reduce):
+        dst = dist.get_global_rank(group, request.dst)
+        work = dist.reduce(request.tensor, dst=dst, group=group, async_op=True)
+        return then(_work_future(work), lambda _: (request.tensor,))
+    return _gather_segments(request, group)
+
+
+def issue(
+    request: Request, group: Any, purpose: str = "a collective"
+) -> torch.futures.Future[Response]:
     """Start the collective ``request`` asks for; the future yields its response.
 
-    The tensors of an :class:`AllReduce` travel in one message when they share
-    a dtype (one collective, one round trip), else one message per dtype.
+    The tensors of an :class:`~zerofn.comm.AllReduce` travel in one message
+    when they share a dtype (one collective, one round trip), else one
+    message per dtype.
+
+    Args:
+        request: the collective.
+        group: the process group.
+        purpose: what the collective is for, for the error message.
+
+    Returns:
+        The future of the response, or of a
+        :class:`zerofn.errors.CollectiveError` if the collective failed on
+        this rank (raised by ``wait()``; never a partial result).
     """
-    if isinstance(request, AllGather):
-        size = dist.get_world_size(group)
-        outputs = [torch.empty_like(request.tensor) for _ in range(size)]
-        work = dist.all_gather(outputs, request.tensor.contiguous(), group=group, async_op=True)
-        assert work is not None
-        gathered: torch.futures.Future[Response] = work.get_future().then(lambda _: tuple(outputs))
-        return gathered
-    assert isinstance(request, AllReduce)
-    dtypes = list(dict.fromkeys(t.dtype for t in request.tensors))
-    if len(dtypes) == 1:
-        flat = _flatten(request.tensors)
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        assert work is not None
-        world = dist.get_world_size(group)
+    try:
+        started = _start(request, group)
+    except Exception as e:  # a transport that fails at once, when posting
+        return failed(_collective_error(describe(request), purpose, group, e))
+    out: torch.futures.Future[Response] = torch.futures.Future()
 
-        def unpack(_: Any) -> Response:
-            if request.op == "avg":
-                flat.div_(world)
-            return _split(flat, request.tensors)
+    def done(fut: torch.futures.Future[Response]) -> None:
+        try:
+            response = fut.value()
+        except Exception as e:
+            out.set_exception(_collective_error(describe(request), purpose, group, e))  # type: ignore[arg-type]
+        else:
+            out.set_result(response)
 
-        reduced: torch.futures.Future[Response] = work.get_future().then(unpack)
-        return reduced
-    # Mixed dtypes: one collective per dtype, awaited together.
-    parts = [tuple(t for t in request.tensors if t.dtype == d) for d in dtypes]
-    futures = [issue(AllReduce(p, request.op), group) for p in parts]
-    combined = torch.futures.collect_all(futures)
-
-    def merge(_: Any) -> Response:
-        by_dtype = {d: list(f.value()) for d, f in zip(dtypes, futures, strict=True)}
-        return tuple(by_dtype[t.dtype].pop(0) for t in request.tensors)
-
-    return combined.then(merge)
+    started.add_done_callback(done)
+    return out
 
 
-def drive(program: Program[R], group: Any) -> torch.futures.Future[R]:
+def drive(
+    program: Program[R], group: Any, purpose: str = "a communication program"
+) -> torch.futures.Future[R]:
     """Run ``program`` against ``group``; the future yields its return value.
 
-    Raises:
-        RuntimeError: (through the future) if the program makes a request
-            after one it marked ``last``.
+    Args:
+        program: the communication program.
+        group: the process group.
+        purpose: what the program is for, for error messages.
+
+    Returns:
+        The future of the program's return value. It fails instead (``wait()``
+        raises) with a :class:`zerofn.errors.CollectiveError` if one of the
+        program's collectives failed (the program is closed, never resumed),
+        with the program's own exception if it raised, and with
+        ``RuntimeError`` if it made a request after one it marked ``last``.
     """
+    number = 0
     try:
         request = next(program)
         while not request.last:
-            request = program.send(issue(request, group).wait())
+            response = issue(request, group, f"{purpose}, collective #{number}").wait()
+            number += 1
+            request = program.send(response)
     except StopIteration as stop:
         done: torch.futures.Future[R] = torch.futures.Future()
         done.set_result(stop.value)
         return done
+    except Exception as e:
+        program.close()
+        return failed(e)
 
-    def finish(fut: torch.futures.Future[Response]) -> R:
+    def finish(response: Response) -> R:
         try:
-            program.send(fut.value())
+            program.send(response)
         except StopIteration as stop:
             result: R = stop.value
             return result
-        raise RuntimeError("a communication program made a request after its last one")
+        raise RuntimeError(
+            f"the communication program for {purpose} made a request after its last one"
+        )
 
-    return issue(request, group).then(finish)
+    return then(issue(request, group, f"{purpose}, collective #{number}"), finish)
 
 
 class _Running(Generic[R]):
-    """One bucket's program inside a :class:`ProgramPipeline`."""
+    """One bucket's program inside a :class:`ProgramPipeline`.
 
-    def __init__(self, program: Program[R], group: Any) -> None:
+    ``done`` once its last request is issued, or once it failed (a failed
+    request, or the program's own error): then :attr:`result` fails with that
+    error and the program is never resumed.
+    """
+
+    def __init__(self, program: Program[R], group: Any, purpose: str) -> None:
         self.program = program
         self.group = group
+        self.purpose = purpose
         self.result: torch.futures.Future[R] = torch.futures.Future()
-        self.issued_last = False
+        self.done = False
+        self.number = 0
         self.pending: torch.futures.Future[Response] | None = None
+        self._step(lambda: next(program))
+
+    def _step(self, resume: Callable[[], Request]) -> None:
+        """Resume the program and issue the request it makes next."""
         try:
-            self._issue(next(program))
+            request = resume()
         except StopIteration as stop:
-            self._finish(stop.value)
-
-    def _finish(self, value: R) -> None:
-        self.issued_last = True
-        self.result.set_result(value)
-
-    def _issue(self, request: Request) -> None:
-        self.pending = issue(request, self.group)
+            self.done = True
+            self.result.set_result(stop.value)
+            return
+        except Exception as e:  # a failed request, or the program's own error
+            self._fail(e)
+            return
+        self.pending = issue(request, self.group, f"{self.purpose}, collective #{self.number}")
+        self.number += 1
         if request.last:
-            self.issued_last = True
-            self.pending.then(self._complete)
+            self.done = True
+            self.pending.add_done_callback(self._complete)
+
+    def _fail(self, error: Exception) -> None:
+        self.done = True
+        self.program.close()
+        self.result.set_exception(error)  # type: ignore[arg-type]
 
     def _complete(self, fut: torch.futures.Future[Response]) -> None:
         try:
@@ -155,22 +399,22 @@ class _Running(Generic[R]):
         except StopIteration as stop:
             self.result.set_result(stop.value)
             return
-        except Exception as e:  # surface it through the bucket's future
-            self.result.set_exception(e)  # type: ignore[arg-type]
+        except Exception as e:
+            self._fail(e)
             return
-        self.result.set_exception(
-            RuntimeError("a communication program made a request after its last one")  # type: ignore[arg-type]
+        self._fail(
+            RuntimeError(
+                f"the communication program for {self.purpose} made a request after its last one"
+            )
         )
 
     def advance(self) -> None:
         """Wait for the pending request, then issue the program's next one."""
-        if self.issued_last:
+        if self.done:
             return
-        assert self.pending is not None
-        try:
-            self._issue(self.program.send(self.pending.wait()))
-        except StopIteration as stop:
-            self._finish(stop.value)
+        pending = self.pending
+        assert pending is not None
+        self._step(lambda: self.program.send(pending.wait()))
 
 
 class ProgramPipeline:
@@ -181,29 +425,39 @@ class ProgramPipeline:
     program's next round waits for the next hook call instead of blocking
     backward, while every request is still issued by the caller, in an order
     fixed by bucket and round: the same on every rank. The last bucket of an
-    iteration drains all programs.
+    iteration drains all programs. A program whose request failed stops there
+    and its future fails; the others go on (their own collectives fail in
+    turn if the group is broken).
     """
 
     def __init__(self) -> None:
         self._running: list[_Running[Any]] = []
 
-    def run(self, program: Program[R], group: Any, is_last: bool) -> torch.futures.Future[R]:
+    def run(
+        self, program: Program[R], group: Any, is_last: bool, purpose: str = "a DDP bucket"
+    ) -> torch.futures.Future[R]:
         """Start ``program``; the future yields its return value.
 
         Args:
             program: the bucket's program.
             group: the process group to communicate in.
             is_last: the iteration's last bucket: finish issuing everything.
+            purpose: what the program is for, for error messages.
+
+        Returns:
+            The future of the program's result, or of the
+            :class:`zerofn.errors.CollectiveError` (or the program's own
+            error) that stopped it.
         """
         older = self._running
-        started = _Running(program, group)
+        started = _Running(program, group, purpose)
         for running in older:
             running.advance()
-        self._running = [r for r in [*older, started] if not r.issued_last]
+        self._running = [r for r in [*older, started] if not r.done]
         while is_last and self._running:
             for running in self._running:
                 running.advance()
-            self._running = [r for r in self._running if not r.issued_last]
+            self._running = [r for r in self._running if not r.done]
         return started.result
 
 
@@ -233,8 +487,9 @@ class HookCell(Generic[G, B]):
 
         Returns:
             The state before this call, the bucket's :class:`BucketInfo`, and a
-            future of the bucket's reduced flat gradient (the cell's state takes
-            the bucket's result when it completes).
+            future of the bucket's reduced flat gradient, made for DDP (see
+            :func:`for_ddp`; the cell's state takes the bucket's result when it
+            completes).
         """
         info = bucket_info(bucket, group)
         with self.lock:
@@ -244,10 +499,12 @@ class HookCell(Generic[G, B]):
                 state = core.finish_iteration(hook, state)
             self.state = state
 
-        def record(fut: torch.futures.Future[tuple[torch.Tensor, B]]) -> torch.Tensor:
-            grad, bucket_state = fut.value()
+        def record(result: tuple[torch.Tensor, B]) -> torch.Tensor:
+            grad, bucket_state = result
             with self.lock:
                 self.state = core.finish_bucket(self.state, info.index, bucket_state)
             return grad
 
-        return before, info, self.pipeline.run(program, group, info.is_last).then(record)
+        purpose = f"DDP bucket {info.index} (hook {hook.name!r})"
+        result = then(self.pipeline.run(program, group, info.is_last, purpose), record)
+        return before, info, for_ddp(result)

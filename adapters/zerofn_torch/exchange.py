@@ -8,11 +8,14 @@ and communicates as that layout says.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from zerofn.comm import GatherSegments, Response
 from zerofn.layout import Slot
+from zerofn_torch.comm import issue
 
 __all__ = ["pack", "slot_view", "start_exchange", "unpack", "wait_all"]
 
@@ -40,7 +43,8 @@ def start_exchange(
     runs: Sequence[Sequence[Slot]],
     group: dist.ProcessGroup,
     rank: int,
-) -> list[dist.Work]:
+    purpose: str = "the ZeRO step's exchange",
+) -> torch.futures.Future[Response]:
     """Start filling each rank's slots in ``buffer`` from that rank.
 
     ``runs[r]`` are rank ``r``'s slots, contiguous in the buffer (its whole
@@ -52,24 +56,21 @@ def start_exchange(
     way each rank receives exactly the other ranks' runs.
 
     Returns:
-        The pending work; wait on all of it before reading the buffer.
+        The pending exchange; ``wait()`` on it before reading the buffer. It
+        raises :class:`zerofn.errors.CollectiveError` if the exchange failed.
     """
     views = [buffer[run[0].offset : run[-1].stop] if run else buffer[:0] for run in runs]
-    if dist.get_backend(group) != "gloo":
-        work = dist.all_gather(views, views[rank], group=group, async_op=True)
-        return [work] if work is not None else []
-    handles = []
-    for source_rank, view in enumerate(views):
-        if view.numel() == 0:
-            continue
-        source = dist.get_global_rank(group, source_rank)
-        work = dist.broadcast(view, src=source, group=group, async_op=True)
-        if work is not None:
-            handles.append(work)
-    return handles
+    via: Literal["all_gather", "broadcasts"] = (
+        "broadcasts" if dist.get_backend(group) == "gloo" else "all_gather"
+    )
+    return issue(GatherSegments(tuple(views), rank, via), group, purpose)
 
 
-def wait_all(handles: Sequence[dist.Work]) -> None:
-    """Block until every pending collective in ``handles`` is done."""
+def wait_all(handles: Sequence[torch.futures.Future[Response]]) -> None:
+    """Block until every pending exchange in ``handles`` is done.
+
+    Raises:
+        zerofn.errors.CollectiveError: one of them failed.
+    """
     for handle in handles:
         handle.wait()

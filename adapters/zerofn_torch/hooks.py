@@ -28,7 +28,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from zerofn import hook as core
 from zerofn import quantization
 from zerofn.hook import CommHook, HookState
-from zerofn_torch.comm import HookCell, bucket_info, drive
+from zerofn_torch.comm import HookCell, bucket_info, drive, for_ddp, then
 
 __all__ = [
     "HookRunner",
@@ -95,8 +95,10 @@ def _run_stateless(
     hook: CommHook[None, None], group: Any, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     group = group if group is not None else dist.group.WORLD
-    _, program = hook.start(bucket.buffer(), bucket_info(bucket, group), None, None)
-    return drive(program, group).then(lambda fut: fut.value()[0])
+    info = bucket_info(bucket, group)
+    _, program = hook.start(bucket.buffer(), info, None, None)
+    purpose = f"DDP bucket {info.index} (hook {hook.name!r})"
+    return for_ddp(then(drive(program, group, purpose), lambda result: result[0]))
 
 
 def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -173,7 +175,7 @@ def _cast_wrapper(dtype: torch.dtype, hook: DDPHook) -> DDPHook:
         original_dtype = bucket.buffer().dtype
         # The wrapped hook reads the bucket's buffer, so it sees the cast one.
         bucket.set_buffer(bucket.buffer().to(dtype))
-        return hook(state, bucket).then(lambda fut: fut.value().to(original_dtype))
+        return for_ddp(then(hook(state, bucket), lambda reduced: reduced.to(original_dtype)))
 
     return compress_wrapper_hook
 

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms import join as torch_join
 
+from zerofn.comm import AllReduce
 from zerofn.join import DISABLED, JoinProgress, first_mismatch, join_configs, next_join_step
+from zerofn_torch.comm import issue
 
 __all__ = ["Join", "JoinHook", "Joinable"]
 
@@ -160,13 +162,15 @@ class Join:
 
     def _count_running(self) -> int:
         # Running ranks add 1 in notify_join_context; a joined rank adds 0.
-        count = torch.zeros(1, device=self._device)
-        dist.all_reduce(count, group=self._process_group)
+        request = AllReduce((torch.zeros(1, device=self._device),))
+        purpose = f"Join: rank {self._rank} counting the ranks still running"
+        (count,) = issue(request, self._process_group, purpose).wait()
         return int(count.item())
 
     def _tell_others_to_stop(self) -> None:
-        signal = torch.ones(1, device=self._device)
-        dist.all_reduce(signal, group=self._process_group)
+        request = AllReduce((torch.ones(1, device=self._device),))
+        purpose = f"Join: rank {self._rank} telling the others it ran out of inputs"
+        issue(request, self._process_group, purpose).wait()
         raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
 
     @staticmethod
@@ -180,10 +184,13 @@ class Join:
         raises on every rank.
 
         Returns:
-            The pending all-reduce for the first joinable, else ``None``.
+            The pending all-reduce (a future) for the first joinable, else
+            ``None``.
 
         Raises:
             RuntimeError: some rank ran out and the context throws.
+            zerofn.errors.CollectiveError: the announcement failed (a peer died
+                or timed out).
         """
         config = getattr(joinable, "_join_config", None)
         if config is None:
@@ -193,12 +200,13 @@ class Join:
         if not config.is_first_joinable or not config.enable:
             return None
         device, group = joinable.join_device, joinable.join_process_group
-        work = dist.all_reduce(torch.ones(1, device=device), group=group, async_op=True)
+        purpose = f"Join: {type(joinable).__name__} announcing another iteration"
+        announced = issue(AllReduce((torch.ones(1, device=device),)), group, purpose)
         if config.throw_on_early_termination:
-            stop = torch.zeros(1, device=device)
-            dist.all_reduce(stop, group=group)
+            asked = f"Join: {type(joinable).__name__} asking whether a rank ran out"
+            (stop,) = issue(AllReduce((torch.zeros(1, device=device),)), group, asked).wait()
             if stop.item():
                 raise RuntimeError(
                     "Detected at least one rank that exhausted inputs. Throwing across all ranks."
                 )
-        return work
+        return announced

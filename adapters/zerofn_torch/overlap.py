@@ -34,12 +34,13 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
+from zerofn.comm import Broadcast, Reduce, Response
 from zerofn.ddp_buckets import BucketShard
 from zerofn.overlap import finish_overlap_iteration, observe_bucket, shard_element_range
+from zerofn_torch.comm import issue
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -64,7 +65,7 @@ class _Pending:
     params: list[torch.Tensor]
     buffer: torch.Tensor
     future: torch.futures.Future[torch.Tensor] | None  # the inner hook's result
-    reductions: list[Any]  # pending reduce-to-owner work
+    reductions: list[torch.futures.Future[Response]]  # pending reduce-to-owner
 
 
 def _grads_from_flat(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -107,7 +108,9 @@ class _OverlappedStep:
         self.reduce_to_owner = _is_averaging_hook(hook)
         self.index_of = {id(p): i for i, p in enumerate(zero._all_params)}
         self.pending: list[_Pending] = []
-        self.broadcasts: list[tuple[BucketShard, torch.Tensor, list[torch.Tensor], Any]] = []
+        self.broadcasts: list[
+            tuple[BucketShard, torch.Tensor, list[torch.Tensor], torch.futures.Future[Response]]
+        ] = []
 
     # ----- one bucket ----------------------------------------------------------
 
@@ -134,40 +137,39 @@ class _OverlappedStep:
             self._finish_iteration(overlapped)
         return result
 
-    def _owner_group_rank(self, shard: BucketShard) -> int:
-        return dist.get_global_rank(self.zero.process_group, shard.rank)
-
     def _shards_of(self, index: int) -> list[BucketShard]:
         plan = self.zero._overlap.plan if self.zero._overlap else None
         assert plan is not None
         return [s for s in plan.shards if s.bucket == index]
 
-    def _reduce(self, bucket: GradBucket) -> list[Any]:
+    def _reduce(self, bucket: GradBucket) -> list[torch.futures.Future[Response]]:
         """Reduce each shard of the bucket's averaged gradients to its owner."""
         buffer = bucket.buffer()
         buffer.div_(self.zero.world_size)
         plan = self.zero._overlap.plan if self.zero._overlap else None
         assert plan is not None
-        works = []
+        pending = []
         for shard in self._shards_of(bucket.index()):
             start, stop = shard_element_range(plan, shard)
-            works.append(
-                dist.reduce(
-                    buffer[start:stop],
-                    dst=self._owner_group_rank(shard),
-                    group=self.zero.process_group,
-                    async_op=True,
-                )
+            purpose = (
+                f"the overlapped ZeRO step: reducing DDP bucket {bucket.index()}'s gradients "
+                f"to their owner"
             )
-        return works
+            request = Reduce(buffer[start:stop], dst=shard.rank)
+            pending.append(issue(request, self.zero.process_group, purpose))
+        return pending
 
     # ----- stepping ----------------------------------------------------------------
 
     def _averaged(self, entry: _Pending) -> list[torch.Tensor]:
         """The bucket's averaged gradients, once its reduction finished (on an
-        owner; elsewhere the reduce-to-owner path leaves them unspecified)."""
-        for work in entry.reductions:
-            work.wait()
+        owner; elsewhere the reduce-to-owner path leaves them unspecified).
+
+        Raises:
+            zerofn.errors.CollectiveError: the reduction failed.
+        """
+        for reduction in entry.reductions:
+            reduction.wait()
         flat = entry.future.wait() if entry.future is not None else entry.buffer
         return _grads_from_flat(flat, entry.params)
 
@@ -191,15 +193,17 @@ class _OverlappedStep:
                     flat = torch.cat([p.detach().reshape(-1) for p in owned])
                 else:
                     flat = torch.empty(shard.numel, dtype=owned[0].dtype, device=owned[0].device)
-                work = dist.broadcast(
-                    flat, src=self._owner_group_rank(shard), group=zero.process_group, async_op=True
+                purpose = (
+                    f"the overlapped ZeRO step: sending DDP bucket {entry.index}'s updated "
+                    "parameters from their owner"
                 )
-                self.broadcasts.append((shard, flat, owned, work))
+                sent = issue(Broadcast(flat, src=shard.rank), zero.process_group, purpose)
+                self.broadcasts.append((shard, flat, owned, sent))
 
     def _receive_broadcasts(self) -> None:
         with torch.no_grad():
-            for shard, flat, owned, work in self.broadcasts:
-                work.wait()
+            for shard, flat, owned, sent in self.broadcasts:
+                sent.wait()
                 if shard.rank != self.zero.rank:
                     for p, value in zip(owned, _grads_from_flat(flat, owned), strict=True):
                         p.copy_(value)

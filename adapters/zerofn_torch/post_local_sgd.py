@@ -36,7 +36,7 @@ from zerofn.averaging import (
     take_bucket,
 )
 from zerofn.hook import BucketInfo, allreduce_mean
-from zerofn_torch.comm import drive
+from zerofn_torch.comm import drive, for_ddp, then
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
@@ -143,7 +143,8 @@ def _average_in(group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Te
         is_last=bucket.is_last(),
     )
     _, program = allreduce_mean().start(bucket.buffer(), info, None, None)
-    return drive(program, group).then(lambda fut: fut.value()[0])
+    purpose = f"DDP bucket {info.index} (hook 'post_localSGD')"
+    return for_ddp(then(drive(program, group, purpose), lambda result: result[0]))
 
 
 def post_localSGD_hook(

@@ -317,7 +317,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
             if not self.parameters_as_bucket_view and not self._flat:
                 pack(buffer, layout.slots[self.rank], params)
-            handles += start_exchange(buffer, layout.slots, self.process_group, self.rank)
+            purpose = f"the ZeRO step's exchange of updated shards ({_key(buffer)} buffer)"
+            handles.append(
+                start_exchange(buffer, layout.slots, self.process_group, self.rank, purpose)
+            )
         return handles
 
     def _receive(self, handles: list[Any]) -> None:
@@ -342,6 +345,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Returns:
             The local optimizer's return value (the loss, with a closure).
+
+        Raises:
+            zerofn.errors.CollectiveError: the exchange failed (a peer died or
+                timed out). This rank's shard is stepped; other ranks' shards
+                may be partly received: restart from a checkpoint.
         """
         if self._overlap is not None:
             logger.warning(

@@ -17,9 +17,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import attrs
 import torch
 
-from zerofn.comm import AllGather, AllReduce, Program, Request, Response
+from zerofn.comm import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    GatherSegments,
+    Program,
+    Reduce,
+    Request,
+    Response,
+    describe,
+    tensors_of,
+)
+from zerofn.errors import CollectiveError, PeerLost
 from zerofn.hook import (
     BucketInfo,
     CommHook,
@@ -30,7 +43,7 @@ from zerofn.hook import (
     init_hook_state,
 )
 
-__all__ = ["CollectiveMismatch", "fulfil", "run_programs", "simulate_iteration"]
+__all__ = ["CollectiveMismatch", "Dropout", "fulfil", "run_programs", "simulate_iteration"]
 
 R = TypeVar("R")
 G = TypeVar("G")
@@ -42,61 +55,150 @@ class CollectiveMismatch(AssertionError):
     process group this would hang or corrupt data."""
 
 
+@attrs.frozen
+class Dropout:
+    """A rank that disappears: rank ``rank`` never makes its request number
+    ``at`` (counted from 0 over the whole run), as if its process died there.
+
+    The ranks still running then fail at that collective with a
+    :class:`zerofn.errors.CollectiveError` whose cause is a
+    :class:`zerofn.errors.PeerLost`: a clear error, never a result.
+    """
+
+    rank: int = attrs.field(validator=attrs.validators.ge(0))
+    at: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+def _signature(request: Request) -> tuple[object, ...]:
+    """What every rank's request must agree on at one point of the program."""
+    shapes = tuple((t.shape, t.dtype) for t in tensors_of(request))
+    if isinstance(request, AllReduce):
+        return (AllReduce, request.op, shapes)
+    if isinstance(request, Broadcast):
+        return (Broadcast, request.src, shapes)
+    if isinstance(request, Reduce):
+        return (Reduce, request.dst, shapes)
+    if isinstance(request, GatherSegments):
+        return (GatherSegments, request.via, shapes)
+    return (AllGather, shapes)
+
+
+def _sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(tensors)).sum(dim=0)
+
+
 def fulfil(requests: Sequence[Request]) -> list[Response]:
     """The response each rank would get for its request.
 
     Raises:
         CollectiveMismatch: if the ranks' requests differ in kind, reduction,
-            count, shape or dtype.
+            root, count, shape or dtype.
     """
     first = requests[0]
     for rank, request in enumerate(requests):
-        if type(request) is not type(first):
-            raise CollectiveMismatch(f"rank {rank} asks for {type(request).__name__}")
+        if _signature(request) != _signature(first):
+            raise CollectiveMismatch(
+                f"rank {rank} asks for {describe(request)} where rank 0 asks for {describe(first)}"
+            )
+    world = len(requests)
     if isinstance(first, AllReduce):
-        reduces = [r for r in requests if isinstance(r, AllReduce)]
-        for rank, request in enumerate(reduces):
-            shapes = [(t.shape, t.dtype) for t in request.tensors]
-            if request.op != first.op or shapes != [(t.shape, t.dtype) for t in first.tensors]:
-                raise CollectiveMismatch(f"rank {rank}'s all-reduce differs from rank 0's")
-        reduced = []
-        for i in range(len(first.tensors)):
-            total = torch.stack([r.tensors[i] for r in reduces]).sum(dim=0)
-            reduced.append(total / len(reduces) if first.op == "avg" else total)
-        return [tuple(t.clone() for t in reduced) for _ in reduces]
-    gathers = [r for r in requests if isinstance(r, AllGather)]
-    for rank, request in enumerate(gathers):
-        if (request.tensor.shape, request.tensor.dtype) != (first.tensor.shape, first.tensor.dtype):
-            raise CollectiveMismatch(f"rank {rank}'s all-gather differs from rank 0's")
-    gathered = tuple(r.tensor.clone() for r in gathers)
-    return [tuple(t.clone() for t in gathered) for _ in gathers]
+        reduced = [_sum([tensors_of(r)[i] for r in requests]) for i in range(len(first.tensors))]
+        if first.op == "avg":
+            reduced = [t / world for t in reduced]
+        return [tuple(t.clone() for t in reduced) for _ in requests]
+    if isinstance(first, Broadcast):
+        payload = tensors_of(requests[first.src])[0]
+        return [(payload.clone(),) for _ in requests]
+    if isinstance(first, Reduce):
+        total = _sum([tensors_of(r)[0] for r in requests])
+        return [
+            (total.clone() if rank == first.dst else tensors_of(r)[0].clone(),)
+            for rank, r in enumerate(requests)
+        ]
+    if isinstance(first, GatherSegments):
+        filled = tuple(tensors_of(requests[owner])[owner].clone() for owner in range(world))
+        return [tuple(t.clone() for t in filled) for _ in requests]
+    gathered = tuple(tensors_of(r)[0].clone() for r in requests)
+    return [tuple(t.clone() for t in gathered) for _ in requests]
 
 
-def run_programs(programs: Sequence[Program[R]]) -> list[R]:
-    """Drive one program per rank in lockstep until all return.
+def _lost(
+    requests: Sequence[Request | None], drop: Dropout, purpose: str, number: int
+) -> CollectiveError:
+    asked = next(r for r in requests if r is not None)
+    world = len(requests)
+    error = CollectiveError(
+        describe(asked),
+        f"{purpose}, collective #{number}",
+        f"the simulated world of {world} ranks",
+        f"rank {drop.rank} was dropped before it joined",
+    )
+    error.__cause__ = PeerLost(f"rank {drop.rank} of {world} disappeared at request {drop.at}")
+    return error
 
-    Raises:
-        CollectiveMismatch: if the ranks disagree on a request or on when to stop.
-    """
+
+def _run(
+    programs: Sequence[Program[R]], drop: Dropout | None, purpose: str, first: int
+) -> tuple[list[R], int]:
+    """Drive ``programs`` in lockstep; their results and how many requests
+    each rank made. ``first`` is the number of requests made before them."""
     pending: list[Request | None] = []
     results: list[Any] = [None] * len(programs)
-    for rank, program in enumerate(programs):
+
+    def resume(rank: int, response: Response | None) -> None:
+        program = programs[rank]
         try:
-            pending.append(next(program))
+            pending[rank] = next(program) if response is None else program.send(response)
         except StopIteration as stop:
-            pending.append(None)
+            pending[rank] = None
             results[rank] = stop.value
+
+    for rank in range(len(programs)):
+        pending.append(None)
+        resume(rank, None)
+    number = first
     while any(p is not None for p in pending):
         if any(p is None for p in pending):
             raise CollectiveMismatch("some ranks finished while others still communicate")
+        if drop is not None and drop.at == number:
+            for program in programs:
+                program.close()
+            raise _lost(pending, drop, purpose, number)
         responses = fulfil([p for p in pending if p is not None])
-        for rank, program in enumerate(programs):
-            try:
-                pending[rank] = program.send(responses[rank])
-            except StopIteration as stop:
-                pending[rank] = None
-                results[rank] = stop.value
-    return results
+        for rank in range(len(programs)):
+            resume(rank, responses[rank])
+        number += 1
+    return results, number - first
+
+
+def run_programs(
+    programs: Sequence[Program[R]],
+    drop: Dropout | None = None,
+    purpose: str = "a simulated program",
+) -> list[R]:
+    """Drive one program per rank in lockstep until all return.
+
+    Args:
+        programs: one program per rank.
+        drop: a rank to lose at one of its requests (none by default).
+        purpose: what the programs are for, for error messages.
+
+    Returns:
+        What each rank's program returned.
+
+    Raises:
+        CollectiveMismatch: if the ranks disagree on a request or on when to stop.
+        zerofn.errors.CollectiveError: ``drop``'s rank disappeared while the
+            others were still communicating; every program is closed.
+        ValueError: ``drop`` names a rank outside the world.
+    """
+    _check_drop(drop, len(programs))
+    return _run(programs, drop, purpose, 0)[0]
+
+
+def _check_drop(drop: Dropout | None, world_size: int) -> None:
+    if drop is not None and drop.rank >= world_size:
+        raise ValueError(f"cannot drop rank {drop.rank} from a world of {world_size} ranks")
 
 
 def simulate_iteration(
@@ -104,6 +206,7 @@ def simulate_iteration(
     grads: Sequence[Sequence[torch.Tensor]],
     states: Sequence[HookState[G, B]] | None = None,
     shapes: Sequence[Sequence[tuple[int, ...]]] | None = None,
+    drop: Dropout | None = None,
 ) -> tuple[list[list[torch.Tensor]], list[HookState[G, B]]]:
     """One training iteration of ``hook`` on every rank.
 
@@ -113,14 +216,23 @@ def simulate_iteration(
         states: each rank's hook state (fresh ones when omitted).
         shapes: ``shapes[bucket]``: the gradient shapes in each bucket
             (one flat gradient per bucket when omitted).
+        drop: a rank to lose at one of its requests, counted over the whole
+            iteration (none by default).
 
     Returns:
         ``(results[rank][bucket], new_states[rank])``.
+
+    Raises:
+        CollectiveMismatch: if the ranks disagree on a request.
+        zerofn.errors.CollectiveError: ``drop``'s rank disappeared before the
+            iteration's last collective; no rank gets a result.
     """
+    _check_drop(drop, len(grads))
     world_size = len(grads)
     current = list(states) if states is not None else [init_hook_state(hook) for _ in grads]
     num_buckets = len(grads[0])
     results: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    made = 0
     for index in range(num_buckets):
         bucket_shapes = (
             tuple(tuple(s) for s in shapes[index])
@@ -132,7 +244,10 @@ def simulate_iteration(
         for rank in range(world_size):
             current[rank], program = begin_bucket(hook, current[rank], grads[rank][index], info)
             programs.append(program)
-        for rank, (out, bucket_state) in enumerate(run_programs(programs)):
+        purpose = f"bucket {index} (hook {hook.name!r})"
+        finished, count = _run(programs, drop, purpose, made)
+        made += count
+        for rank, (out, bucket_state) in enumerate(finished):
             results[rank].append(out)
             current[rank] = finish_bucket(current[rank], index, bucket_state)
     current = [finish_iteration(hook, s) for s in current]
