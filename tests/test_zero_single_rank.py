@@ -71,6 +71,12 @@ def test_manual_partition_errors_name_the_problem() -> None:
         ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=[params + params[:1]], lr=0.1)
 
 
+def test_manual_partition_of_indices_is_a_type_error() -> None:
+    params = list(make_model().parameters())
+    with pytest.raises(TypeError, match=r"partition\[0\] holds a int .*not their indices"):
+        ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=[[0, 1]], lr=0.1)
+
+
 def test_flat_refuses_non_elementwise_optimizer() -> None:
     with pytest.raises(ValueError, match="element-wise"):
         ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.LBFGS, partition="flat")

@@ -25,6 +25,7 @@ from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
 from zerofn.shard_state import StateDict, consolidate, shard, validate_global
+from zerofn_torch.comm import guarded
 from zerofn_torch.exchange import pack, slot_view, start_exchange, unpack, wait_all
 from zerofn_torch.join import Join, JoinHook
 
@@ -100,7 +101,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
-        TypeError: ``params`` is a tensor, not iterable, or holds a non-tensor.
+        TypeError: ``params`` is a tensor, not iterable, or holds a non-tensor;
+            a manual partition lists something other than tensors (indices, say).
         ValueError: ``params`` is empty, sparse or of mixed dtype/device; a bad
             manual partition; ``partition="flat"`` with a non-element-wise
             optimizer.
@@ -185,6 +187,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for rank, rank_params in enumerate(partition):
             indices = []
             for p in rank_params:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(
+                        f"partition[{rank}] holds a {type(p).__name__} ({p!r}); a manual "
+                        "partition lists, for each rank, the parameter tensors it owns "
+                        "(e.g. [[model.weight], [model.bias]]), not their indices"
+                    )
                 if id(p) not in index_of:
                     raise ValueError(
                         f"params_per_rank[{rank}] holds a tensor of shape {tuple(p.shape)} "
@@ -425,7 +433,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _gather_global_state(self) -> StateDict:
         """Every rank's shard, joined into the global state on every rank."""
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, self._local_state_cpu(), group=self.process_group)
+        purpose = "gathering every rank's optimizer shard"
+        with guarded("all_gather_object", purpose, self.process_group):
+            dist.all_gather_object(gathered, self._local_state_cpu(), group=self.process_group)
         return consolidate(self._plan.partition, gathered, self._shapes())
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -440,7 +450,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local = self._local_state_cpu()
         gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
         dst = dist.get_global_rank(self.process_group, to)
-        dist.gather_object(local, gathered, dst=dst, group=self.process_group)
+        purpose = f"consolidating the optimizer state on rank {to}"
+        with guarded("gather_object", purpose, self.process_group):
+            dist.gather_object(local, gathered, dst=dst, group=self.process_group)
         if gathered is None:
             self._consolidated = None
         else:
