@@ -1,16 +1,17 @@
 """``make bench``: every benchmark in one run, written to one page and one figure.
 
 Runs the ZeRO step, DDP + PowerSGD, overlap, partition imbalance and core
-scaling benchmarks (each also runnable alone: ``bench_zero.py``,
-``bench_hooks.py``, ``bench_overlap.py``), prints each section as it ends, and
-writes:
+scaling benchmarks, then the soak (2,000 steps of DDP + PowerSGD + the
+overlapped ZeRO step: replicas bitwise equal, memory flat), each also runnable
+alone (``bench_zero.py``, ``bench_hooks.py``, ``bench_overlap.py``,
+``bench_soak.py``); prints each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
   its target), the figure, then each benchmark's own tables. It is the docs
   site's benchmark page, so a fresh ``make bench`` updates the site.
 * ``docs/img/benchmarks.png``: the summary ratios with their interquartile
   ranges, partition imbalance against world size, planning time against model
-  size.
+  size, the soak's resident memory against step.
 
 ``--quick`` shrinks every benchmark for a smoke run and, unless ``--out`` is
 given, writes under ``benchmarks/out/`` instead of over the committed page.
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import bench_hooks
 import bench_overlap
+import bench_soak
 import bench_zero
 import matplotlib
 
@@ -34,13 +36,15 @@ from report import Headline, Panel, Section, environment, headline_table, parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Order of the page: the comparisons with PyTorch first, then the core alone.
+# Order of the page: the comparisons with PyTorch first, then the core alone,
+# then the soak (the longest, and a check rather than a comparison).
 BENCHES: dict[str, Callable[[bool], Section]] = {
     "zero-step": bench_zero.bench_zero_step,
     "powersgd": bench_hooks.bench_powersgd,
     "overlap": bench_overlap.bench_overlap,
     "imbalance": bench_zero.bench_imbalance,
     "scaling": bench_zero.bench_scaling,
+    "soak": bench_soak.bench_soak,
 }
 
 

@@ -1,8 +1,9 @@
 """The benchmark reporting helpers and the pure benchmark sections.
 
 The timed sections run in CI through ``make bench BENCH_ARGS=--quick``; here
-only what is pure: the summary records, the Markdown writer, and the partition
-and scaling sections (which must keep meeting their own claims).
+only what is pure: the summary records, the Markdown writer, the partition
+and scaling sections (which must keep meeting their own claims), and the
+soak's growth and section from made-up traces.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
+import bench_soak
 import bench_zero
 from report import Spread, md_table, paired_ratios
 
@@ -69,3 +72,85 @@ def test_scaling_section_reports_growth_per_function() -> None:
         "flat",
         "assign_buckets",
     ]
+
+
+STEPS = tuple(range(0, 2001, 100))
+
+
+def _trace(
+    rss_per_step: float = 0.0, unequal_from: int | None = None, wobble: int = 0
+) -> bench_soak.RankTrace:
+    """A made-up soak trace: RSS ``300 MiB + rss_per_step * step`` (+/- ``wobble``
+    bytes, alternating), replicas unequal from step ``unequal_from`` on."""
+    rss = [
+        300 * 2**20 + int(rss_per_step * s) + (wobble if k % 2 else -wobble)
+        for k, s in enumerate(STEPS)
+    ]
+    equal = [unequal_from is None or s < unequal_from for s in STEPS]
+    return bench_soak.RankTrace(
+        steps=STEPS,
+        rss=rss,
+        equal=equal,
+        diff=[0.0 if eq else 1e-7 for eq in equal],
+        loss=[float("nan")] + [1.0 / (1 + s) for s in STEPS[1:]],
+        first_loss=0.4,
+        seconds=60.0,
+    )
+
+
+def test_rss_growth_of_a_steady_leak_is_its_rate() -> None:
+    leak = 2**20 / 1000  # one MiB per 1,000 steps
+    g = bench_soak.rss_growth(STEPS, _trace(leak).rss, warmup=200)
+    assert (g.start_step, g.end_step) == (200, 2000)
+    assert g.mib == pytest.approx(1.8, abs=1e-5)
+    assert g.mib_per_1000 == pytest.approx(1.0, abs=1e-5)
+    assert g.trend == pytest.approx(1.0, abs=1e-5)
+
+
+def test_rss_trend_ignores_what_only_the_ends_show() -> None:
+    # Flat RSS wobbling 1 MiB either side of its level: the ends (low at step
+    # 200, high at 1900) differ by 2 MiB, the fit sees next to nothing.
+    g = bench_soak.rss_growth(STEPS[:-1], _trace(wobble=2**20).rss[:-1], warmup=200)
+    assert g.mib == pytest.approx(2.0)
+    assert abs(g.trend) < 0.5
+
+
+def test_rss_growth_needs_two_checks_after_warmup() -> None:
+    with pytest.raises(ValueError, match="two checks"):
+        bench_soak.rss_growth(STEPS, _trace().rss, warmup=2000)
+
+
+def test_soak_section_meets_its_targets_when_flat_and_equal() -> None:
+    section = bench_soak.soak_section([_trace(), _trace()], warmup=200, setup="MLP")
+    equal, growth = section.headlines
+    assert (equal.value.median, equal.target, equal.met) == (1.0, "== 1", True)
+    assert growth.met is True and growth.value.median == pytest.approx(0.0)
+    assert "bitwise equal at all 21 checks" in section.body
+    assert [c.label for c in section.panels[0].curves] == ["rank 0", "rank 1"]
+    assert section.panels[0].curves[0].y[0] == pytest.approx(300.0)
+
+
+def test_soak_section_reports_drift_and_a_leak() -> None:
+    leak = 10 * 2**20 / 1000  # 10 MiB per 1,000 steps, on rank 1 only
+    traces = [_trace(unequal_from=700), _trace(leak, unequal_from=700)]
+    section = bench_soak.soak_section(traces, warmup=200, setup="MLP")
+    equal, growth = section.headlines
+    assert (equal.value.median, equal.met) == (0.0, False)
+    assert growth.met is False and growth.value.median == pytest.approx(10.0)
+    assert "NOT bitwise equal** at 14 of 21 checks, first at step 700" in section.body
+    assert bench_soak.first_unequal_step(traces) == 700
+
+
+def test_soak_section_without_a_target_does_not_judge_growth() -> None:
+    leak = 10 * 2**20 / 1000
+    section = bench_soak.soak_section([_trace(leak)], 200, "MLP", growth_target=None)
+    growth = section.headlines[1]
+    assert (growth.target, growth.met) == ("", None)
+    assert growth.value.median == pytest.approx(10.0)
+    assert "without a target" in section.body
+
+
+def test_rank_trace_is_read_from_what_a_rank_returns() -> None:
+    trace = _trace()
+    returned = {**attrs.asdict(trace), "numel": 1, "buckets": 2, "compression": 3.0}
+    assert bench_soak.RankTrace.of(returned) == trace
