@@ -217,12 +217,13 @@ def save_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.Pat
     group = optimizer.process_group
     # The broadcast that ends the clearing also orders it before any rank writes.
     _on_first_rank(optimizer, lambda: _clear(path), "clearing the directory")
-    dcp_save(
-        _entries(optimizer),
-        checkpoint_id=checkpoint_id,
-        process_group=group,
-        planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-    )
+    with guarded("torch.distributed.checkpoint.save", f"save_sharded to {path!r}", group):
+        dcp_save(
+            _entries(optimizer),
+            checkpoint_id=checkpoint_id,
+            process_group=group,
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
     mine: tuple[list[FileRecord], str | None]
     try:
         mine = (_own_files(path, optimizer.rank), None)
@@ -397,12 +398,14 @@ def load_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.Pat
         problems, metadata, plans = [f"it could not be checked: {type(e).__name__}: {e}"], None, {}
     _agree(optimizer, path, problems)
     request = _request(plans, metadata)
-    dcp_load(
-        request,
-        checkpoint_id=checkpoint_id,
-        process_group=optimizer.process_group,
-        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-    )
+    group = optimizer.process_group
+    with guarded("torch.distributed.checkpoint.load", f"load_sharded from {path!r}", group):
+        dcp_load(
+            request,
+            checkpoint_id=checkpoint_id,
+            process_group=group,
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
     if request[_SIZES] != [list(g) for g in optimizer._plan.partition.group_sizes]:
         raise CheckpointError(
             f"checkpoint {path!r} was saved for parameters of sizes "

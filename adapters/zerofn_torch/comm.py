@@ -188,9 +188,10 @@ def guarded(collective: str, purpose: str, group: Any) -> Iterator[None]:
     """
     try:
         yield
-    except CollectiveError:
+    except (CollectiveError, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
-    except Exception as e:
+    # BaseException: torch.distributed.checkpoint's CheckpointException is one.
+    except BaseException as e:
         raise _collective_error(collective, purpose, group, e) from e
 
 
