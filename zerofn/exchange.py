@@ -1,0 +1,153 @@
+"""The ZeRO exchange: shards in and out of flat buffers, and the program that
+sends every rank's updated segment to every rank.
+
+A :class:`~zerofn.layout.BufferLayout` says where each piece of each
+parameter lives in a device/dtype's flat buffer; each rank's pieces form one
+contiguous *segment*. After the local optimizer step, every rank packs its
+updated pieces into its segment, :func:`exchange_program` asks for one
+:class:`~zerofn.comm.GatherSegments` per buffer, and every rank unpacks the
+other ranks' segments into its parameters. How the bytes move
+(one all-gather, or one broadcast per rank) is a parameter of the program,
+not a branch in whoever drives it.
+
+The functions here write only into the buffers and tensors handed to them,
+as their signatures say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, TypeAlias
+
+import torch
+
+from zerofn.comm import GatherSegments, Program
+from zerofn.layout import BufferLayout, Slot
+from zerofn.partition import FlatPartition
+
+__all__ = [
+    "ExchangeVia",
+    "exchange_program",
+    "flat_grad",
+    "group_slots",
+    "pack",
+    "segment_views",
+    "slot_view",
+    "unpack",
+]
+
+ExchangeVia: TypeAlias = Literal["all_gather", "broadcasts"]
+"""How an exchange moves its bytes (see :class:`~zerofn.comm.GatherSegments`)."""
+
+
+def slot_view(tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """The elements of ``tensor`` (a parameter, or its gradient) that ``slot``
+    covers, as a flat view."""
+    return tensor.detach().view(-1)[slot.piece.start : slot.piece.stop]
+
+
+def pack(buffer: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.Tensor]) -> None:
+    """Copy the covered elements of ``params`` into ``buffer`` (written in place)."""
+    for slot in slots:
+        buffer[slot.offset : slot.stop].copy_(slot_view(params[slot.piece.param], slot))
+
+
+def unpack(buffer: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.Tensor]) -> None:
+    """Copy ``buffer``'s elements back into ``params`` (written in place)."""
+    with torch.no_grad():
+        for slot in slots:
+            slot_view(params[slot.piece.param], slot).copy_(buffer[slot.offset : slot.stop])
+
+
+def segment_views(layout: BufferLayout, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each rank's segment of ``buffer``, as views, in rank order."""
+    return tuple(buffer[s.offset : s.offset + s.length] for s in layout.segments)
+
+
+def exchange_program(
+    layouts: Sequence[BufferLayout],
+    buffers: Sequence[torch.Tensor],
+    rank: int,
+    via: ExchangeVia = "broadcasts",
+) -> Program[None]:
+    """Fill every rank's segment of every buffer from that rank.
+
+    Args:
+        layouts: the plan's buffer layouts (one per device/dtype).
+        buffers: one buffer per layout, this rank's segment packed; handed
+            over: the other segments are written in place.
+        rank: this rank's index in the group.
+        via: ``"all_gather"`` (one collective per buffer; NCCL) or
+            ``"broadcasts"`` (one broadcast per non-empty segment; gloo).
+
+    Returns:
+        A program making one request per buffer (the last marked ``last``);
+        when it returns, every buffer holds every rank's segment.
+
+    Raises:
+        ValueError: if the counts of layouts and buffers differ, or a buffer
+            is not as long as its layout.
+    """
+    if len(layouts) != len(buffers):
+        raise ValueError(f"{len(layouts)} layouts but {len(buffers)} buffers")
+    for layout, buffer in zip(layouts, buffers, strict=True):
+        if buffer.numel() != layout.numel:
+            raise ValueError(
+                f"the {layout.key} buffer has {buffer.numel()} elements; its layout needs "
+                f"{layout.numel}"
+            )
+    for index, (layout, buffer) in enumerate(zip(layouts, buffers, strict=True)):
+        last = index == len(layouts) - 1
+        segments = segment_views(layout, buffer)
+        filled = yield GatherSegments(segments, rank, via, last=last)
+        for segment, received in zip(segments, filled, strict=True):
+            # A driver may answer with the segments it filled in place (a real
+            # process group) or with new tensors (the simulated world).
+            if received.data_ptr() != segment.data_ptr() or received.numel() != segment.numel():
+                segment.copy_(received)
+
+
+def group_slots(
+    layout: BufferLayout, partition: FlatPartition, rank: int
+) -> tuple[tuple[Slot, ...], ...]:
+    """Under a flat partition: ``rank``'s slots in the (single) buffer, per
+    param group. Each group's slots are contiguous, so a local optimizer can
+    step one view of the buffer per group."""
+    slots = layout.slots[rank]
+    per_group = []
+    for pieces in partition.group_pieces_of(rank):
+        wanted = set(pieces)
+        per_group.append(tuple(s for s in slots if s.piece in wanted))
+    return tuple(per_group)
+
+
+def flat_grad(
+    slots: Sequence[Slot], grads: Sequence[torch.Tensor | None], out: torch.Tensor | None
+) -> torch.Tensor | None:
+    """One param group's gradient as one flat tensor: the slices of ``grads``
+    (global, by parameter index) that ``slots`` cover, laid out as in the
+    buffer.
+
+    Args:
+        slots: the group's contiguous slots (see :func:`group_slots`).
+        grads: every parameter's gradient, or ``None``.
+        out: last step's flat gradient to write into (handed over), or ``None``.
+
+    Returns:
+        The flat gradient (``out`` when given); ``None`` if no covered
+        parameter has a gradient. A parameter without one contributes zeros.
+    """
+    covered = [grads[s.piece.param] for s in slots]
+    if not slots or all(g is None for g in covered):
+        return None
+    base = slots[0].offset
+    length = slots[-1].stop - base
+    some = next(g for g in covered if g is not None)
+    flat = out if out is not None else torch.zeros(length, dtype=some.dtype, device=some.device)
+    for slot, grad in zip(slots, covered, strict=True):
+        target = flat[slot.offset - base : slot.stop - base]
+        if grad is None:
+            target.zero_()
+        else:
+            target.copy_(slot_view(grad, slot))
+    return flat
