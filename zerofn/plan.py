@@ -8,6 +8,7 @@ parameters are trainable yields a new plan.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import attrs
 
@@ -22,7 +23,11 @@ from zerofn.partition import (
     manual_partition,
 )
 
-__all__ = ["ShardPlan", "plan_shards", "with_trainable"]
+__all__ = ["PlanMode", "ShardPlan", "plan_shards", "with_trainable"]
+
+PlanMode = Literal["greedy", "balanced", "flat", "manual"]
+"""How a plan's partition was made: a :data:`~zerofn.partition.PartitionMode`,
+or ``"manual"`` for a partition given rank by rank."""
 
 
 @attrs.frozen
@@ -37,7 +42,7 @@ class ShardPlan:
         layouts: one exchange buffer per key (see :func:`buffer_layouts`).
     """
 
-    mode: str
+    mode: PlanMode = attrs.field(validator=attrs.validators.in_(get_args(PlanMode)))
     partition: Partition | FlatPartition
     keys: tuple[str, ...]
     trainable: tuple[bool, ...]
@@ -89,6 +94,7 @@ def plan_shards(
             f"{num_params} parameters but {len(keys)} keys and {len(trainable)} trainable flags"
         )
     partition: Partition | FlatPartition
+    mode_name: PlanMode
     if params_per_rank is not None:
         partition, mode_name = manual_partition(group_sizes, params_per_rank, world_size), "manual"
     elif mode == "greedy":

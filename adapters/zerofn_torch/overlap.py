@@ -41,6 +41,7 @@ from zerofn.comm import Broadcast, Reduce, Response
 from zerofn.ddp_buckets import BucketShard
 from zerofn.overlap import finish_overlap_iteration, observe_bucket, shard_element_range
 from zerofn_torch.comm import issue
+from zerofn_torch.default_hooks import allreduce_hook
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -50,10 +51,7 @@ DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 def _is_averaging_hook(hook: DDPHook) -> bool:
     """Whether ``hook`` is plain averaging, which the overlap replaces by
-    reduce-to-owner. (zerofn_torch.hooks re-exports this module, hence the
-    import here.)"""
-    from zerofn_torch.hooks import allreduce_hook
-
+    reduce-to-owner."""
     return hook in (allreduce_hook, torch_default_hooks.allreduce_hook)
 
 
