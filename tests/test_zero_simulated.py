@@ -1,10 +1,13 @@
 """The ZeRO step on N simulated ranks (no processes): the exchange program of
 zerofn.exchange, driven by the simulated world, gives every rank the
 unsharded optimizer's result, for every partition mode, with exactly one
-exchange request per buffer per step carrying the buffer's bytes."""
+exchange request per buffer per step carrying the buffer's bytes; the
+overlapped step (zerofn.overlap_step) gives DDP-then-optimizer's result with
+one all-reduce's worth of bytes."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -12,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.comm import GatherSegments, request_bytes
+from zerofn.comm import Broadcast, GatherSegments, Reduce, request_bytes
 from zerofn.exchange import exchange_program, flat_grad, group_slots
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards
 from zerofn.testing import strategies as zst
-from zerofn.testing.zero import simulate_zero_steps
+from zerofn.testing.zero import simulate_overlapped_step, simulate_zero_steps
 
 SETTINGS = settings(max_examples=200, deadline=None)
 pytestmark = pytest.mark.timeout(120)
@@ -161,3 +164,58 @@ def test_flat_grad_lays_out_slices_and_zero_fills_missing_grads() -> None:
     flat = flat_grad(slots, grads, None)
     assert flat is not None and flat.tolist() == [4.0, 0.0, 0.0, 0.0, 0.0]
     assert flat_grad(slots, [None, None], None) is None
+
+
+# ----- the overlapped step (hook_with_zero_step with plain averaging) ---------------
+
+
+@st.composite
+def bucketed_models(draw: st.DrawFn) -> tuple[list[list[int]], list[int]]:
+    """DDP buckets (global indices, in bucket order) over parameters of drawn sizes."""
+    sizes = draw(st.lists(st.integers(1, 40), min_size=1, max_size=9))
+    cuts = (
+        sorted(draw(st.sets(st.integers(1, len(sizes) - 1), max_size=3))) if len(sizes) > 1 else []
+    )
+    bounds = [0, *cuts, len(sizes)]
+    order = list(reversed(range(len(sizes))))  # DDP buckets run in reverse order
+    return [order[a:b] for a, b in itertools.pairwise(bounds)], sizes
+
+
+@SETTINGS
+@given(
+    model=bucketed_models(),
+    world_size=st.integers(1, 6),
+    shard_buckets=st.booleans(),
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    seed=st.integers(0, 2**16),
+)
+def test_overlapped_step_equals_ddp_then_the_unsharded_optimizer(
+    model: tuple[list[list[int]], list[int]],
+    world_size: int,
+    shard_buckets: bool,
+    name: str,
+    seed: int,
+) -> None:
+    buckets, sizes = model
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g) for n in sizes]
+    grads = [[torch.randn(n, generator=g) for n in sizes] for _ in range(world_size)]
+    optimizer_class, defaults = OPTIMIZERS[name]
+    ranks, requests = simulate_overlapped_step(
+        buckets, params, grads, optimizer_class, shard_buckets, **defaults
+    )
+    # DDP's average, then the whole optimizer on every parameter.
+    averaged = [
+        torch.stack([grads[r][i] for r in range(world_size)]).mean(0) for i in range(len(sizes))
+    ]
+    expected = unsharded(params, [sizes], [list(averaged)], name)
+    for rank_params in ranks:
+        for got, want in zip(rank_params, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Bytes: every rank hands over the model's bytes once to reduce and once to
+    # broadcast: one all-reduce's worth, never the 1.5x of all-reduce + exchange.
+    model_bytes = sum(sizes) * 4
+    for made in requests:
+        assert {type(r).__name__ for r in made} <= {"Reduce", "Broadcast"}
+        assert sum(request_bytes(r) for r in made if isinstance(r, Reduce)) == model_bytes
+        assert sum(request_bytes(r) for r in made if isinstance(r, Broadcast)) == model_bytes

@@ -21,7 +21,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from zerofn.comm import GatherSegments, Program
+from zerofn.comm import GatherSegments, Program, adopt
 from zerofn.layout import BufferLayout, Slot
 from zerofn.partition import FlatPartition
 
@@ -101,10 +101,7 @@ def exchange_program(
         segments = segment_views(layout, buffer)
         filled = yield GatherSegments(segments, rank, via, last=last)
         for segment, received in zip(segments, filled, strict=True):
-            # A driver may answer with the segments it filled in place (a real
-            # process group) or with new tensors (the simulated world).
-            if received.data_ptr() != segment.data_ptr() or received.numel() != segment.numel():
-                segment.copy_(received)
+            adopt(segment, received)
 
 
 def group_slots(

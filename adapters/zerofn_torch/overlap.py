@@ -37,10 +37,10 @@ import torch
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
-from zerofn.comm import Broadcast, Reduce, Response
-from zerofn.ddp_buckets import BucketShard
-from zerofn.overlap import finish_overlap_iteration, observe_bucket, shard_element_range
-from zerofn_torch.comm import issue
+from zerofn.ddp_buckets import BucketPlan, BucketShard
+from zerofn.overlap import finish_overlap_iteration, observe_bucket
+from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
+from zerofn_torch.comm import drive
 from zerofn_torch.default_hooks import allreduce_hook
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
@@ -63,7 +63,7 @@ class _Pending:
     params: list[torch.Tensor]
     buffer: torch.Tensor
     future: torch.futures.Future[torch.Tensor] | None  # the inner hook's result
-    reductions: list[torch.futures.Future[Response]]  # pending reduce-to-owner
+    reduction: torch.futures.Future[torch.Tensor] | None  # pending reduce-to-owner
 
 
 def _grads_from_flat(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -107,7 +107,7 @@ class _OverlappedStep:
         self.index_of = {id(p): i for i, p in enumerate(zero._all_params)}
         self.pending: list[_Pending] = []
         self.broadcasts: list[
-            tuple[BucketShard, torch.Tensor, list[torch.Tensor], torch.futures.Future[Response]]
+            tuple[list[torch.Tensor], torch.futures.Future[list[tuple[BucketShard, torch.Tensor]]]]
         ] = []
 
     # ----- one bucket ----------------------------------------------------------
@@ -127,7 +127,7 @@ class _OverlappedStep:
             result = _completed(bucket.buffer())
         else:
             result = self.hook(state, bucket)
-            entry = _Pending(bucket.index(), params, bucket.buffer(), result, [])
+            entry = _Pending(bucket.index(), params, bucket.buffer(), result, None)
         self.pending.append(entry)
         if overlapped and self.interleaved and len(self.pending) >= 2:
             self._step_buckets([self.pending.pop(0)])
@@ -135,27 +135,21 @@ class _OverlappedStep:
             self._finish_iteration(overlapped)
         return result
 
-    def _shards_of(self, index: int) -> list[BucketShard]:
+    def _plan(self) -> BucketPlan:
         plan = self.zero._overlap.plan if self.zero._overlap else None
         assert plan is not None
-        return [s for s in plan.shards if s.bucket == index]
+        return plan
 
-    def _reduce(self, bucket: GradBucket) -> list[torch.futures.Future[Response]]:
-        """Reduce each shard of the bucket's averaged gradients to its owner."""
-        buffer = bucket.buffer()
-        buffer.div_(self.zero.world_size)
-        plan = self.zero._overlap.plan if self.zero._overlap else None
-        assert plan is not None
-        pending = []
-        for shard in self._shards_of(bucket.index()):
-            start, stop = shard_element_range(plan, shard)
-            purpose = (
-                f"the overlapped ZeRO step: reducing DDP bucket {bucket.index()}'s gradients "
-                f"to their owner"
-            )
-            request = Reduce(buffer[start:stop], dst=shard.rank)
-            pending.append(issue(request, self.zero.process_group, purpose))
-        return pending
+    def _reduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Average the bucket's gradients onto the owner of each of its shards."""
+        program = reduce_to_owners(
+            self._plan(), bucket.index(), bucket.buffer(), self.zero.world_size
+        )
+        purpose = (
+            f"the overlapped ZeRO step: reducing DDP bucket {bucket.index()}'s gradients "
+            "to their owners"
+        )
+        return drive(program, self.zero.process_group, purpose)
 
     # ----- stepping ----------------------------------------------------------------
 
@@ -166,43 +160,38 @@ class _OverlappedStep:
         Raises:
             zerofn.errors.CollectiveError: the reduction failed.
         """
-        for reduction in entry.reductions:
-            reduction.wait()
+        if entry.reduction is not None:
+            entry.reduction.wait()
         flat = entry.future.wait() if entry.future is not None else entry.buffer
         return _grads_from_flat(flat, entry.params)
 
+    def _indices(self, entry: _Pending) -> list[int]:
+        return [self.index_of[id(p)] for p in entry.params]
+
     def _step_buckets(self, entries: list[_Pending]) -> None:
         """Step this rank's shards of ``entries`` in one local step, then start
-        broadcasting every shard of them from its owner."""
-        zero = self.zero
+        sending every shard of them from its owner."""
+        zero, plan = self.zero, self._plan()
         grads: dict[int, torch.Tensor] = {}
         for entry in entries:
             averaged = self._averaged(entry)
-            for shard in self._shards_of(entry.index):
-                if shard.rank == zero.rank:
-                    for k in range(shard.offset, shard.offset + shard.count):
-                        grads[self.index_of[id(entry.params[k])]] = averaged[k]
+            grads |= owned_gradients(plan, zero.rank, entry.index, self._indices(entry), averaged)
         if grads:
             zero._step_with_grads(grads)
         for entry in entries:
-            for shard in self._shards_of(entry.index):
-                owned = entry.params[shard.offset : shard.offset + shard.count]
-                if shard.rank == zero.rank:
-                    flat = torch.cat([p.detach().reshape(-1) for p in owned])
-                else:
-                    flat = torch.empty(shard.numel, dtype=owned[0].dtype, device=owned[0].device)
-                purpose = (
-                    f"the overlapped ZeRO step: sending DDP bucket {entry.index}'s updated "
-                    "parameters from their owner"
-                )
-                sent = issue(Broadcast(flat, src=shard.rank), zero.process_group, purpose)
-                self.broadcasts.append((shard, flat, owned, sent))
+            program = broadcast_from_owners(plan, zero.rank, entry.index, entry.params)
+            purpose = (
+                f"the overlapped ZeRO step: sending DDP bucket {entry.index}'s updated "
+                "parameters from their owners"
+            )
+            sent = drive(program, zero.process_group, purpose)
+            self.broadcasts.append((entry.params, sent))
 
     def _receive_broadcasts(self) -> None:
         with torch.no_grad():
-            for shard, flat, owned, sent in self.broadcasts:
-                sent.wait()
-                if shard.rank != self.zero.rank:
+            for params, sent in self.broadcasts:
+                for shard, flat in sent.wait():  # the shards other ranks own
+                    owned = params[shard.offset : shard.offset + shard.count]
                     for p, value in zip(owned, _grads_from_flat(flat, owned), strict=True):
                         p.copy_(value)
         self.broadcasts = []

@@ -1,4 +1,4 @@
-"""The ZeRO step for N simulated ranks in one process.
+"""The ZeRO step, plain and overlapped with DDP, for N simulated ranks in one process.
 
 :func:`simulate_zero_steps` runs the same sequence as
 ``zerofn_torch.ZeroRedundancyOptimizer.step`` on every rank: step the shard
@@ -20,17 +20,21 @@ property test of your own partition runs here without processes::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from zerofn.comm import Program, Request, Response
+from zerofn.ddp_buckets import BucketPlan, assign_buckets
 from zerofn.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
+from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan
 from zerofn.testing.world import run_programs
 
-__all__ = ["simulate_zero_steps"]
+__all__ = ["simulate_overlapped_step", "simulate_zero_steps"]
+
+R = TypeVar("R")
 
 
 def _local_params(
@@ -50,16 +54,21 @@ def _local_params(
     return views
 
 
-def _counted(program: Program[None], seen: list[Request]) -> Program[None]:
+def _counted(program: Program[R], seen: list[Request]) -> Program[R]:
     """``program``, recording each request it makes."""
     try:
         request = next(program)
-        while True:
-            seen.append(request)
-            response: Response = yield request
+    except StopIteration as stop:
+        done: R = stop.value
+        return done
+    while True:
+        seen.append(request)
+        response: Response = yield request
+        try:
             request = program.send(response)
-    except StopIteration:
-        return
+        except StopIteration as stop:
+            result: R = stop.value
+            return result
 
 
 class _Rank:
@@ -155,3 +164,86 @@ def simulate_zero_steps(
         for simulated in ranks:
             simulated.receive()
     return [sim.params for sim in ranks], requests
+
+
+def _owners(plan: BucketPlan, buckets: Sequence[Sequence[int]]) -> list[list[int]]:
+    owned: list[list[int]] = [[] for _ in range(plan.world_size)]
+    for shard in plan.shards:
+        owned[shard.rank].extend(buckets[shard.bucket][shard.offset : shard.offset + shard.count])
+    return owned
+
+
+def simulate_overlapped_step(
+    buckets: Sequence[Sequence[int]],
+    params: Sequence[torch.Tensor],
+    grads_per_rank: Sequence[Sequence[torch.Tensor]],
+    optimizer_class: type[torch.optim.Optimizer],
+    shard_buckets: bool = False,
+    **defaults: Any,
+) -> tuple[list[list[torch.Tensor]], list[list[Request]]]:
+    """One overlapped ZeRO step (``hook_with_zero_step`` with plain
+    averaging, buckets fixed) on ``len(grads_per_rank)`` simulated ranks.
+
+    Each bucket's gradients are averaged onto their owners
+    (:func:`zerofn.overlap_step.reduce_to_owners`), every owner steps what it
+    owns, and the updated parameters go back out
+    (:func:`zerofn.overlap_step.broadcast_from_owners`).
+
+    Args:
+        buckets: global parameter indices of each DDP bucket, in bucket order.
+        params: the global parameters' values (not modified).
+        grads_per_rank: each rank's local gradient of every parameter.
+        optimizer_class: the optimizer every rank runs on what it owns.
+        shard_buckets: whether a bucket may be split across ranks.
+        **defaults: the optimizer's hyperparameters.
+
+    Returns:
+        ``(params_per_rank, requests_per_rank)`` after the step.
+    """
+    world_size = len(grads_per_rank)
+    sizes = [[params[i].numel() for i in bucket] for bucket in buckets]
+    plan = assign_buckets(sizes, world_size, shard_buckets)
+    ranks = [[p.detach().clone() for p in params] for _ in range(world_size)]
+    requests: list[list[Request]] = [[] for _ in range(world_size)]
+    owned: list[dict[int, torch.Tensor]] = [{} for _ in range(world_size)]
+    for index, bucket in enumerate(buckets):
+        flats = [torch.cat([g[i].reshape(-1) for i in bucket]) for g in grads_per_rank]
+        averaged = run_programs(
+            [
+                _counted(reduce_to_owners(plan, index, flats[r], world_size), requests[r])
+                for r in range(world_size)
+            ]
+        )
+        for r in range(world_size):
+            grads = _split(averaged[r], [params[i] for i in bucket])
+            owned[r] |= owned_gradients(plan, r, index, bucket, grads)
+    for r, mine in enumerate(_owners(plan, buckets)):
+        local = [ranks[r][i] for i in mine]
+        if any(p.numel() for p in local):
+            for i in mine:
+                ranks[r][i].grad = owned[r][i].clone()
+            optimizer_class(local, **defaults).step()
+    for index, bucket in enumerate(buckets):
+        sent = run_programs(
+            [
+                _counted(
+                    broadcast_from_owners(plan, r, index, [ranks[r][i] for i in bucket]),
+                    requests[r],
+                )
+                for r in range(world_size)
+            ]
+        )
+        for r in range(world_size):
+            for shard, flat in sent[r]:
+                targets = [ranks[r][i] for i in bucket[shard.offset : shard.offset + shard.count]]
+                for p, value in zip(targets, _split(flat, targets), strict=True):
+                    p.detach().copy_(value)
+    return ranks, requests
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out

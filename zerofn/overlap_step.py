@@ -1,0 +1,126 @@
+"""The overlapped ZeRO step's communication, as programs over a fixed bucket plan.
+
+Once the overlap's :class:`~zerofn.ddp_buckets.BucketPlan` is fixed (see
+:mod:`zerofn.overlap`), each DDP bucket is split into shards, each owned by
+one rank. Per bucket:
+
+1. :func:`reduce_to_owners` averages the bucket's gradients onto each shard's
+   owner (one :class:`~zerofn.comm.Reduce` per shard) instead of all-reducing
+   them: an owner needs its shard's average, nobody else needs it;
+2. :func:`owned_gradients` picks the gradients this rank steps;
+3. after the owners' local step, :func:`broadcast_from_owners` sends each
+   shard's updated parameters from its owner to every rank (one
+   :class:`~zerofn.comm.Broadcast` per shard).
+
+Reduce plus broadcast move the bytes of one all-reduce, where all-reduce plus
+a ZeRO exchange would move one and a half. Ownership is decided here, once;
+whoever drives these programs (the adapter's hook, or the simulated world)
+only follows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zerofn.comm import Broadcast, Program, Reduce, adopt
+from zerofn.ddp_buckets import BucketPlan, BucketShard
+from zerofn.overlap import shard_element_range
+
+__all__ = [
+    "broadcast_from_owners",
+    "owned_gradients",
+    "reduce_to_owners",
+    "shards_of_bucket",
+]
+
+
+def shards_of_bucket(plan: BucketPlan, bucket: int) -> tuple[BucketShard, ...]:
+    """The shards of DDP bucket ``bucket``, in parameter order."""
+    return tuple(sorted((s for s in plan.shards if s.bucket == bucket), key=lambda s: s.offset))
+
+
+def reduce_to_owners(
+    plan: BucketPlan, bucket: int, grad: torch.Tensor, world_size: int
+) -> Program[torch.Tensor]:
+    """Average bucket ``bucket``'s flat gradient onto the owner of each shard.
+
+    Args:
+        plan: the fixed bucket plan.
+        bucket: the DDP bucket's index.
+        grad: this rank's flat bucket gradient; handed over: divided by
+            ``world_size`` and reduced in place.
+        world_size: number of ranks.
+
+    Returns:
+        A program returning ``grad``: on each shard's owner, that shard's
+        elements are the average over ranks; other elements are unspecified.
+    """
+    grad.div_(world_size)
+    shards = shards_of_bucket(plan, bucket)
+    for k, shard in enumerate(shards):
+        start, stop = shard_element_range(plan, shard)
+        part = grad[start:stop]
+        (received,) = yield Reduce(part, dst=shard.rank, last=k == len(shards) - 1)
+        adopt(part, received)
+    return grad
+
+
+def owned_gradients(
+    plan: BucketPlan,
+    rank: int,
+    bucket: int,
+    params: Sequence[int],
+    grads: Sequence[torch.Tensor],
+) -> dict[int, torch.Tensor]:
+    """The gradients of bucket ``bucket`` that ``rank`` steps.
+
+    Args:
+        plan: the fixed bucket plan.
+        rank: this rank.
+        bucket: the DDP bucket's index.
+        params: global indices of the bucket's parameters, in bucket order.
+        grads: their averaged gradients (valid at least on the owned shards).
+
+    Returns:
+        Global parameter index -> gradient, for the shards ``rank`` owns.
+    """
+    owned: dict[int, torch.Tensor] = {}
+    for shard in shards_of_bucket(plan, bucket):
+        if shard.rank == rank:
+            for k in range(shard.offset, shard.offset + shard.count):
+                owned[params[k]] = grads[k]
+    return owned
+
+
+def broadcast_from_owners(
+    plan: BucketPlan, rank: int, bucket: int, params: Sequence[torch.Tensor]
+) -> Program[list[tuple[BucketShard, torch.Tensor]]]:
+    """Send every shard of bucket ``bucket`` from its owner to every rank.
+
+    Args:
+        plan: the fixed bucket plan.
+        rank: this rank.
+        bucket: the DDP bucket's index.
+        params: the bucket's parameters, in bucket order (read, not written:
+            the owner's updated values are copied into the message).
+
+    Returns:
+        A program returning what this rank must write into its parameters:
+        for every shard another rank owns, the shard and its parameters'
+        updated values as one flat tensor.
+    """
+    shards = shards_of_bucket(plan, bucket)
+    received = []
+    for k, shard in enumerate(shards):
+        owned = params[shard.offset : shard.offset + shard.count]
+        if shard.rank == rank:
+            flat = torch.cat([p.detach().reshape(-1) for p in owned])
+        else:
+            flat = torch.empty(shard.numel, dtype=owned[0].dtype, device=owned[0].device)
+        (values,) = yield Broadcast(flat, src=shard.rank, last=k == len(shards) - 1)
+        if shard.rank != rank:
+            adopt(flat, values)
+            received.append((shard, flat))
+    return received
