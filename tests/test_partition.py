@@ -204,7 +204,7 @@ def _manual_case(draw: st.DrawFn) -> tuple[list[int], int, list[list[int]]]:
 def test_manual_partition_keeps_given_order(case: tuple[list[int], int, list[list[int]]]) -> None:
     sizes, world_size, per_rank = case
     before = copy.deepcopy(per_rank)
-    partition = manual_partition([sizes], per_rank, world_size)
+    partition = manual_partition([sizes], world_size, per_rank)
     assert per_rank == before
     assert [list(partition.params_of(r)) for r in range(world_size)] == per_rank
     frozen = set(range(len(sizes))) - {i for ix in per_rank for i in ix}
@@ -223,7 +223,7 @@ def test_manual_partition_errors_mutate_nothing(
     def check(exc: type[Exception], groups_: list[list[int]], ppr: list[list[int]]) -> None:
         g_before, p_before = copy.deepcopy(groups_), copy.deepcopy(ppr)
         with pytest.raises(exc):
-            manual_partition(groups_, ppr, world_size)
+            manual_partition(groups_, world_size, ppr)
         assert groups_ == g_before
         assert ppr == p_before
 
@@ -252,11 +252,11 @@ def test_manual_partition_errors_mutate_nothing(
 def test_manual_partition_error_types_match_pytorch_order() -> None:
     # PyTorch checks the group count before the list: RuntimeError wins.
     with pytest.raises(RuntimeError):
-        manual_partition([[1], [2]], [[0], [1], [5]], 2)
+        manual_partition([[1], [2]], 2, [[0], [1], [5]])
     with pytest.raises(ValueError, match="params_per_rank"):
-        manual_partition([[1, 2]], [[0, 1]], 2)
+        manual_partition([[1, 2]], 2, [[0, 1]])
     with pytest.raises(ValueError):
-        manual_partition([[1, 2]], [[0], [7]], 2)
+        manual_partition([[1, 2]], 2, [[0], [7]])
 
 
 # --- record validation ---------------------------------------------------------------
@@ -311,3 +311,10 @@ def test_bad_inputs_raise_value_error(make: object) -> None:
         make([[1, 2]], 0)
     with pytest.raises(ValueError):
         make([[1, -2]], 2)
+
+
+def test_manual_partition_takes_the_old_argument_order_with_a_warning() -> None:
+    new = manual_partition([[3, 4, 5]], 2, [[2], [0, 1]])
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        old = manual_partition([[3, 4, 5]], [[2], [0, 1]], 2)  # type: ignore[arg-type]
+    assert old == new

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -271,16 +272,20 @@ def _to_partition(
 
 def manual_partition(
     group_sizes: Sequence[Sequence[int]],
-    params_per_rank: Sequence[Sequence[int]],
     world_size: int,
+    params_per_rank: Sequence[Sequence[int]],
 ) -> Partition:
     """A partition given by hand, as PyTorch's ``params_per_rank``.
 
+    Takes ``(group_sizes, world_size, ...)`` like every other partition
+    function. The order of zerofn 0.1, ``(group_sizes, params_per_rank,
+    world_size)``, still works, with a ``DeprecationWarning``.
+
     Args:
         group_sizes: element count of every parameter; exactly one group.
+        world_size: number of ranks.
         params_per_rank: for each rank, the global indices it updates. A
             parameter may be left out (a frozen one) but not listed twice.
-        world_size: number of ranks.
 
     Returns:
         The :class:`Partition`, each rank keeping the order it was given.
@@ -290,6 +295,15 @@ def manual_partition(
         ValueError: if ``params_per_rank`` does not have ``world_size`` entries,
             names an unknown parameter, or names one twice.
     """
+    if isinstance(params_per_rank, int) and not isinstance(world_size, int):
+        warnings.warn(
+            "manual_partition(group_sizes, params_per_rank, world_size) is deprecated; "
+            "pass (group_sizes, world_size, params_per_rank), the order of the other "
+            "partition functions",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        world_size, params_per_rank = params_per_rank, world_size
     frozen = _freeze_group_sizes(group_sizes)
     _check_world_size(world_size)
     if len(frozen) != 1:

@@ -96,7 +96,7 @@ def plan_shards(
     partition: Partition | FlatPartition
     mode_name: PlanMode
     if params_per_rank is not None:
-        partition, mode_name = manual_partition(group_sizes, params_per_rank, world_size), "manual"
+        partition, mode_name = manual_partition(group_sizes, world_size, params_per_rank), "manual"
     elif mode == "greedy":
         partition, mode_name = greedy_partition(group_sizes, world_size), mode
     elif mode == "balanced":
