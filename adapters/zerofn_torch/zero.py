@@ -43,6 +43,10 @@ def _copy_hyperparams(src: Sequence[dict[str, Any]], dst: Sequence[dict[str, Any
         d.update(_hyperparams(s))
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _key(t: torch.Tensor) -> str:
     return f"{t.device}/{t.dtype}"
 
@@ -519,6 +523,36 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned])
         self.optim = self._new_local_optimizer()
         self._load_global_state(full_state)
+
+    # ----- memory ---------------------------------------------------------------
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes by kind, from the live tensors: what
+        :func:`zerofn.footprint.plan_footprint` predicts.
+
+        Returns:
+            ``parameters`` (all of them), ``gradients`` (their ``.grad``),
+            ``optimizer_state`` (tensors in the local optimizer's state) and
+            ``exchange_buffers`` (buffer bytes no parameter lives in: zero
+            with ``parameters_as_bucket_view``).
+        """
+        params = self._all_params
+        aliased = 0
+        for buffer in self._buffers:
+            lo = buffer.data_ptr()
+            hi = lo + buffer.numel() * buffer.element_size()
+            aliased += sum(_nbytes(p) for p in params if lo <= p.data_ptr() < hi)
+        return {
+            "parameters": sum(_nbytes(p) for p in params),
+            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_state": sum(
+                _nbytes(v)
+                for state in self.optim.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            ),
+            "exchange_buffers": sum(_nbytes(b) for b in self._buffers) - aliased,
+        }
 
     # ----- Join ---------------------------------------------------------------
 

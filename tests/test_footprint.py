@@ -1,0 +1,168 @@
+"""The capacity planner: the built-in models' published sizes, its pure
+invariants, the command line, and (on 2 gloo ranks) its bytes against the
+live tensors the adapter allocated and the collectives it issued."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+from _world import run_world
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.parallel import DistributedDataParallel as DDP
+from zerofn_torch import ZeroRedundancyOptimizer, hooks
+from zerofn_torch.traffic import collective_traffic
+
+from zerofn.footprint import main, plan_footprint, shapes_of
+from zerofn.model_shapes import MODELS
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        ("gpt2-small", 124_439_808),
+        ("bert-base", 109_482_240),
+        ("resnet50", 25_557_032),
+        ("llama-7b", 6_738_415_616),
+    ],
+)
+def test_built_in_models_have_their_published_sizes(name: str, published: int) -> None:
+    assert sum(math.prod(s) for s in MODELS[name]()) == published
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 500), min_size=1, max_size=12),
+    world_size=st.integers(1, 16),
+    mode=st.sampled_from(["greedy", "balanced", "flat"]),
+)
+def test_the_shards_hold_the_whole_optimizer_state_once(
+    sizes: list[int], world_size: int, mode: Any
+) -> None:
+    f = plan_footprint([[(n,) for n in sizes]], world_size, mode)
+    total = sum(sizes)
+    # Adam: two fp32 states per element, and a 4-byte step per stepped tensor:
+    # each parameter, or (flat) each rank's non-empty shard.
+    if mode == "flat":
+        stepped = sum(
+            (r + 1) * total // world_size > r * total // world_size for r in range(world_size)
+        )
+    else:
+        stepped = len(sizes)
+    assert sum(r.optimizer_state for r in f.ranks) == 8 * total + 4 * stepped
+    assert all(r.parameters == r.gradients == 4 * total for r in f.ranks)
+    if mode == "flat":  # every rank within one element (8 bytes) of its share
+        states = [r.optimizer_state - 4 * bool(r.optimizer_state) for r in f.ranks]
+        assert max(states) - min(states) <= 8
+
+
+def test_bucket_view_saves_the_exchange_copy() -> None:
+    shapes = [[(64, 32), (32,)]]
+    assert plan_footprint(shapes, 2).ranks[0].exchange_buffers == 4 * (64 * 32 + 32)
+    assert plan_footprint(shapes, 2, bucket_view=True).ranks[0].exchange_buffers == 0
+
+
+def test_meta_modules_cost_nothing_and_plan_like_their_shapes() -> None:
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 8))
+    shapes = shapes_of(module)
+    assert shapes == [[(4096, 4096), (4096,), (8, 4096), (8,)]]
+    assert plan_footprint(module, 8, "flat") == plan_footprint(shapes, 8, "flat")
+
+
+def test_bad_choices_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        plan_footprint([[(3,)]], 2, optimizer="lion")
+    with pytest.raises(ValueError, match="unknown hook"):
+        plan_footprint([[(3,)]], 2, hook="topk")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        plan_footprint([[]], 2)
+
+
+def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--model", "gpt2-small", "--world-size", "8", "--partition", "flat"])
+    assert "| 8 | flat |" in capsys.readouterr().out
+    main(["--model", "resnet50", "--world-size", "2", "--json"])
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["numel"] == 25_557_032 and record["world_size"] == 2
+    assert record["ranks"][0]["parameters"] == 4 * 25_557_032
+
+
+# ----- against live tensors and counted collectives, on 2 gloo ranks -----------------
+
+CASES = [
+    ("greedy", False, "allreduce"),
+    ("greedy", True, "allreduce"),
+    ("balanced", False, "allreduce"),
+    ("flat", False, "allreduce"),
+    ("flat", True, "powersgd"),
+]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 40), torch.nn.Linear(40, 3)
+    )
+
+
+def _measure(rank: int, mode: str, bucket_view: bool, hook: str) -> dict[str, Any]:
+    ddp = DDP(_model())
+    if hook == "powersgd":
+        state = hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, hooks.powerSGD_hook)
+    else:
+        ddp.register_comm_hook(None, hooks.allreduce_hook)
+    opt = ZeroRedundancyOptimizer(
+        ddp.parameters(),
+        torch.optim.Adam,
+        parameters_as_bucket_view=bucket_view,
+        partition=mode,
+        lr=0.01,
+    )
+    for step in range(3):  # PowerSGD compresses from the third step
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(10 * rank + step))
+        with collective_traffic() as traffic:
+            ddp(x).square().mean().backward()
+            opt.step()
+        opt.zero_grad(set_to_none=False)
+    return {"memory": opt.memory_bytes(), "payload": dict(traffic.payload_bytes)}
+
+
+def measure_world(rank: int, world_size: int) -> list[dict[str, Any]]:
+    return [_measure(rank, *case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[list[dict[str, Any]]]:
+    return run_world(measure_world, 2)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
+def test_planner_equals_live_tensors_and_counted_traffic(
+    measured: list[list[dict[str, Any]]], case: int
+) -> None:
+    mode, bucket_view, hook = CASES[case]
+    plan = plan_footprint(
+        shapes_of(_model()),
+        2,
+        mode,
+        bucket_view=bucket_view,
+        hook=hook,  # type: ignore[arg-type]
+    )
+    for rank in range(2):
+        got = measured[rank][case]
+        predicted = plan.ranks[rank]
+        assert got["memory"] == {
+            "parameters": predicted.parameters,
+            "gradients": predicted.gradients,
+            "optimizer_state": predicted.optimizer_state,
+            "exchange_buffers": predicted.exchange_buffers,
+        }
+        assert got["payload"] == dict(plan.payload_bytes)

@@ -1,0 +1,342 @@
+"""Capacity planning: what each rank holds and sends, before anything runs.
+
+:func:`plan_footprint` answers "does this model fit on N ranks with this
+partition?" from parameter shapes alone (or any ``nn.Module``, including one
+built on the ``meta`` device, which allocates nothing). Every number is
+exact and comes from the same core functions the adapter uses (partition,
+buffer layouts, PowerSGD's compression decisions), so it equals what
+``zerofn_torch`` allocates and sends; the tests check that on live ranks.
+
+Run it as a program::
+
+    python -m zerofn.footprint --model gpt2-small --world-size 8 --world-size 64 \\
+        --partition flat --param-dtype bf16
+
+What it counts, per rank: **parameters** (every rank holds the whole model),
+**gradients** (DDP's gradient buckets, one per parameter element),
+**optimizer state** (only the rank's shard, plus per-tensor scalars such as
+Adam's step), **exchange buffers** (the flat buffers the ZeRO step exchanges
+through; with ``bucket_view`` the parameters live in them, so nothing
+extra). And per step: the payload bytes each kind of collective carries on
+this rank, and how many collectives the ZeRO step issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+import attrs
+import torch
+
+from zerofn.model_shapes import MODELS
+from zerofn.partition import FlatPartition, PartitionMode
+from zerofn.plan import ShardPlan, plan_shards
+from zerofn.powersgd import matrix_view, should_compress
+
+__all__ = [
+    "OPTIMIZERS",
+    "Footprint",
+    "HookKind",
+    "OptimizerModel",
+    "RankBytes",
+    "main",
+    "plan_footprint",
+    "shapes_of",
+]
+
+HookKind = Literal["allreduce", "fp16", "powersgd"]
+Backend = Literal["gloo", "nccl"]
+Shapes = Sequence[Sequence[Sequence[int]]]  # per param group, per parameter
+
+
+@attrs.frozen
+class OptimizerModel:
+    """What an optimizer keeps per parameter it steps.
+
+    Attributes:
+        name: for reports.
+        elementwise_states: state tensors shaped like the parameter
+            (``exp_avg`` and ``exp_avg_sq`` for Adam).
+        scalar_bytes: bytes of 0-dim state tensors per stepped tensor (Adam's
+            ``step``: one float32).
+    """
+
+    name: str
+    elementwise_states: int
+    scalar_bytes: int
+
+
+OPTIMIZERS: dict[str, OptimizerModel] = {
+    "adam": OptimizerModel("adam", 2, 4),
+    "adamw": OptimizerModel("adamw", 2, 4),
+    "sgd-momentum": OptimizerModel("sgd-momentum", 1, 0),
+    "sgd": OptimizerModel("sgd", 0, 0),
+}
+"""The optimizers ``torch.optim`` keeps state for this way, by name."""
+
+
+@attrs.frozen
+class RankBytes:
+    """One rank's bytes by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    exchange_buffers: int
+
+    @property
+    def total(self) -> int:
+        """All of it."""
+        return self.parameters + self.gradients + self.optimizer_state + self.exchange_buffers
+
+
+@attrs.frozen
+class Footprint:
+    """What :func:`plan_footprint` found.
+
+    Attributes:
+        numel: parameters of the model.
+        world_size: number of ranks.
+        partition: the partition mode.
+        param_dtype: the parameters' dtype (also the gradients' and the
+            optimizer state's).
+        optimizer: the optimizer's name.
+        hook: the DDP communication hook.
+        ranks: each rank's bytes.
+        payload_bytes: per collective kind, the bytes one rank hands to
+            collectives of that kind per step (as
+            ``zerofn_torch.traffic.collective_traffic`` counts them).
+        zero_collectives: collectives the ZeRO step issues per step, by kind
+            (the hook's count depends on DDP's buckets: one all-reduce per
+            bucket, two with PowerSGD).
+    """
+
+    numel: int
+    world_size: int
+    partition: PartitionMode
+    param_dtype: str
+    optimizer: str
+    hook: HookKind
+    ranks: tuple[RankBytes, ...]
+    payload_bytes: tuple[tuple[str, int], ...]
+    zero_collectives: tuple[tuple[str, int], ...]
+
+    @property
+    def heaviest(self) -> int:
+        """The rank holding the most bytes (the lowest on ties)."""
+        return max(range(self.world_size), key=lambda r: (self.ranks[r].total, -r))
+
+    @property
+    def lightest(self) -> int:
+        """The rank holding the fewest bytes (the lowest on ties)."""
+        return min(range(self.world_size), key=lambda r: (self.ranks[r].total, r))
+
+    def bytes_per_parameter(self, rank: int) -> float:
+        """``rank``'s bytes per model parameter."""
+        return self.ranks[rank].total / self.numel if self.numel else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as JSON-ready data (exact integers)."""
+        data = attrs.asdict(self)
+        data["heaviest"], data["lightest"] = self.heaviest, self.lightest
+        data["payload_bytes"] = dict(self.payload_bytes)
+        data["zero_collectives"] = dict(self.zero_collectives)
+        return data
+
+
+def shapes_of(module: torch.nn.Module) -> list[list[tuple[int, ...]]]:
+    """The shapes of ``module``'s trainable parameters, as one param group
+    (a module on the ``meta`` device works: nothing is allocated)."""
+    return [[tuple(p.shape) for p in module.parameters() if p.requires_grad]]
+
+
+def _state_bytes(plan: ShardPlan, rank: int, model: OptimizerModel, itemsize: int) -> int:
+    """The local optimizer's state on ``rank``: one stepped tensor per owned
+    parameter, or (flat) per param group with a non-empty shard."""
+    partition = plan.partition
+    if isinstance(partition, FlatPartition):
+        tensors = [sum(p.numel for p in g) for g in partition.group_pieces_of(rank) if g]
+    else:
+        sizes = partition.sizes
+        tensors = [sizes[i] for i in partition.params_of(rank)]
+    return sum(model.elementwise_states * n * itemsize + model.scalar_bytes for n in tensors)
+
+
+def _hook_payload(shapes: list[Sequence[int]], hook: HookKind, rank: int, itemsize: int) -> int:
+    """Bytes one rank hands to the hook's all-reduces per step."""
+    numel = sum(math.prod(s) for s in shapes)
+    if hook == "allreduce":
+        return numel * itemsize
+    if hook == "fp16":
+        return numel * 2
+    total = 0
+    for shape in shapes:
+        rows, cols = matrix_view(tuple(shape))
+        r = min(rows, cols, rank)
+        # PyTorch's default min_compression_rate is 2.
+        total += (rows + cols) * r if should_compress(rows, cols, r, 2) else rows * cols
+    return total * itemsize
+
+
+def _zero_traffic(
+    plan: ShardPlan, backend: Backend, itemsize: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(collectives, payload bytes) of the ZeRO step's exchange, per kind."""
+    if backend == "nccl":  # one all-gather per buffer; the payload is one segment
+        return {"all_gather": len(plan.layouts)}, {}
+    broadcasts = sum(1 for ly in plan.layouts for s in ly.segments if s.length)
+    buffered = sum(ly.numel for ly in plan.layouts) * itemsize
+    return {"broadcast": broadcasts}, {"broadcast": buffered}
+
+
+def plan_footprint(
+    shapes: Shapes | torch.nn.Module,
+    world_size: int,
+    partition: PartitionMode = "greedy",
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    optimizer: str = "adam",
+    hook: HookKind = "allreduce",
+    powersgd_rank: int = 1,
+    bucket_view: bool = False,
+    backend: Backend = "gloo",
+) -> Footprint:
+    """Every rank's bytes by kind, and the bytes and collectives of a step.
+
+    Args:
+        shapes: parameter shapes per param group, or a module.
+        world_size: number of ranks.
+        partition: ``"greedy"``, ``"balanced"`` or ``"flat"``.
+        param_dtype: dtype of parameters, gradients and optimizer state.
+        optimizer: a key of :data:`OPTIMIZERS`.
+        hook: DDP's communication hook (``"allreduce"`` is DDP's default).
+        powersgd_rank: the rank of PowerSGD's factors.
+        bucket_view: ``parameters_as_bucket_view``.
+        backend: ``"gloo"`` (broadcasts) or ``"nccl"`` (one all-gather).
+
+    Returns:
+        The :class:`Footprint`.
+
+    Raises:
+        ValueError: an unknown optimizer, hook or partition; no parameters.
+    """
+    groups = shapes_of(shapes) if isinstance(shapes, torch.nn.Module) else shapes
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}")
+    if hook not in get_args(HookKind):
+        raise ValueError(f"unknown hook {hook!r}; choose from {get_args(HookKind)}")
+    flat_shapes = [s for g in groups for s in g]
+    if not flat_shapes:
+        raise ValueError("the model has no trainable parameters")
+    sizes = [[math.prod(s) for s in g] for g in groups]
+    numel = sum(sum(g) for g in sizes)
+    plan = plan_shards(
+        sizes, ["p"] * len(flat_shapes), [True] * len(flat_shapes), world_size, partition
+    )
+    itemsize = torch.empty((), dtype=param_dtype).element_size()
+    buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
+    ranks = tuple(
+        RankBytes(
+            parameters=numel * itemsize,
+            gradients=numel * itemsize,
+            optimizer_state=_state_bytes(plan, r, OPTIMIZERS[optimizer], itemsize),
+            exchange_buffers=buffers,
+        )
+        for r in range(world_size)
+    )
+    collectives, payload = _zero_traffic(plan, backend, itemsize)
+    payload["all_reduce"] = _hook_payload(flat_shapes, hook, powersgd_rank, itemsize)
+    return Footprint(
+        numel=numel,
+        world_size=world_size,
+        partition=partition,
+        param_dtype=str(param_dtype).removeprefix("torch."),
+        optimizer=optimizer,
+        hook=hook,
+        ranks=ranks,
+        payload_bytes=tuple(sorted(payload.items())),
+        zero_collectives=tuple(sorted(collectives.items())),
+    )
+
+
+# ----- the command line ----------------------------------------------------------------
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _load_shapes(model: str) -> Shapes:
+    if model in MODELS:
+        return [list(MODELS[model]())]
+    if ":" not in model:
+        raise SystemExit(f"--model: {model!r} is neither {sorted(MODELS)} nor pkg.module:factory")
+    module_name, factory = model.split(":", 1)
+    with torch.device("meta"):  # builds the module without allocating it
+        built = getattr(importlib.import_module(module_name), factory)()
+    return shapes_of(built)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f}"
+
+
+def table(footprints: Sequence[Footprint]) -> str:
+    """A Markdown table: one row per footprint, its heaviest rank."""
+    rows = [
+        "| ranks | partition | params GiB | grads GiB | optimizer state GiB (heaviest) "
+        "| exchange GiB | total GiB (heaviest) | bytes/param | lightest total GiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for f in footprints:
+        h, low = f.ranks[f.heaviest], f.ranks[f.lightest]
+        rows.append(
+            f"| {f.world_size} | {f.partition} | {_gib(h.parameters)} | {_gib(h.gradients)} "
+            f"| {_gib(h.optimizer_state)} | {_gib(h.exchange_buffers)} | {_gib(h.total)} "
+            f"| {f.bytes_per_parameter(f.heaviest):.2f} | {_gib(low.total)} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m zerofn.footprint``: see ``--help``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m zerofn.footprint", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    parser.add_argument("--model", required=True, help=f"{sorted(MODELS)} or pkg.module:factory")
+    parser.add_argument("--world-size", type=int, action="append", required=True)
+    parser.add_argument("--partition", action="append", choices=get_args(PartitionMode))
+    parser.add_argument("--param-dtype", choices=sorted(_DTYPES), default="fp32")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--hook", choices=get_args(HookKind), default="allreduce")
+    parser.add_argument("--bucket-view", action="store_true")
+    parser.add_argument("--json", action="store_true", help="the records as JSON")
+    args = parser.parse_args(argv)
+    shapes = _load_shapes(args.model)
+    footprints = [
+        plan_footprint(
+            shapes,
+            n,
+            mode,
+            param_dtype=_DTYPES[args.param_dtype],
+            optimizer=args.optimizer,
+            hook=args.hook,
+            bucket_view=args.bucket_view,
+        )
+        for n in args.world_size
+        for mode in args.partition or ["greedy"]
+    ]
+    if args.json:
+        json.dump([f.to_dict() for f in footprints], sys.stdout, indent=1)
+        print()
+        return
+    print(f"{args.model}: {footprints[0].numel:,} parameters, {args.param_dtype}, {args.optimizer}")
+    print(table(footprints))
+
+
+if __name__ == "__main__":
+    main()
