@@ -107,8 +107,12 @@ CASES = [
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
+    # 600 x 600: each rank's flat shard spans two cache-sized chunks.
     return torch.nn.Sequential(
-        torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 40), torch.nn.Linear(40, 3)
+        torch.nn.Linear(24, 600),
+        torch.nn.ReLU(),
+        torch.nn.Linear(600, 600),
+        torch.nn.Linear(600, 3),
     )
 
 

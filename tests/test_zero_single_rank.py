@@ -294,3 +294,29 @@ def test_consolidated_state_loads_with_weights_only(mode: str, tmp_path: Any) ->
     train(a, zero, 2, seed=5)
     train(b, restored, 2, seed=5)
     assert_same_params(a, b)
+
+
+def test_flat_shard_stepped_in_chunks_is_bitwise_the_plain_optimizer() -> None:
+    # 400 x 400 spans two 512 KiB chunks; the per-tensor Adam loop is element-wise.
+    torch.manual_seed(0)
+    ours_params = [torch.randn(400, 400), torch.randn(400), torch.randn(7, 3)]
+    theirs_params = [p.clone() for p in ours_params]
+    for p in (*ours_params, *theirs_params):
+        p.requires_grad_(True)
+    ours = ZeroRedundancyOptimizer(ours_params, torch.optim.Adam, partition="flat", lr=1e-2)
+    theirs = torch.optim.Adam(theirs_params, lr=1e-2)
+    assert len(ours.optim.param_groups[0]["params"]) == 2  # chunked
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        for a, b in zip(ours_params, theirs_params, strict=True):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        theirs.step()
+    for a, b in zip(ours_params, theirs_params, strict=True):
+        assert torch.equal(a, b)
+    ours.consolidate_state_dict()
+    consolidated = ours.state_dict()
+    assert torch.equal(
+        consolidated["state"][0]["exp_avg"], theirs.state_dict()["state"][0]["exp_avg"]
+    )

@@ -34,6 +34,7 @@ from typing import Any, Literal, get_args
 import attrs
 import torch
 
+from zerofn.chunks import chunk_sizes
 from zerofn.model_shapes import MODELS
 from zerofn.partition import FlatPartition, PartitionMode
 from zerofn.plan import ShardPlan, plan_shards
@@ -156,12 +157,16 @@ def shapes_of(module: torch.nn.Module) -> list[list[tuple[int, ...]]]:
     return [[tuple(p.shape) for p in module.parameters() if p.requires_grad]]
 
 
-def _state_bytes(plan: ShardPlan, rank: int, model: OptimizerModel, itemsize: int) -> int:
+def _state_bytes(
+    plan: ShardPlan, rank: int, model: OptimizerModel, itemsize: int, chunked: bool
+) -> int:
     """The local optimizer's state on ``rank``: one stepped tensor per owned
-    parameter, or (flat) per param group with a non-empty shard."""
+    parameter, or (flat) per param group with a non-empty shard, or per
+    cache-sized chunk of it (see :mod:`zerofn.chunks`)."""
     partition = plan.partition
     if isinstance(partition, FlatPartition):
-        tensors = [sum(p.numel for p in g) for g in partition.group_pieces_of(rank) if g]
+        shards = [sum(p.numel for p in g) for g in partition.group_pieces_of(rank) if g]
+        tensors = [c for n in shards for c in (chunk_sizes(n, itemsize) if chunked else (n,))]
     else:
         sizes = partition.sizes
         tensors = [sizes[i] for i in partition.params_of(rank)]
@@ -206,6 +211,7 @@ def plan_footprint(
     powersgd_rank: int = 1,
     bucket_view: bool = False,
     backend: Backend = "gloo",
+    flat_chunks: bool = True,
 ) -> Footprint:
     """Every rank's bytes by kind, and the bytes and collectives of a step.
 
@@ -219,6 +225,9 @@ def plan_footprint(
         powersgd_rank: the rank of PowerSGD's factors.
         bucket_view: ``parameters_as_bucket_view``.
         backend: ``"gloo"`` (broadcasts) or ``"nccl"`` (one all-gather).
+        flat_chunks: under ``"flat"``, the optimizer steps the shard in
+            cache-sized chunks, one scalar state each (what the adapter does
+            on CPU without ``foreach``/``fused``).
 
     Returns:
         The :class:`Footprint`.
@@ -245,7 +254,7 @@ def plan_footprint(
         RankBytes(
             parameters=numel * itemsize,
             gradients=numel * itemsize,
-            optimizer_state=_state_bytes(plan, r, OPTIMIZERS[optimizer], itemsize),
+            optimizer_state=_state_bytes(plan, r, OPTIMIZERS[optimizer], itemsize, flat_chunks),
             exchange_buffers=buffers,
         )
         for r in range(world_size)

@@ -105,7 +105,7 @@ def _entries(optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
         _GROUPS: [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         _SIZES: [list(g) for g in optimizer._plan.partition.group_sizes],
     }
-    local = optimizer.optim.state_dict()["state"]
+    local = optimizer._local_state_dict()["state"]
     for local_index, located in enumerate(_local_pieces(optimizer)):
         for name, value in local.get(local_index, {}).items():
             for piece, offset in located:
