@@ -1,9 +1,10 @@
 """``make bench``: every benchmark in one run, written to one page and one figure.
 
-Runs the ZeRO step, DDP + PowerSGD, overlap, partition imbalance and core
-scaling benchmarks, then the soak (2,000 steps of DDP + PowerSGD + the
-overlapped ZeRO step: replicas bitwise equal, memory flat), each also runnable
-alone (``bench_zero.py``, ``bench_hooks.py``, ``bench_overlap.py``,
+Runs the ZeRO step, the ZeRO step by partition mode against its floor, DDP +
+PowerSGD, overlap, partition imbalance and core scaling benchmarks, then the
+soak (2,000 steps of DDP + PowerSGD + the overlapped ZeRO step: replicas
+bitwise equal, memory flat), each also runnable alone (``bench_zero.py``,
+``bench_modes.py``, ``bench_hooks.py``, ``bench_overlap.py``,
 ``bench_soak.py``); prints each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import bench_hooks
+import bench_modes
 import bench_overlap
 import bench_soak
 import bench_zero
@@ -40,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # then the soak (the longest, and a check rather than a comparison).
 BENCHES: dict[str, Callable[[bool], Section]] = {
     "zero-step": bench_zero.bench_zero_step,
+    "modes": bench_modes.bench_modes,
     "powersgd": bench_hooks.bench_powersgd,
     "overlap": bench_overlap.bench_overlap,
     "imbalance": bench_zero.bench_imbalance,

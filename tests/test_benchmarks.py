@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
+import bench_modes
 import bench_soak
 import bench_zero
 from report import Spread, md_table, paired_ratios
@@ -154,3 +155,16 @@ def test_rank_trace_is_read_from_what_a_rank_returns() -> None:
     trace = _trace()
     returned = {**attrs.asdict(trace), "numel": 1, "buckets": 2, "compression": 3.0}
     assert bench_soak.RankTrace.of(returned) == trace
+
+
+def test_mode_rows_hold_each_setting_against_the_floor_of_its_kernel() -> None:
+    rounds = 3
+    times = {label: [0.2] * rounds for label, *_ in bench_modes.SETTINGS}
+    times |= {label: [0.4] * rounds for label in bench_modes.PYTORCH}
+    times |= {"update alone, default": [0.15] * rounds, "update alone, fused": [0.05] * rounds}
+    times["exchange alone"] = [0.05] * rounds
+    rows, to_floor = bench_modes._rows(times)
+    default, fused = bench_modes.SETTINGS[0][0], bench_modes.SETTINGS[-1][0]
+    assert to_floor[default].median == pytest.approx(1.0)  # 0.2 / (0.15 + 0.05)
+    assert to_floor[fused].median == pytest.approx(2.0)  # 0.2 / (0.05 + 0.05)
+    assert len(rows) == len(bench_modes.SETTINGS) + len(bench_modes.PYTORCH) + 2
