@@ -195,3 +195,13 @@ def test_overlap_requires_overlap_mode(single_rank_group: None) -> None:
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="overlap_with_ddp=True"):
         hook_with_zero_step(zhooks.allreduce_hook, model, zero)
+
+
+def test_one_optimizer_is_driven_by_one_hook(single_rank_group: None) -> None:
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+    )
+    hook_with_zero_step(zhooks.allreduce_hook, model, zero)
+    with pytest.raises(RuntimeError, match="already driven by a DDP hook"):
+        hook_with_zero_step_interleaved(zhooks.allreduce_hook, model, zero)

@@ -38,7 +38,6 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
 from zerofn.ddp_buckets import BucketPlan, BucketShard
-from zerofn.overlap import finish_overlap_iteration, observe_bucket
 from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
 from zerofn_torch.comm import drive
 from zerofn_torch.default_hooks import allreduce_hook
@@ -91,14 +90,7 @@ class _OverlappedStep:
         shard_buckets: bool,
         interleaved: bool,
     ) -> None:
-        if zero._overlap is None:
-            raise ValueError(
-                "the ZeroRedundancyOptimizer must be built with overlap_with_ddp=True to be "
-                "stepped by this hook"
-            )
-        if zero._overlap.status != "uninitialized":
-            raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
-        zero._overlap = attrs.evolve(zero._overlap, shard_buckets=shard_buckets)
+        zero._attach_overlap(shard_buckets)
         self.hook = hook
         self.ddp = weakref.ref(ddp)
         self.zero = zero
@@ -114,14 +106,11 @@ class _OverlappedStep:
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         zero = self.zero
-        assert zero._overlap is not None
-        overlapped = zero._overlap.status == "initialized"
+        overlapped = zero._overlap_state.status == "initialized"
         params = list(bucket.parameters())
         ddp = self.ddp()
         rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", True))
-        zero._overlap = observe_bucket(
-            zero._overlap, bucket.index(), [self.index_of[id(p)] for p in params], rebuilt
-        )
+        zero._observe_bucket(bucket.index(), [self.index_of[id(p)] for p in params], rebuilt)
         if overlapped and self.reduce_to_owner:
             entry = _Pending(bucket.index(), params, bucket.buffer(), None, self._reduce(bucket))
             result = _completed(bucket.buffer())
@@ -136,7 +125,7 @@ class _OverlappedStep:
         return result
 
     def _plan(self) -> BucketPlan:
-        plan = self.zero._overlap.plan if self.zero._overlap else None
+        plan = self.zero._overlap_state.plan
         assert plan is not None
         return plan
 
@@ -198,7 +187,6 @@ class _OverlappedStep:
 
     def _finish_iteration(self, overlapped: bool) -> None:
         zero = self.zero
-        assert zero._overlap is not None
         entries, self.pending = self.pending, []
         if overlapped:
             self._step_buckets(entries)
@@ -210,10 +198,7 @@ class _OverlappedStep:
             for p, g in zip(entry.params, self._averaged(entry), strict=True):
                 grads[self.index_of[id(p)]] = g
         zero._step_with_grads(grads)
-        sizes = [p.numel() for p in zero._all_params]
-        zero._overlap = finish_overlap_iteration(zero._overlap, sizes, zero.world_size)
-        if zero._overlap.status == "initialized":
-            zero._shard_for_overlap()
+        zero._finish_overlap_iteration()
 
 
 def _make_hook(step: _OverlappedStep) -> DDPHook:

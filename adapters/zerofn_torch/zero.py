@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
@@ -22,7 +23,12 @@ from zerofn.chunks import chunk_sizes, merge_chunk_state, split_chunk_state
 from zerofn.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
 from zerofn.layout import Slot
 from zerofn.optimizers import check_elementwise
-from zerofn.overlap import OverlapState, owned_params_per_rank
+from zerofn.overlap import (
+    OverlapState,
+    finish_overlap_iteration,
+    observe_bucket,
+    owned_params_per_rank,
+)
 from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
@@ -167,6 +173,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._flat_grads: list[torch.Tensor | None] = []
         self._default_device = self._all_params[0].device
         self._overlap: OverlapState | None = OverlapState() if overlap_with_ddp else None
+        self._overlap_attached = False
         if overlap_with_ddp:
             # Until DDP's buckets are final this rank steps every parameter.
             everything = list(range(len(self._all_params)))
@@ -524,6 +531,42 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
 
     # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
+    # The overlap hook's interface: it reads the overlap record and asks for
+    # each transition; only the optimizer writes its own attributes.
+
+    @property
+    def _overlap_state(self) -> OverlapState:
+        assert self._overlap is not None
+        return self._overlap
+
+    def _attach_overlap(self, shard_buckets: bool) -> None:
+        """Let one overlap hook drive this optimizer.
+
+        Raises:
+            ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
+            RuntimeError: another hook drives it already.
+        """
+        if self._overlap is None:
+            raise ValueError(
+                "the ZeroRedundancyOptimizer must be built with overlap_with_ddp=True to be "
+                "stepped by this hook"
+            )
+        if self._overlap_attached or self._overlap.status != "uninitialized":
+            raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
+        self._overlap_attached = True
+        self._overlap = attrs.evolve(self._overlap, shard_buckets=shard_buckets)
+
+    def _observe_bucket(self, index: int, params: Sequence[int], ddp_rebuilt: bool) -> None:
+        """Record that DDP handed over bucket ``index`` (see :func:`observe_bucket`)."""
+        self._overlap = observe_bucket(self._overlap_state, index, params, ddp_rebuilt)
+
+    def _finish_overlap_iteration(self) -> None:
+        """After a non-overlapped iteration: fix the bucket plan once DDP's
+        buckets are known, and keep only this rank's share from then on."""
+        sizes = [p.numel() for p in self._all_params]
+        self._overlap = finish_overlap_iteration(self._overlap_state, sizes, self.world_size)
+        if self._overlap.status == "initialized":
+            self._shard_for_overlap()
 
     def _check_overlap_initialized(self) -> None:
         if self._overlap is not None and self._overlap.status != "initialized":
