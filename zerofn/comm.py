@@ -11,7 +11,7 @@ order by construction.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Literal, TypeAlias, TypeVar
 
 import attrs
@@ -32,6 +32,7 @@ __all__ = [
     "describe",
     "kind_of",
     "request_bytes",
+    "split_like",
     "tensors_of",
 ]
 
@@ -176,6 +177,17 @@ def _size(request: Request) -> str:
     if count < 1024**2:
         return f"{count / 1024:.1f} KiB"
     return f"{count / 1024**2:.1f} MiB"
+
+
+def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of ``flat``, in order, shaped like each of ``like`` (``flat``
+    holds their elements end to end, as a request's packed message does)."""
+    out = []
+    offset = 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return tuple(out)
 
 
 def adopt(target: torch.Tensor, received: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ from zerofn.comm import (
     Request,
     Response,
     describe,
+    split_like,
 )
 from zerofn.errors import CollectiveError
 from zerofn.hook import BucketInfo, CommHook, HookState
@@ -205,15 +206,6 @@ def _flatten(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def _split(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> Response:
-    out = []
-    offset = 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return tuple(out)
-
-
 def _all_reduce(request: AllReduce, group: Any) -> torch.futures.Future[Response]:
     dtypes = list(dict.fromkeys(t.dtype for t in request.tensors))
     if len(dtypes) > 1:  # one collective per dtype, awaited together
@@ -232,7 +224,7 @@ def _all_reduce(request: AllReduce, group: Any) -> torch.futures.Future[Response
     def unpack(_: Any) -> Response:
         if request.op == "avg":
             flat.div_(world)
-        return _split(flat, request.tensors)
+        return split_like(flat, request.tensors)
 
     return then(_work_future(work), unpack)
 

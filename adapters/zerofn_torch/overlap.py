@@ -37,6 +37,7 @@ import torch
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
+from zerofn.comm import split_like
 from zerofn.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
 from zerofn_torch.comm import drive
@@ -63,14 +64,6 @@ class _Pending:
     buffer: torch.Tensor
     future: torch.futures.Future[torch.Tensor] | None  # the inner hook's result
     reduction: torch.futures.Future[torch.Tensor] | None  # pending reduce-to-owner
-
-
-def _grads_from_flat(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for p in params:
-        out.append(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-    return out
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -142,7 +135,7 @@ class _OverlappedStep:
 
     # ----- stepping ----------------------------------------------------------------
 
-    def _averaged(self, entry: _Pending) -> list[torch.Tensor]:
+    def _averaged(self, entry: _Pending) -> tuple[torch.Tensor, ...]:
         """The bucket's averaged gradients, once its reduction finished (on an
         owner; elsewhere the reduce-to-owner path leaves them unspecified).
 
@@ -152,7 +145,7 @@ class _OverlappedStep:
         if entry.reduction is not None:
             entry.reduction.wait()
         flat = entry.future.wait() if entry.future is not None else entry.buffer
-        return _grads_from_flat(flat, entry.params)
+        return split_like(flat, entry.params)
 
     def _indices(self, entry: _Pending) -> list[int]:
         return [self.index_of[id(p)] for p in entry.params]
@@ -181,7 +174,7 @@ class _OverlappedStep:
             for params, sent in self.broadcasts:
                 for shard, flat in sent.wait():  # the shards other ranks own
                     owned = params[shard.offset : shard.offset + shard.count]
-                    for p, value in zip(owned, _grads_from_flat(flat, owned), strict=True):
+                    for p, value in zip(owned, split_like(flat, owned), strict=True):
                         p.copy_(value)
         self.broadcasts = []
 

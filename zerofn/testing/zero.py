@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from zerofn.comm import Program, Request, Response
+from zerofn.comm import Program, Request, Response, split_like
 from zerofn.ddp_buckets import BucketPlan, assign_buckets
 from zerofn.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
 from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
@@ -215,7 +215,7 @@ def simulate_overlapped_step(
             ]
         )
         for r in range(world_size):
-            grads = _split(averaged[r], [params[i] for i in bucket])
+            grads = split_like(averaged[r], [params[i] for i in bucket])
             owned[r] |= owned_gradients(plan, r, index, bucket, grads)
     for r, mine in enumerate(_owners(plan, buckets)):
         local = [ranks[r][i] for i in mine]
@@ -236,14 +236,6 @@ def simulate_overlapped_step(
         for r in range(world_size):
             for shard, flat in sent[r]:
                 targets = [ranks[r][i] for i in bucket[shard.offset : shard.offset + shard.count]]
-                for p, value in zip(targets, _split(flat, targets), strict=True):
+                for p, value in zip(targets, split_like(flat, targets), strict=True):
                     p.detach().copy_(value)
     return ranks, requests
-
-
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
