@@ -38,7 +38,7 @@ from zerofn.chunks import chunk_sizes
 from zerofn.model_shapes import MODELS
 from zerofn.partition import FlatPartition, PartitionMode
 from zerofn.plan import ShardPlan, plan_shards
-from zerofn.powersgd import matrix_view, should_compress
+from zerofn.powersgd import PowerSGDConfig, bucket_layout
 
 __all__ = [
     "OPTIMIZERS",
@@ -180,13 +180,10 @@ def _hook_payload(shapes: list[Sequence[int]], hook: HookKind, rank: int, itemsi
         return numel * itemsize
     if hook == "fp16":
         return numel * 2
-    total = 0
-    for shape in shapes:
-        rows, cols = matrix_view(tuple(shape))
-        r = min(rows, cols, rank)
-        # PyTorch's default min_compression_rate is 2.
-        total += (rows + cols) * r if should_compress(rows, cols, r, 2) else rows * cols
-    return total * itemsize
+    # PowerSGD's own decisions, at PyTorch's default min_compression_rate; a
+    # gradient's cost does not depend on which bucket it is in.
+    min_rate = PowerSGDConfig(rank).min_compression_rate
+    return bucket_layout(shapes, rank, min_rate).sent_numel * itemsize
 
 
 def _zero_traffic(

@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 import torch
 
 from zerofn.comm import Program, Request, Response, split_like
-from zerofn.ddp_buckets import BucketPlan, assign_buckets
+from zerofn.ddp_buckets import assign_buckets
 from zerofn.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
+from zerofn.overlap import OverlapState, owned_params_per_rank
 from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan
@@ -166,13 +167,6 @@ def simulate_zero_steps(
     return [sim.params for sim in ranks], requests
 
 
-def _owners(plan: BucketPlan, buckets: Sequence[Sequence[int]]) -> list[list[int]]:
-    owned: list[list[int]] = [[] for _ in range(plan.world_size)]
-    for shard in plan.shards:
-        owned[shard.rank].extend(buckets[shard.bucket][shard.offset : shard.offset + shard.count])
-    return owned
-
-
 def simulate_overlapped_step(
     buckets: Sequence[Sequence[int]],
     params: Sequence[torch.Tensor],
@@ -217,7 +211,8 @@ def simulate_overlapped_step(
         for r in range(world_size):
             grads = split_like(averaged[r], [params[i] for i in bucket])
             owned[r] |= owned_gradients(plan, r, index, bucket, grads)
-    for r, mine in enumerate(_owners(plan, buckets)):
+    fixed = OverlapState(status="initialized", buckets=tuple(map(tuple, buckets)), plan=plan)
+    for r, mine in enumerate(owned_params_per_rank(fixed)):
         local = [ranks[r][i] for i in mine]
         if any(p.numel() for p in local):
             for i in mine:
