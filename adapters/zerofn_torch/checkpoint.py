@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -41,7 +40,7 @@ from zerofn.checkpoint_manifest import (
 from zerofn.errors import CheckpointError
 from zerofn.partition import FlatPartition, Piece
 from zerofn.sharded_checkpoint import PREFIX, Copy, cover, parse_key, piece_key
-from zerofn_torch.comm import guarded
+from zerofn_torch.comm import all_gather_objects, broadcast_object, gather_objects, guarded
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -123,18 +122,17 @@ def _on_first_rank(
 ) -> None:
     """Run ``action`` on rank 0, then tell every rank how it went: a failure
     raises ``RuntimeError`` on every rank, so none goes on alone."""
-    group = optimizer.process_group
-    outcome: list[str | None] = [None]
+    outcome: str | None = None
     cause: Exception | None = None
     if optimizer.rank == 0:
         try:
             action()
         except Exception as e:
-            outcome[0], cause = f"{type(e).__name__}: {e}", e
-    with guarded("broadcast_object_list of 1 object", f"save_sharded ({what})", group):
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
-    if outcome[0] is not None:
-        raise RuntimeError(f"save_sharded: {what} failed on rank 0: {outcome[0]}") from cause
+            outcome, cause = f"{type(e).__name__}: {e}", e
+    purpose = f"save_sharded ({what})"
+    outcome = broadcast_object(outcome, 0, optimizer.process_group, purpose)
+    if outcome is not None:
+        raise RuntimeError(f"save_sharded: {what} failed on rank 0: {outcome}") from cause
 
 
 def _clear(path: str) -> None:
@@ -229,9 +227,7 @@ def save_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.Pat
         mine = (_own_files(path, optimizer.rank), None)
     except OSError as e:
         mine = ([], f"rank {optimizer.rank} could not hash its files: {e}")
-    gathered: list[Any] | None = [None] * optimizer.world_size if optimizer.rank == 0 else None
-    with guarded("gather_object of file hashes", "save_sharded (the manifest)", group):
-        dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0), group=group)
+    gathered = gather_objects(mine, 0, group, "save_sharded (hashes for the manifest)")
     _on_first_rank(
         optimizer,
         lambda: _write_manifest(optimizer, path, gathered or []),
@@ -319,10 +315,8 @@ def _verify(optimizer: ZeroRedundancyOptimizer, path: str) -> tuple[list[str], A
 def _agree(optimizer: ZeroRedundancyOptimizer, path: str, problems: list[str]) -> None:
     """Every rank's problems to every rank; if any rank found one, every rank
     raises the same :class:`CheckpointError`."""
-    group = optimizer.process_group
-    everyone: list[Any] = [None] * optimizer.world_size
-    with guarded("all_gather_object of problems", f"load_sharded (checking {path!r})", group):
-        dist.all_gather_object(everyone, problems, group=group)
+    purpose = f"load_sharded (checking {path!r})"
+    everyone = all_gather_objects(problems, optimizer.process_group, purpose)
     message = refusal(everyone)
     if message is not None:
         raise CheckpointError(f"checkpoint {path!r} refused, nothing was loaded: {message}")

@@ -51,13 +51,17 @@ from zerofn.hook import BucketInfo, CommHook, HookState
 __all__ = [
     "HookCell",
     "ProgramPipeline",
+    "all_gather_objects",
+    "broadcast_object",
     "bucket_info",
     "describe_group",
     "drive",
     "failed",
     "for_ddp",
+    "gather_objects",
     "guarded",
     "issue",
+    "run_stateless",
     "then",
 ]
 
@@ -194,6 +198,50 @@ def guarded(collective: str, purpose: str, group: Any) -> Iterator[None]:
     # BaseException: torch.distributed.checkpoint's CheckpointException is one.
     except BaseException as e:
         raise _collective_error(collective, purpose, group, e) from e
+
+
+# ----- object collectives ----------------------------------------------------------
+# Picklable values (state dicts, file hashes, verdicts) rather than tensors:
+# blocking, and only for bookkeeping, so the core does not express them as
+# requests; they still fail the way every collective does.
+
+
+def all_gather_objects(value: Any, group: Any, purpose: str) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank.
+
+    Raises:
+        zerofn.errors.CollectiveError: the collective failed.
+    """
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    with guarded("all_gather_object", purpose, group):
+        dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
+def gather_objects(value: Any, dst: int, group: Any, purpose: str) -> list[Any] | None:
+    """Every rank's ``value``, in rank order, on group rank ``dst``; ``None``
+    on the other ranks.
+
+    Raises:
+        zerofn.errors.CollectiveError: the collective failed.
+    """
+    mine = dist.get_rank(group) == dst
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if mine else None
+    with guarded("gather_object", purpose, group):
+        dist.gather_object(value, gathered, dst=dist.get_global_rank(group, dst), group=group)
+    return gathered
+
+
+def broadcast_object(value: Any, src: int, group: Any, purpose: str) -> Any:
+    """Group rank ``src``'s ``value``, on every rank.
+
+    Raises:
+        zerofn.errors.CollectiveError: the collective failed.
+    """
+    box = [value]
+    with guarded("broadcast_object_list", purpose, group):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
+    return box[0]
 
 
 # ----- issuing requests ------------------------------------------------------------
@@ -452,6 +500,19 @@ class ProgramPipeline:
                 running.advance()
             self._running = [r for r in self._running if not r.done]
         return started.result
+
+
+def run_stateless(
+    hook: CommHook[None, None], group: Any, bucket: Any
+) -> torch.futures.Future[torch.Tensor]:
+    """Run a hook without state on DDP's ``bucket`` in ``group`` (``None``:
+    the world); the future, made for DDP (see :func:`for_ddp`), yields the
+    reduced flat gradient."""
+    group = group if group is not None else dist.group.WORLD
+    info = bucket_info(bucket, group)
+    _, program = hook.start(bucket.buffer(), info, None, None)
+    purpose = f"DDP bucket {info.index} (hook {hook.name!r})"
+    return for_ddp(then(drive(program, group, purpose), lambda result: result[0]))
 
 
 class HookCell(Generic[G, B]):

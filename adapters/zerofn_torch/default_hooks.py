@@ -28,7 +28,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from zerofn import hook as core
 from zerofn import quantization
 from zerofn.hook import CommHook, HookState
-from zerofn_torch.comm import HookCell, bucket_info, drive, for_ddp, then
+from zerofn_torch.comm import HookCell, for_ddp, run_stateless, then
 
 __all__ = [
     "HookRunner",
@@ -84,26 +84,16 @@ def run_hook(
     return runner(bucket)
 
 
-def _run_stateless(
-    hook: CommHook[None, None], group: Any, bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    group = group if group is not None else dist.group.WORLD
-    info = bucket_info(bucket, group)
-    _, program = hook.start(bucket.buffer(), info, None, None)
-    purpose = f"DDP bucket {info.index} (hook {hook.name!r})"
-    return for_ddp(then(drive(program, group, purpose), lambda result: result[0]))
-
-
 def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across ranks: the same numbers as DDP without a hook."""
-    return _run_stateless(core.allreduce_mean(), process_group, bucket)
+    return run_stateless(core.allreduce_mean(), process_group, bucket)
 
 
 def fp16_compress_hook(
     process_group: Any, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in float16 (half the bytes), returning the input dtype."""
-    return _run_stateless(core.cast(core.allreduce_mean(), torch.float16), process_group, bucket)
+    return run_stateless(core.cast(core.allreduce_mean(), torch.float16), process_group, bucket)
 
 
 def _bf16_allreduce(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -111,7 +101,7 @@ def _bf16_allreduce(process_group: Any, bucket: GradBucket) -> torch.futures.Fut
 
     Works on any backend, gloo included.
     """
-    return _run_stateless(core.cast(core.allreduce_mean(), torch.bfloat16), process_group, bucket)
+    return run_stateless(core.cast(core.allreduce_mean(), torch.bfloat16), process_group, bucket)
 
 
 # DDP refuses hooks *named* ``bf16_compress_hook`` unless NCCL is present; ours
@@ -121,7 +111,7 @@ bf16_compress_hook = _bf16_allreduce
 
 def noop_hook(_: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Return the local gradient without communicating (to measure comm cost)."""
-    return _run_stateless(core.noop(), None, bucket)
+    return run_stateless(core.noop(), None, bucket)
 
 
 def quantization_pertensor_hook(
@@ -133,7 +123,7 @@ def quantization_pertensor_hook(
     PyTorch 2.13's own hook of this name fails on every call; this one gives
     the numbers it was written to give (see :mod:`zerofn.quantization`).
     """
-    return _run_stateless(quantization.quantize_per_tensor(), process_group, bucket)
+    return run_stateless(quantization.quantize_per_tensor(), process_group, bucket)
 
 
 def quantization_perchannel_hook(
@@ -150,7 +140,7 @@ def quantization_perchannel_hook(
             None, lambda state, bucket: quantization_perchannel_hook(state, bucket, 128)
         )
     """
-    return _run_stateless(quantization.quantize_per_channel(bucket_size), process_group, bucket)
+    return run_stateless(quantization.quantize_per_channel(bucket_size), process_group, bucket)
 
 
 def fp16_compress_wrapper(hook: DDPHook) -> DDPHook:

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
@@ -35,8 +36,8 @@ from zerofn.averaging import (
     local_sgd_state_from_dict,
     take_bucket,
 )
-from zerofn.hook import BucketInfo, allreduce_mean
-from zerofn_torch.comm import drive, for_ddp, then
+from zerofn.hook import allreduce_mean
+from zerofn_torch.comm import run_stateless
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
@@ -136,15 +137,8 @@ class PostLocalSGDState:
 
 
 def _average_in(group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    info = BucketInfo(
-        index=bucket.index(),
-        shapes=tuple(tuple(g.shape) for g in bucket.gradients()),
-        world_size=dist.get_world_size(group),
-        is_last=bucket.is_last(),
-    )
-    _, program = allreduce_mean().start(bucket.buffer(), info, None, None)
-    purpose = f"DDP bucket {info.index} (hook 'post_localSGD')"
-    return for_ddp(then(drive(program, group, purpose), lambda result: result[0]))
+    averaging = attrs.evolve(allreduce_mean(), name="post_localSGD")
+    return run_stateless(averaging, group, bucket)
 
 
 def post_localSGD_hook(

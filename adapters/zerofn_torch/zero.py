@@ -33,7 +33,7 @@ from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
 from zerofn.shard_state import StateDict, consolidate, shard, validate_global
-from zerofn_torch.comm import drive, guarded
+from zerofn_torch.comm import all_gather_objects, drive, gather_objects
 from zerofn_torch.join import Join, JoinHook
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -278,8 +278,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local = []
         for group, mine in zip(self.param_groups, self._flat_slots(), strict=True):
             view = buffer[mine[0].offset : mine[-1].stop] if mine else buffer.new_empty(0)
-            chunking = list(self._chunking(view.numel()))
-            pieces = list(torch.split(view, chunking)) if self._chunked else [view]
+            pieces = [view]
+            if self._chunked:
+                pieces = list(torch.split(view, list(self._chunking(view.numel()))))
             local.append({**_hyperparams(group), "params": pieces})
         return local
 
@@ -294,7 +295,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise AssertionError("a flat partition spans a single device/dtype buffer")
         if self._flat and not self._plan.layouts:
             raise ValueError("partition='flat' needs at least one parameter that requires grad")
-        return self._optimizer_class(self._local_groups(), **self._optim_defaults)
+        local = self._local_groups()
+        # Each group's flat gradient, kept from step to step: it lives as long
+        # as the local optimizer whose shapes it has.
+        self._flat_grads = [None] * len(local)
+        return self._optimizer_class(local, **self._optim_defaults)
 
     # ----- the step -----------------------------------------------------------
 
@@ -317,8 +322,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         gradient; the local tensors (the group's chunks) take views of it."""
         grads = [p.grad for p in self._all_params]
         groups = self.optim.param_groups
-        if len(self._flat_grads) != len(groups):
-            self._flat_grads = [None] * len(groups)
         for g, (group, mine) in enumerate(zip(groups, self._flat_slots(), strict=True)):
             flat = self._flat_grads[g] = flat_grad(mine, grads, self._flat_grads[g])
             pieces = group["params"]
@@ -458,10 +461,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _gather_global_state(self) -> StateDict:
         """Every rank's shard, joined into the global state on every rank."""
-        gathered: list[Any] = [None] * self.world_size
         purpose = "gathering every rank's optimizer shard"
-        with guarded("all_gather_object", purpose, self.process_group):
-            dist.all_gather_object(gathered, self._local_state_cpu(), group=self.process_group)
+        gathered = all_gather_objects(self._local_state_cpu(), self.process_group, purpose)
         return consolidate(self._plan.partition, gathered, self._shapes())
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -473,12 +474,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             to: the group rank that receives the state.
         """
         self._check_overlap_initialized()
-        local = self._local_state_cpu()
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        dst = dist.get_global_rank(self.process_group, to)
         purpose = f"consolidating the optimizer state on rank {to}"
-        with guarded("gather_object", purpose, self.process_group):
-            dist.gather_object(local, gathered, dst=dst, group=self.process_group)
+        gathered = gather_objects(self._local_state_cpu(), to, self.process_group, purpose)
         if gathered is None:
             self._consolidated = None
         else:
