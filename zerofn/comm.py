@@ -36,7 +36,7 @@ __all__ = [
     "tensors_of",
 ]
 
-Reduction: TypeAlias = Literal["sum", "avg"]
+Reduction: TypeAlias = Literal["sum", "avg", "max"]
 
 
 def _tensors(value: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -52,7 +52,7 @@ class AllReduce:
             and dtypes in the same order. They are handed over: the driver may
             reduce them in place, or pack them into one message (they travel
             together: one round trip).
-        op: ``"sum"`` or ``"avg"``.
+        op: ``"sum"``, ``"avg"`` or ``"max"``.
         last: the program's final request: the driver may hand the result to
             the program later (asynchronously) instead of waiting for it.
 

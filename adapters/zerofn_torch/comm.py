@@ -266,7 +266,8 @@ def _all_reduce(request: AllReduce, group: Any) -> torch.futures.Future[Response
 
         return then(_all(futures), merge)
     flat = _flatten(request.tensors)
-    work = dist.all_reduce(flat, group=group, async_op=True)
+    op = dist.ReduceOp.MAX if request.op == "max" else dist.ReduceOp.SUM
+    work = dist.all_reduce(flat, op=op, group=group, async_op=True)
     world = dist.get_world_size(group)
 
     def unpack(_: Any) -> Response:

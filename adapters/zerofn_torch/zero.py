@@ -10,6 +10,7 @@ the core, runs the collectives it asks for and writes the result back.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -32,9 +33,17 @@ from zerofn.overlap import (
 from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
+from zerofn.precision import (
+    clip_coefficient,
+    global_norm_program,
+    local_norm_power,
+    nonfinite_program,
+    resolve_master_dtype,
+)
 from zerofn.shard_state import StateDict, consolidate, shard, validate_global
 from zerofn_torch.comm import all_gather_objects, drive, gather_objects
 from zerofn_torch.join import Join, JoinHook
+from zerofn_torch.masters import Masters, make_masters, with_masters, without_masters
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -109,6 +118,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             a list per rank of the parameters it owns (one param group only).
         elementwise: with ``partition="flat"``, vouch that an optimizer class
             outside the known element-wise ones is element-wise.
+        master_dtype: with low-precision parameters (bf16, fp16), keep a copy
+            of this rank's shard in this dtype (``torch.float32``) and step
+            that: gradients are upcast into it, the local optimizer and its
+            state live in it, and the result is cast back into the
+            parameters before the exchange. ``None`` (the default), or the
+            parameters' own dtype, keeps no copy.
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
@@ -116,7 +131,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             a manual partition lists something other than tensors (indices, say).
         ValueError: ``params`` is empty, sparse or of mixed dtype/device; a bad
             manual partition; ``partition="flat"`` with a non-element-wise
-            optimizer.
+            optimizer; ``master_dtype`` narrower than the parameters.
         RuntimeError: a manual partition, or ``overlap_with_ddp=True``, with
             more than one param group.
     """
@@ -131,10 +146,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         *,
         partition: str | Sequence[Sequence[torch.Tensor]] = "greedy",
         elementwise: bool = False,
+        master_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         groups = normalize_params(params)
         check_same_dense_type([p for g in groups for p in g["params"]])
+        self._master_dtype = resolve_master_dtype(groups[0]["params"][0].dtype, master_dtype)
+        self._masters: Masters | None = None
         if overlap_with_ddp and len(groups) != 1:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
@@ -299,6 +317,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # Each group's flat gradient, kept from step to step: it lives as long
         # as the local optimizer whose shapes it has.
         self._flat_grads = [None] * len(local)
+        if self._master_dtype is not None:
+            local, self._masters = make_masters(local, self._master_dtype)
         return self._optimizer_class(local, **self._optim_defaults)
 
     # ----- the step -----------------------------------------------------------
@@ -315,34 +335,42 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._build_buffers()
 
     def _chunking(self, numel: int) -> tuple[int, ...]:
-        return chunk_sizes(numel, self._all_params[0].element_size())
+        dtype = self._master_dtype or self._all_params[0].dtype
+        return chunk_sizes(numel, torch.empty((), dtype=dtype).element_size())
 
-    def _load_flat_grads(self) -> None:
-        """Gather this rank's slices of the gradients into each group's flat
-        gradient; the local tensors (the group's chunks) take views of it."""
+    def _flat_local_grads(self) -> list[torch.Tensor | None]:
+        """This rank's slices of the gradients, one per local tensor (each
+        group's chunks): views of the group's flat gradient."""
         grads = [p.grad for p in self._all_params]
+        out: list[torch.Tensor | None] = []
         groups = self.optim.param_groups
         for g, (group, mine) in enumerate(zip(groups, self._flat_slots(), strict=True)):
             flat = self._flat_grads[g] = flat_grad(mine, grads, self._flat_grads[g])
-            pieces = group["params"]
-            if flat is None:
-                for piece in pieces:
-                    piece.grad = None
-                continue
-            sizes = [p.numel() for p in pieces]
-            for piece, grad in zip(pieces, torch.split(flat, sizes), strict=True):
-                piece.grad = grad
+            sizes = [p.numel() for p in group["params"]]
+            out.extend([None] * len(sizes) if flat is None else torch.split(flat, sizes))
+        return out
+
+    def _load_step_grads(self, unscale: float = 1.0) -> None:
+        """Hand the local optimizer this step's gradients: the masters get
+        them upcast (times ``unscale``), a flat shard's chunks get views of
+        the flat gradient; owned whole parameters already hold their own."""
+        if self._masters is not None:
+            low = self._masters.low
+            grads = self._flat_local_grads() if self._flat else [t.grad for t in low]
+            self._masters.load_grads(grads, unscale)
+        elif self._flat:
+            local = [t for g in self.optim.param_groups for t in g["params"]]
+            for tensor, grad in zip(local, self._flat_local_grads(), strict=True):
+                tensor.grad = grad
 
     def _prepare_step(self) -> None:
         Join.notify_join_context(self)
         self._refresh_trainable()
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
-        if self._flat:
-            if not self.parameters_as_bucket_view:
-                # The user may have written the parameters since the last step
-                # (a checkpoint load, say): refresh this rank's slice of them.
-                pack(self._buffers[0], self._plan.layouts[0].slots[self.rank], self._all_params)
-            self._load_flat_grads()
+        if self._flat and not self.parameters_as_bucket_view:
+            # The user may have written the parameters since the last step
+            # (a checkpoint load, say): refresh this rank's slice of them.
+            pack(self._buffers[0], self._plan.layouts[0].slots[self.rank], self._all_params)
 
     def _send_shards(self) -> torch.futures.Future[None]:
         """Start sending this rank's updated shard to all ranks, and receiving
@@ -388,12 +416,141 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "optimizer during backward"
             )
             return None
+        if closure is not None and self._masters is not None:
+            raise ValueError(
+                "step(closure) with master_dtype: the closure's gradients would land on the "
+                "low-precision parameters after the masters read them; run forward and "
+                "backward before step() instead"
+            )
         self._prepare_step()
+        self._load_step_grads()
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+        if self._masters is not None:
+            self._masters.write_back()
         exchange = self._send_shards()
         _copy_hyperparams(self.optim.param_groups, self.param_groups)
         self._receive(exchange)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the parameters' gradients, and any the masters hold."""
+        super().zero_grad(set_to_none)
+        if self._masters is not None:
+            self._masters.drop_grads()
+
+    # ----- gradients: clipping and loss scaling ---------------------------------
+
+    def _check_stepped_here(self, what: str) -> None:
+        if self._overlap is not None:
+            raise RuntimeError(
+                f"{what} is not available with overlap_with_ddp=True: the DDP hook steps each "
+                "bucket during backward, before the gradients of the whole model are known. "
+                "Build the optimizer without overlap_with_ddp to clip or scale the loss."
+            )
+
+    def _step_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank's step reads, for the elements it owns: the
+        masters' (upcast now if not yet), or views into the parameters' ``.grad``."""
+        if self._masters is not None:
+            self._load_step_grads()
+            return self._masters.grads()
+        params = self._all_params
+        views = []
+        for piece in self._plan.partition.pieces_of(self.rank):
+            grad = params[piece.param].grad
+            if grad is not None and piece.numel:
+                views.append(grad.reshape(-1)[piece.start : piece.stop])
+        return views
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients by their norm over the whole model, as
+        ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model.
+
+        Collective: call on every rank, after backward and before :meth:`step`.
+        Each rank reduces only the elements it owns; one all-reduce of one
+        number gives the global norm. Without ``master_dtype`` every
+        gradient on this rank is scaled in place; with it, the float32
+        gradients of this rank's masters are (the parameters' own ``.grad``
+        stay as they are).
+
+        Args:
+            max_norm: the largest norm allowed.
+            norm_type: the norm's order (``float("inf")`` for the largest element).
+            error_if_nonfinite: raise if the norm is inf or nan.
+
+        Returns:
+            The norm before clipping: a float32 scalar, equal on every rank.
+
+        Raises:
+            ValueError: ``max_norm`` negative, ``norm_type`` not positive.
+            RuntimeError: with ``overlap_with_ddp=True``; a non-finite norm
+                with ``error_if_nonfinite``.
+            zerofn.errors.CollectiveError: the all-reduce failed.
+        """
+        self._check_stepped_here("clip_grad_norm_")
+        clip_coefficient(0.0, max_norm)  # reject a bad max_norm before any collective
+        share = local_norm_power(self._step_grads(), float(norm_type))
+        program = global_norm_program(share, float(norm_type), self._default_device)
+        total = drive(program, self.process_group, "clip_grad_norm_'s global norm").wait()
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is {total}; "
+                "pass error_if_nonfinite=False to clip anyway"
+            )
+        coefficient = clip_coefficient(total, max_norm)
+        if coefficient != 1.0:
+            grads = (
+                self._masters.grads()
+                if self._masters is not None
+                else [p.grad for p in self._all_params if p.grad is not None]
+            )
+            for grad in grads:
+                grad.mul_(coefficient)
+        return torch.tensor(total, dtype=torch.float32)
+
+    def unscale_gradients_(self, factor: float) -> bool:
+        """Multiply the gradients the step reads by ``factor`` (a loss
+        scaler's ``1 / scale``), and tell whether any rank's hold inf or nan.
+
+        With ``master_dtype`` the product lands in the float32 masters (fp16
+        gradients would underflow); without, gradients are scaled in place.
+        Collective: one all-reduce of one flag; call before
+        :meth:`clip_grad_norm_`, once per step.
+
+        Returns:
+            ``True`` on every rank if any rank found inf or nan: then skip
+            the step everywhere with :meth:`discard_step`.
+
+        Raises:
+            RuntimeError: with ``overlap_with_ddp=True``, or if the gradients
+                were already read for this step (clipped or unscaled).
+            zerofn.errors.CollectiveError: the all-reduce failed.
+        """
+        self._check_stepped_here("loss scaling")
+        if self._masters is not None:
+            if self._masters.grads():
+                raise RuntimeError(
+                    "the gradients were already unscaled or clipped for this step: unscale "
+                    "once per step, before clip_grad_norm_"
+                )
+            self._load_step_grads(unscale=factor)
+            grads = self._masters.grads()
+        else:
+            for p in self._all_params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+            grads = self._step_grads()
+        program = nonfinite_program(grads, self._default_device)
+        return drive(program, self.process_group, "loss scaling's inf/nan check").wait()
+
+    def discard_step(self) -> None:
+        """Skip this step: forget the gradients loaded for it (into the
+        masters). Every rank must skip alike; :meth:`unscale_gradients_`
+        tells them all the same."""
+        if self._masters is not None:
+            self._masters.drop_grads()
 
     # ----- param groups -------------------------------------------------------
 
@@ -432,6 +589,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._load_global_state(self._regroup(old_state))
         else:
             new_local = self._local_groups()[-1]
+            if self._masters is not None:
+                (new_local,), added = make_masters([new_local], self._masters.dtype)
+                self._masters = self._masters.extended(added)
             self.optim.add_param_group(new_local)
         _copy_hyperparams(self.optim.param_groups, self.param_groups)
 
@@ -452,6 +612,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The local optimizer's state dict, one tensor per group under a flat
         partition (chunks merged)."""
         sd: StateDict = self.optim.state_dict()
+        if self._masters is not None:
+            sd = with_masters(sd, self._masters)
         return merge_chunk_state(sd) if self._chunked else sd
 
     def _local_state_cpu(self) -> StateDict:
@@ -522,10 +684,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._chunked:
             chunks = [[p.numel() for p in g["params"]] for g in self.optim.param_groups]
             local = split_chunk_state(local, chunks)
+        local, masters = without_masters(local)
         self.optim.load_state_dict(local)
+        self._load_masters(masters)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(_hyperparams(saved))
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
+
+    def _load_masters(self, saved: dict[int, torch.Tensor]) -> None:
+        """Set the masters from ``saved`` (local index -> master); a master
+        not saved (a state dict from PyTorch, or without masters) is copied
+        up from its parameter."""
+        if self._masters is None:
+            return
+        if self._flat and not self.parameters_as_bucket_view:
+            pack(self._buffers[0], self._plan.layouts[0].slots[self.rank], self._all_params)
+        missing = [i for i in range(len(self._masters.master)) if i not in saved]
+        self._masters.reseed(missing)
+        with torch.no_grad():
+            for index, master in saved.items():
+                self._masters.master[index].copy_(master)
 
     # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
     # The overlap hook's interface: it reads the overlap record and asks for
@@ -579,6 +757,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params = self._all_params
         local = [p for g in self.optim.param_groups for p in g["params"]]
         index_of = {id(p): i for i, p in enumerate(params)}
+        if self._masters is not None:
+            low = self._masters.low
+            self._masters.load_grads_from([grads.get(index_of[id(p)]) for p in low])
+            try:
+                _copy_hyperparams(self.param_groups, self.optim.param_groups)
+                self.optim.step()
+                _copy_hyperparams(self.optim.param_groups, self.param_groups)
+            finally:
+                self._masters.write_back(only_stepped=True)
+            return
         saved = [p.grad for p in local]
         try:
             for p in local:
@@ -594,7 +782,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Once the bucket plan is fixed: keep only this rank's parameters and
         their state (every rank held all of it until now)."""
         assert self._overlap is not None
-        full_state = self.optim.state_dict()  # global indices: it held every parameter
+        full_state = self._local_state_dict()  # global indices: it held every parameter
         params = self._all_params
         owned = owned_params_per_rank(self._overlap)
         self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned])
@@ -609,9 +797,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Returns:
             ``parameters`` (all of them), ``gradients`` (their ``.grad``),
-            ``optimizer_state`` (tensors in the local optimizer's state) and
-            ``exchange_buffers`` (buffer bytes no parameter lives in: zero
-            with ``parameters_as_bucket_view``).
+            ``master_weights`` (this rank's master copies; zero without
+            ``master_dtype``), ``optimizer_state`` (tensors in the local
+            optimizer's state) and ``exchange_buffers`` (buffer bytes no
+            parameter lives in: zero with ``parameters_as_bucket_view``).
         """
         params = self._all_params
         aliased = 0
@@ -622,6 +811,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return {
             "parameters": sum(_nbytes(p) for p in params),
             "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "master_weights": self._masters.nbytes() if self._masters is not None else 0,
             "optimizer_state": sum(
                 _nbytes(v)
                 for state in self.optim.state.values()

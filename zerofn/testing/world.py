@@ -87,6 +87,10 @@ def _sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(tensors)).sum(dim=0)
 
 
+def _max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(tensors)).amax(dim=0)
+
+
 def fulfil(requests: Sequence[Request]) -> list[Response]:
     """The response each rank would get for its request.
 
@@ -102,7 +106,8 @@ def fulfil(requests: Sequence[Request]) -> list[Response]:
             )
     world = len(requests)
     if isinstance(first, AllReduce):
-        reduced = [_sum([tensors_of(r)[i] for r in requests]) for i in range(len(first.tensors))]
+        combine = _max if first.op == "max" else _sum
+        reduced = [combine([tensors_of(r)[i] for r in requests]) for i in range(len(first.tensors))]
         if first.op == "avg":
             reduced = [t / world for t in reduced]
         return [tuple(t.clone() for t in reduced) for _ in requests]

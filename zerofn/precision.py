@@ -1,0 +1,233 @@
+"""Mixed precision: master weights, gradient clipping and loss scaling.
+
+With low-precision parameters (bf16, fp16) an optimizer that steps them
+directly loses small updates to rounding. The ZeRO optimizer therefore keeps
+a *master* copy, in a wider dtype, of the parameters each rank owns, steps
+that, and casts the result back. This module holds the decisions, as pure
+functions of their inputs:
+
+- :func:`resolve_master_dtype`: whether masters are kept, and in which dtype.
+- :func:`norm_of_powers` / :func:`clip_coefficient`: the global gradient norm
+  from every rank's share, and the factor that clips it.
+- :class:`LossScaleConfig`, :class:`LossScaleState`, :func:`update_loss_scale`:
+  dynamic loss scaling for fp16, as a state machine.
+
+The tensors stay in the adapter (``zerofn_torch.masters``,
+``zerofn_torch.loss_scaling``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from zerofn.comm import AllReduce, Program, Reduction
+
+__all__ = [
+    "MASTER_KEY",
+    "LossScaleConfig",
+    "LossScaleState",
+    "clip_coefficient",
+    "global_norm_program",
+    "init_loss_scale",
+    "local_norm_power",
+    "nonfinite_program",
+    "norm_of_powers",
+    "resolve_master_dtype",
+    "update_loss_scale",
+]
+
+MASTER_KEY = "master_param"
+"""The per-parameter optimizer-state entry that carries a master weight in
+state dicts (consolidated and sharded), beside ``exp_avg`` and the like."""
+
+
+def resolve_master_dtype(
+    param_dtype: torch.dtype, master_dtype: torch.dtype | None
+) -> torch.dtype | None:
+    """The dtype of the master copies to keep, or ``None`` for none.
+
+    Args:
+        param_dtype: the parameters' dtype.
+        master_dtype: what the user asked for (``None``: no masters).
+
+    Returns:
+        ``master_dtype``, or ``None`` when no copy is needed (not asked for,
+        or the parameters already have that dtype).
+
+    Raises:
+        TypeError: ``master_dtype`` is not a floating-point ``torch.dtype``.
+        ValueError: the parameters are not floating point, or
+            ``master_dtype`` is narrower than they are (it would lose bits).
+    """
+    if master_dtype is None:
+        return None
+    if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
+        raise TypeError(
+            f"master_dtype must be a floating-point torch.dtype such as torch.float32, "
+            f"got {master_dtype!r}"
+        )
+    if not param_dtype.is_floating_point:
+        raise ValueError(f"master weights need floating-point parameters, not {param_dtype}")
+    if master_dtype == param_dtype:
+        return None
+    if torch.finfo(master_dtype).bits < torch.finfo(param_dtype).bits:
+        raise ValueError(
+            f"master_dtype={master_dtype} is narrower than the parameters' {param_dtype}: "
+            "masters must keep at least the parameters' bits (use torch.float32)"
+        )
+    return master_dtype
+
+
+def norm_of_powers(total: float, norm_type: float) -> float:
+    """The ``norm_type``-norm from the sum over every rank of ``sum |g|^p``
+    (or, for ``inf``, from the maximum of ``max |g|``)."""
+    if math.isinf(norm_type):
+        return total
+    return float(total ** (1.0 / norm_type))
+
+
+def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """This rank's share of a global norm, as a one-element float32 tensor:
+    ``sum |g|^p`` over ``grads`` (``max |g|`` for ``inf``), computed in float32.
+
+    Raises:
+        ValueError: ``norm_type`` is not positive.
+    """
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be positive (2.0, 1.0, inf), got {norm_type}")
+    total = torch.zeros(1, dtype=torch.float32)
+    for g in grads:
+        wide = g.detach().to(torch.float32)
+        if math.isinf(norm_type):
+            total = torch.maximum(total, wide.abs().amax().reshape(1).cpu())
+        else:
+            total += torch.linalg.vector_norm(wide, norm_type).pow(norm_type).cpu()
+    return total
+
+
+def global_norm_program(
+    share: torch.Tensor, norm_type: float, device: torch.device
+) -> Program[float]:
+    """The gradient norm over every rank's share: one all-reduce of one number.
+
+    Args:
+        share: this rank's :func:`local_norm_power`.
+        norm_type: the norm's order.
+        device: where the collective's tensor lives (the group's device).
+
+    Returns:
+        A program whose value is the global norm.
+    """
+    op: Reduction = "max" if math.isinf(norm_type) else "sum"
+    (total,) = yield AllReduce((share.to(device),), op)
+    return norm_of_powers(float(total.item()), norm_type)
+
+
+def nonfinite_program(grads: Sequence[torch.Tensor], device: torch.device) -> Program[bool]:
+    """Whether any rank's ``grads`` hold inf or nan: one all-reduce of one flag.
+
+    Returns:
+        A program whose value is the same on every rank.
+    """
+    local = any(not bool(torch.isfinite(g).all()) for g in grads)
+    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    (total,) = yield AllReduce((flag,), "max")
+    return bool(total.item() > 0)
+
+
+def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
+    """The factor to multiply gradients by so their norm is at most
+    ``max_norm`` (``1.0`` when it already is), as
+    ``torch.nn.utils.clip_grad_norm_`` computes it.
+
+    Raises:
+        ValueError: ``max_norm`` is negative or not finite.
+    """
+    if not math.isfinite(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be a finite non-negative number, got {max_norm}")
+    if math.isnan(total_norm):
+        return math.nan  # as PyTorch: the gradients become nan, not silently kept
+    return min(1.0, max_norm / (total_norm + eps))
+
+
+def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a finite positive number, got {value}")
+
+
+def _above_one(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 1.0 or not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a finite number above 1, got {value}")
+
+
+def _below_one(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{attribute.name} must lie strictly between 0 and 1, got {value}")
+
+
+def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen
+class LossScaleConfig:
+    """Dynamic loss scaling, with ``torch.amp.GradScaler``'s defaults.
+
+    Attributes:
+        init_scale: the first scale.
+        growth_factor: the scale is multiplied by this after
+            ``growth_interval`` steps in a row with finite gradients.
+        backoff_factor: the scale is multiplied by this on a step whose
+            gradients are not finite (that step is skipped).
+        growth_interval: finite steps in a row before the scale grows.
+    """
+
+    init_scale: float = attrs.field(default=2.0**16, validator=_positive)
+    growth_factor: float = attrs.field(default=2.0, validator=_above_one)
+    backoff_factor: float = attrs.field(default=0.5, validator=_below_one)
+    growth_interval: int = attrs.field(default=2000, validator=_at_least_one)
+
+
+@attrs.frozen
+class LossScaleState:
+    """Where dynamic loss scaling stands.
+
+    Attributes:
+        scale: the factor the loss is multiplied by.
+        growth_tracker: finite steps in a row since the scale last changed.
+    """
+
+    scale: float = attrs.field(validator=_positive)
+    growth_tracker: int = attrs.field(default=0)
+
+
+def init_loss_scale(config: LossScaleConfig) -> LossScaleState:
+    """The state before the first step."""
+    return LossScaleState(config.init_scale)
+
+
+def update_loss_scale(
+    config: LossScaleConfig, state: LossScaleState, found_nonfinite: bool
+) -> LossScaleState:
+    """The scale after a step.
+
+    Args:
+        config: the schedule.
+        state: the scale the step's loss was multiplied by.
+        found_nonfinite: whether any rank's gradients held inf or nan (the
+            step was skipped).
+
+    Returns:
+        Backed off after a skipped step; grown after ``growth_interval``
+        finite steps in a row; otherwise the same scale, one step further.
+    """
+    if found_nonfinite:
+        return LossScaleState(state.scale * config.backoff_factor, 0)
+    if state.growth_tracker + 1 >= config.growth_interval:
+        return LossScaleState(state.scale * config.growth_factor, 0)
+    return LossScaleState(state.scale, state.growth_tracker + 1)
