@@ -92,16 +92,26 @@ def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixtur
     (record,) = json.loads(capsys.readouterr().out)
     assert record["numel"] == 25_557_032 and record["world_size"] == 2
     assert record["ranks"][0]["parameters"] == 4 * 25_557_032
+    main(["--model", "gpt2-small", "--world-size", "8", "--partition", "flat", "--json",
+          "--param-dtype", "bf16", "--master-dtype", "fp32"])  # fmt: skip
+    (mixed,) = json.loads(capsys.readouterr().out)
+    heaviest = mixed["ranks"][mixed["heaviest"]]
+    numel = mixed["numel"]
+    assert heaviest["parameters"] == heaviest["gradients"] == 2 * numel
+    assert abs(heaviest["master_weights"] - 4 * numel / 8) <= 4
 
 
 # ----- against live tensors and counted collectives, on 2 gloo ranks -----------------
 
+# (partition, bucket view, hook, bf16 parameters with fp32 masters)
 CASES = [
-    ("greedy", False, "allreduce"),
-    ("greedy", True, "allreduce"),
-    ("balanced", False, "allreduce"),
-    ("flat", False, "allreduce"),
-    ("flat", True, "powersgd"),
+    ("greedy", False, "allreduce", False),
+    ("greedy", True, "allreduce", False),
+    ("balanced", False, "allreduce", False),
+    ("flat", False, "allreduce", False),
+    ("flat", True, "powersgd", False),
+    ("flat", True, "allreduce", True),
+    ("greedy", False, "allreduce", True),
 ]
 
 
@@ -116,8 +126,9 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _measure(rank: int, mode: str, bucket_view: bool, hook: str) -> dict[str, Any]:
-    ddp = DDP(_model())
+def _measure(rank: int, mode: str, bucket_view: bool, hook: str, bf16: bool) -> dict[str, Any]:
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    ddp = DDP(_model().to(dtype))
     if hook == "powersgd":
         state = hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, hooks.powerSGD_hook)
@@ -129,11 +140,12 @@ def _measure(rank: int, mode: str, bucket_view: bool, hook: str) -> dict[str, An
         parameters_as_bucket_view=bucket_view,
         partition=mode,
         lr=0.01,
+        master_dtype=torch.float32 if bf16 else None,
     )
     for step in range(3):  # PowerSGD compresses from the third step
         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(10 * rank + step))
         with collective_traffic() as traffic:
-            ddp(x).square().mean().backward()
+            ddp(x.to(dtype)).float().square().mean().backward()
             opt.step()
         opt.zero_grad(set_to_none=False)
     return {"memory": opt.memory_bytes(), "payload": dict(traffic.payload_bytes)}
@@ -152,11 +164,13 @@ def measured() -> list[list[dict[str, Any]]]:
 def test_planner_equals_live_tensors_and_counted_traffic(
     measured: list[list[dict[str, Any]]], case: int
 ) -> None:
-    mode, bucket_view, hook = CASES[case]
+    mode, bucket_view, hook, bf16 = CASES[case]
     plan = plan_footprint(
         shapes_of(_model()),
         2,
         mode,
+        param_dtype=torch.bfloat16 if bf16 else torch.float32,
+        master_dtype=torch.float32 if bf16 else None,
         bucket_view=bucket_view,
         hook=hook,  # type: ignore[arg-type]
     )
@@ -166,7 +180,20 @@ def test_planner_equals_live_tensors_and_counted_traffic(
         assert got["memory"] == {
             "parameters": predicted.parameters,
             "gradients": predicted.gradients,
+            "master_weights": predicted.master_weights,
             "optimizer_state": predicted.optimizer_state,
             "exchange_buffers": predicted.exchange_buffers,
         }
         assert got["payload"] == dict(plan.payload_bytes)
+
+
+@pytest.mark.parametrize("world", [2, 8, 64, 1024])
+def test_bf16_with_fp32_masters_costs_two_plus_two_plus_twelve_over_d(world: int) -> None:
+    gpt2 = [list(MODELS["gpt2-small"]())]
+    plan = plan_footprint(
+        gpt2, world, "flat", param_dtype=torch.bfloat16, master_dtype=torch.float32,
+        bucket_view=True,
+    )  # fmt: skip
+    assert plan.bytes_per_parameter(plan.heaviest) == pytest.approx(2 + 2 + 12 / world, abs=1e-3)
+    fp32 = plan_footprint(gpt2, world, "flat", bucket_view=True)
+    assert fp32.bytes_per_parameter(fp32.heaviest) == pytest.approx(4 + 4 + 8 / world, abs=1e-3)

@@ -39,6 +39,7 @@ from zerofn.model_shapes import MODELS
 from zerofn.partition import FlatPartition, PartitionMode
 from zerofn.plan import ShardPlan, plan_shards
 from zerofn.powersgd import PowerSGDConfig, bucket_layout
+from zerofn.precision import resolve_master_dtype
 
 __all__ = [
     "OPTIMIZERS",
@@ -88,13 +89,20 @@ class RankBytes:
 
     parameters: int
     gradients: int
+    master_weights: int
     optimizer_state: int
     exchange_buffers: int
 
     @property
     def total(self) -> int:
         """All of it."""
-        return self.parameters + self.gradients + self.optimizer_state + self.exchange_buffers
+        return (
+            self.parameters
+            + self.gradients
+            + self.master_weights
+            + self.optimizer_state
+            + self.exchange_buffers
+        )
 
 
 @attrs.frozen
@@ -105,8 +113,10 @@ class Footprint:
         numel: parameters of the model.
         world_size: number of ranks.
         partition: the partition mode.
-        param_dtype: the parameters' dtype (also the gradients' and the
-            optimizer state's).
+        param_dtype: the parameters' dtype (also the gradients').
+        master_dtype: the master weights' dtype (also the optimizer
+            state's), or ``None`` without masters (the state then has the
+            parameters' dtype).
         optimizer: the optimizer's name.
         hook: the DDP communication hook.
         ranks: each rank's bytes.
@@ -122,6 +132,7 @@ class Footprint:
     world_size: int
     partition: PartitionMode
     param_dtype: str
+    master_dtype: str | None
     optimizer: str
     hook: HookKind
     ranks: tuple[RankBytes, ...]
@@ -173,6 +184,11 @@ def _state_bytes(
     return sum(model.elementwise_states * n * itemsize + model.scalar_bytes for n in tensors)
 
 
+def _owned_numel(plan: ShardPlan, rank: int) -> int:
+    """Elements of the model that ``rank`` steps."""
+    return sum(piece.numel for piece in plan.partition.pieces_of(rank))
+
+
 def _hook_payload(shapes: list[Sequence[int]], hook: HookKind, rank: int, itemsize: int) -> int:
     """Bytes one rank hands to the hook's all-reduces per step."""
     numel = sum(math.prod(s) for s in shapes)
@@ -203,6 +219,7 @@ def plan_footprint(
     partition: PartitionMode = "greedy",
     *,
     param_dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype | None = None,
     optimizer: str = "adam",
     hook: HookKind = "allreduce",
     powersgd_rank: int = 1,
@@ -216,7 +233,11 @@ def plan_footprint(
         shapes: parameter shapes per param group, or a module.
         world_size: number of ranks.
         partition: ``"greedy"``, ``"balanced"`` or ``"flat"``.
-        param_dtype: dtype of parameters, gradients and optimizer state.
+        param_dtype: dtype of parameters and gradients (and of the optimizer
+            state without masters).
+        master_dtype: keep master weights of each rank's shard in this
+            dtype, and the optimizer state with them (``ZeroRedundancyOptimizer``'s
+            ``master_dtype``); ``None`` or ``param_dtype``: none.
         optimizer: a key of :data:`OPTIMIZERS`.
         hook: DDP's communication hook (``"allreduce"`` is DDP's default).
         powersgd_rank: the rank of PowerSGD's factors.
@@ -245,13 +266,17 @@ def plan_footprint(
     plan = plan_shards(
         sizes, ["p"] * len(flat_shapes), [True] * len(flat_shapes), world_size, partition
     )
+    masters = resolve_master_dtype(param_dtype, master_dtype)
     itemsize = torch.empty((), dtype=param_dtype).element_size()
+    state_itemsize = torch.empty((), dtype=masters or param_dtype).element_size()
     buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
+    model = OPTIMIZERS[optimizer]
     ranks = tuple(
         RankBytes(
             parameters=numel * itemsize,
             gradients=numel * itemsize,
-            optimizer_state=_state_bytes(plan, r, OPTIMIZERS[optimizer], itemsize, flat_chunks),
+            master_weights=_owned_numel(plan, r) * state_itemsize if masters else 0,
+            optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
             exchange_buffers=buffers,
         )
         for r in range(world_size)
@@ -263,6 +288,7 @@ def plan_footprint(
         world_size=world_size,
         partition=partition,
         param_dtype=str(param_dtype).removeprefix("torch."),
+        master_dtype=str(masters).removeprefix("torch.") if masters else None,
         optimizer=optimizer,
         hook=hook,
         ranks=ranks,
@@ -294,15 +320,16 @@ def _gib(n: int) -> str:
 def table(footprints: Sequence[Footprint]) -> str:
     """A Markdown table: one row per footprint, its heaviest rank."""
     rows = [
-        "| ranks | partition | params GiB | grads GiB | optimizer state GiB (heaviest) "
+        "| ranks | partition | params GiB | grads GiB | masters GiB | optimizer state GiB "
         "| exchange GiB | total GiB (heaviest) | bytes/param | lightest total GiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for f in footprints:
         h, low = f.ranks[f.heaviest], f.ranks[f.lightest]
         rows.append(
             f"| {f.world_size} | {f.partition} | {_gib(h.parameters)} | {_gib(h.gradients)} "
-            f"| {_gib(h.optimizer_state)} | {_gib(h.exchange_buffers)} | {_gib(h.total)} "
+            f"| {_gib(h.master_weights)} | {_gib(h.optimizer_state)} "
+            f"| {_gib(h.exchange_buffers)} | {_gib(h.total)} "
             f"| {f.bytes_per_parameter(f.heaviest):.2f} | {_gib(low.total)} |"
         )
     return "\n".join(rows)
@@ -317,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, action="append", required=True)
     parser.add_argument("--partition", action="append", choices=get_args(PartitionMode))
     parser.add_argument("--param-dtype", choices=sorted(_DTYPES), default="fp32")
+    parser.add_argument(
+        "--master-dtype", choices=sorted(_DTYPES), help="keep master weights in this dtype"
+    )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     parser.add_argument("--hook", choices=get_args(HookKind), default="allreduce")
     parser.add_argument("--bucket-view", action="store_true")
@@ -329,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             n,
             mode,
             param_dtype=_DTYPES[args.param_dtype],
+            master_dtype=_DTYPES[args.master_dtype] if args.master_dtype else None,
             optimizer=args.optimizer,
             hook=args.hook,
             bucket_view=args.bucket_view,
@@ -340,7 +371,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         json.dump([f.to_dict() for f in footprints], sys.stdout, indent=1)
         print()
         return
-    print(f"{args.model}: {footprints[0].numel:,} parameters, {args.param_dtype}, {args.optimizer}")
+    masters = f", {args.master_dtype} masters" if args.master_dtype else ""
+    print(
+        f"{args.model}: {footprints[0].numel:,} parameters, {args.param_dtype}{masters}, "
+        f"{args.optimizer}"
+    )
     print(table(footprints))
 
 

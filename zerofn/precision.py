@@ -101,6 +101,8 @@ def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.T
         raise ValueError(f"norm_type must be positive (2.0, 1.0, inf), got {norm_type}")
     total = torch.zeros(1, dtype=torch.float32)
     for g in grads:
+        if g.numel() == 0:  # an empty shard adds nothing (and has no max)
+            continue
         wide = g.detach().to(torch.float32)
         if math.isinf(norm_type):
             total = torch.maximum(total, wide.abs().amax().reshape(1).cpu())
