@@ -98,6 +98,7 @@ def bf16_world(rank: int, world: int) -> dict[str, Any]:
         )
     out["naive_bf16_differs"] = _naive_bf16_fraction(rank)
     out["overlap"] = _overlapped(rank)
+    out["overlap_clipped"] = _overlapped(rank, max_norm=0.5)
     out["clip"] = _clipped(rank)
     return out
 
@@ -124,7 +125,7 @@ def _naive_bf16_fraction(rank: int) -> float:
     return _mismatch(model, ref.model) / total
 
 
-def _overlapped(rank: int) -> int:
+def _overlapped(rank: int, max_norm: float | None = None) -> int:
     """The overlapped step (DDP + hook_with_zero_step) beside DDP + reference."""
     model, ref_model = make_model(torch.bfloat16), make_model(torch.bfloat16)
     ddp = DDP(model, bucket_cap_mb=0.001)
@@ -137,13 +138,14 @@ def _overlapped(rank: int) -> int:
         overlap_with_ddp=True,
         master_dtype=torch.float32,
     )
-    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, opt))
+    hook = hook_with_zero_step(allreduce_hook, ddp, opt, max_grad_norm=max_norm)
+    ddp.register_comm_hook(None, hook)
     for step in range(STEPS):
         x = batch(step, rank).to(torch.bfloat16)
         for d in (ddp, ref_ddp):
             d.module.zero_grad()
-            d(x).float().square().mean().backward()
-        ref.step()
+            (d(x).float().square().mean() * (50.0 if max_norm else 1.0)).backward()
+        ref.step(max_norm=max_norm)
     return _mismatch(model, ref_model)
 
 
@@ -194,6 +196,8 @@ def test_masters_are_what_keeps_small_updates(bf16: list[dict[str, Any]]) -> Non
 @pytest.mark.timeout(240)
 def test_overlapped_step_with_masters_equals_the_reference(bf16: list[dict[str, Any]]) -> None:
     assert [r["overlap"] for r in bf16] == [0, 0]
+    # Clipped inside the hook by the whole model's norm, as the reference clips.
+    assert [r["overlap_clipped"] for r in bf16] == [0, 0]
 
 
 @pytest.mark.timeout(240)

@@ -40,6 +40,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 from zerofn.comm import split_like
 from zerofn.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
+from zerofn.precision import (
+    clip_coefficient,
+    global_norm_program,
+    local_norm_power,
+    norm_of_powers,
+)
 from zerofn_torch.comm import drive
 from zerofn_torch.default_hooks import allreduce_hook
 from zerofn_torch.zero import ZeroRedundancyOptimizer
@@ -82,8 +88,12 @@ class _OverlappedStep:
         zero: ZeroRedundancyOptimizer,
         shard_buckets: bool,
         interleaved: bool,
+        max_grad_norm: float | None = None,
     ) -> None:
+        if max_grad_norm is not None:
+            clip_coefficient(0.0, max_grad_norm)  # refuse a bad one now, not mid-backward
         zero._attach_overlap(shard_buckets)
+        self.max_grad_norm = max_grad_norm
         self.hook = hook
         self.ddp = weakref.ref(ddp)
         self.zero = zero
@@ -150,16 +160,33 @@ class _OverlappedStep:
     def _indices(self, entry: _Pending) -> list[int]:
         return [self.index_of[id(p)] for p in entry.params]
 
+    def _clipping(self, grads: dict[int, torch.Tensor], everywhere: bool) -> float:
+        """The factor that clips ``grads`` (this rank's share of the model's
+        gradients, or all of them when ``everywhere``) to ``max_grad_norm``:
+        one all-reduce of one number unless every rank holds every gradient."""
+        if self.max_grad_norm is None:
+            return 1.0
+        share = local_norm_power(list(grads.values()), 2.0)
+        if everywhere:
+            norm = norm_of_powers(float(share.item()), 2.0)
+        else:
+            program = global_norm_program(share, 2.0, self.zero.join_device)
+            purpose = "the overlapped ZeRO step: the global gradient norm for clipping"
+            norm = drive(program, self.zero.process_group, purpose).wait()
+        return clip_coefficient(norm, self.max_grad_norm)
+
     def _step_buckets(self, entries: list[_Pending]) -> None:
-        """Step this rank's shards of ``entries`` in one local step, then start
-        sending every shard of them from its owner."""
+        """Step this rank's shards of ``entries`` in one local step (clipped
+        by the whole model's norm when asked), then start sending every shard
+        of them from its owner."""
         zero, plan = self.zero, self._plan()
         grads: dict[int, torch.Tensor] = {}
         for entry in entries:
             averaged = self._averaged(entry)
             grads |= owned_gradients(plan, zero.rank, entry.index, self._indices(entry), averaged)
+        scale = self._clipping(grads, everywhere=False)
         if grads:
-            zero._step_with_grads(grads)
+            zero._step_with_grads(grads, scale)
         for entry in entries:
             program = broadcast_from_owners(plan, zero.rank, entry.index, entry.params)
             purpose = (
@@ -190,7 +217,7 @@ class _OverlappedStep:
         for entry in entries:
             for p, g in zip(entry.params, self._averaged(entry), strict=True):
                 grads[self.index_of[id(p)]] = g
-        zero._step_with_grads(grads)
+        zero._step_with_grads(grads, self._clipping(grads, everywhere=True))
         zero._finish_overlap_iteration()
 
 
@@ -206,6 +233,8 @@ def hook_with_zero_step(
     ddp: torch.nn.parallel.DistributedDataParallel,
     zero: ZeroRedundancyOptimizer,
     shard_buckets: bool = False,
+    *,
+    max_grad_norm: float | None = None,
 ) -> DDPHook:
     """Wrap ``hook`` so the ZeRO step runs when DDP hands over its last bucket.
 
@@ -214,15 +243,22 @@ def hook_with_zero_step(
         ddp: the DDP model the hook is registered on.
         zero: a ``ZeroRedundancyOptimizer`` built with ``overlap_with_ddp=True``.
         shard_buckets: split a bucket's parameters across ranks for balance.
+        max_grad_norm: clip the gradients by their 2-norm over the whole
+            model before the step, as ``torch.nn.utils.clip_grad_norm_`` would
+            (the owners' shards give the norm with one all-reduce of one
+            number). ``zero.clip_grad_norm_`` cannot do this: the step is
+            over when backward returns.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook``.
 
     Raises:
-        ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``.
+        ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``;
+            a negative or non-finite ``max_grad_norm``.
         RuntimeError: if ``zero`` is already driven by another hook.
     """
-    return _make_hook(_OverlappedStep(hook, ddp, zero, shard_buckets, interleaved=False))
+    step = _OverlappedStep(hook, ddp, zero, shard_buckets, False, max_grad_norm)
+    return _make_hook(step)
 
 
 def hook_with_zero_step_interleaved(

@@ -750,10 +750,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "DDP fixes its buckets during the first iterations"
             )
 
-    def _step_with_grads(self, grads: dict[int, torch.Tensor]) -> None:
-        """Step the local optimizer with ``grads`` (global index -> gradient)
-        for some of its parameters; the others sit this step out. Their own
-        ``.grad`` is left as it was."""
+    def _step_with_grads(self, grads: dict[int, torch.Tensor], scale: float = 1.0) -> None:
+        """Step the local optimizer with ``grads`` (global index -> gradient),
+        multiplied by ``scale`` (in the masters' dtype when kept), for some of
+        its parameters; the others sit this step out. Their own ``.grad`` is
+        left as it was."""
+        if scale != 1.0:
+            if self._masters is None:
+                grads = {i: g * scale for i, g in grads.items()}
+            else:
+                wide = self._masters.dtype
+                grads = {i: g.to(wide).mul_(scale) for i, g in grads.items()}
         params = self._all_params
         local = [p for g in self.optim.param_groups for p in g["params"]]
         index_of = {id(p): i for i, p in enumerate(params)}
