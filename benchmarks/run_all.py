@@ -1,18 +1,21 @@
 """``make bench``: every benchmark in one run, written to one page and one figure.
 
 Runs the ZeRO step, the ZeRO step by partition mode against its floor, DDP +
-PowerSGD, overlap, partition imbalance and core scaling benchmarks, then the
-soak (2,000 steps of DDP + PowerSGD + the overlapped ZeRO step: replicas
-bitwise equal, memory flat), each also runnable alone (``bench_zero.py``,
-``bench_modes.py``, ``bench_hooks.py``, ``bench_overlap.py``,
+PowerSGD, overlap, mixed precision (bytes per parameter, exchange bytes and
+step time of bf16 + fp32 masters against PyTorch's ZeRO on fp32), partition
+imbalance and core scaling benchmarks, then the soak (2,000 steps of DDP +
+PowerSGD + the overlapped ZeRO step: replicas bitwise equal, memory flat),
+each also runnable alone (``bench_zero.py``, ``bench_modes.py``,
+``bench_hooks.py``, ``bench_overlap.py``, ``bench_precision.py``,
 ``bench_soak.py``); prints each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
   its target), the figure, then each benchmark's own tables. It is the docs
   site's benchmark page, so a fresh ``make bench`` updates the site.
 * ``docs/img/benchmarks.png``: the summary ratios with their interquartile
-  ranges, partition imbalance against world size, planning time against model
-  size, the soak's resident memory against step.
+  ranges, bytes per parameter against world size, partition imbalance against
+  world size, planning time against model size, the soak's resident memory
+  against step.
 
 ``--quick`` shrinks every benchmark for a smoke run and, unless ``--out`` is
 given, writes under ``benchmarks/out/`` instead of over the committed page.
@@ -27,6 +30,7 @@ from collections.abc import Callable, Sequence
 import bench_hooks
 import bench_modes
 import bench_overlap
+import bench_precision
 import bench_soak
 import bench_zero
 import matplotlib
@@ -45,6 +49,7 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     "modes": bench_modes.bench_modes,
     "powersgd": bench_hooks.bench_powersgd,
     "overlap": bench_overlap.bench_overlap,
+    "precision": bench_precision.bench_precision,
     "imbalance": bench_zero.bench_imbalance,
     "scaling": bench_zero.bench_scaling,
     "soak": bench_soak.bench_soak,

@@ -2,8 +2,9 @@
 
 The timed sections run in CI through ``make bench BENCH_ARGS=--quick``; here
 only what is pure: the summary records, the Markdown writer, the partition
-and scaling sections (which must keep meeting their own claims), and the
-soak's growth and section from made-up traces.
+and scaling sections (which must keep meeting their own claims), the soak's
+growth and section from made-up traces, and the mixed-precision benchmark's
+model, planned bytes and live-tensor count (on one in-process rank).
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ import sys
 
 import attrs
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
 import bench_modes
+import bench_precision
 import bench_soak
 import bench_zero
 from report import Spread, md_table, paired_ratios
+
+from zerofn.model_shapes import MODELS
 
 samples = st.lists(st.floats(0.001, 1e3, allow_nan=False), min_size=1, max_size=50)
 
@@ -168,3 +173,40 @@ def test_mode_rows_hold_each_setting_against_the_floor_of_its_kernel() -> None:
     assert to_floor[default].median == pytest.approx(1.0)  # 0.2 / (0.15 + 0.05)
     assert to_floor[fused].median == pytest.approx(2.0)  # 0.2 / (0.05 + 0.05)
     assert len(rows) == len(bench_modes.SETTINGS) + len(bench_modes.PYTORCH) + 2
+
+
+def test_precision_model_has_gpt2_small_structure() -> None:
+    assert bench_precision.gpt2_like(768, 3072, 50257, 1024, 12) == MODELS["gpt2-small"]()
+    _, quick = bench_precision.model_shapes(quick=True)
+    assert 2e6 < sum(bench_precision._numel(s) for s in quick) < 10e6
+
+
+def test_precision_planned_bytes_follow_the_formulas() -> None:
+    planned = bench_precision.computed_bytes_per_param(MODELS["gpt2-small"](), 8)
+    assert planned["fp32"] == pytest.approx(bench_precision.pytorch_formula(8), rel=1e-4)
+    assert planned["bf16"] == pytest.approx(bench_precision.target_formula(8), rel=1e-4)
+    # Whole-tensor ownership: the embedding alone outweighs 1/8 of the model.
+    assert planned["torch"] > bench_precision.pytorch_formula(8) + 1
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize("setup", ["torch", "fp32", "bf16"])
+def test_precision_counts_every_live_tensor_once(setup: str) -> None:
+    shapes = [(16, 8), (8,), (8, 4)]
+    numel = sum(bench_precision._numel(s) for s in shapes)
+    opt, params = bench_precision._build(setup, shapes)
+    opt.step()
+    counted, _ = bench_precision.count_bytes(opt, params)
+    width = 2 if setup == "bf16" else 4
+    assert counted["parameters"] == counted["gradients"] == width * numel
+    assert counted["masters"] == (4 * numel if setup == "bf16" else 0)
+    # Adam's two fp32 moments on every element (one rank), and 4-byte step counters.
+    assert counted["optimizer_state"] - 8 * numel in range(4, 4 * len(shapes) + 1)
+    if setup != "torch":
+        api = opt.memory_bytes()
+        assert api["parameters"] == counted["parameters"]
+        assert api["gradients"] == counted["gradients"]
+        assert api["master_weights"] == counted["masters"]
+        assert api["optimizer_state"] == counted["optimizer_state"]
+    del opt
+    assert all(p.dtype == (torch.bfloat16 if setup == "bf16" else torch.float32) for p in params)
