@@ -13,7 +13,9 @@ Run it as a program::
         --partition flat --param-dtype bf16
 
 What it counts, per rank: **parameters** (every rank holds the whole model),
-**gradients** (DDP's gradient buckets, one per parameter element),
+**gradients** (DDP's gradient buckets, one per parameter element; under
+``flat`` without masters also the flat copy of the rank's slice, kept
+between steps), **master weights** (with ``master_dtype``, the rank's shard),
 **optimizer state** (only the rank's shard, plus per-tensor scalars such as
 Adam's step), **exchange buffers** (the flat buffers the ZeRO step exchanges
 through; with ``bucket_view`` the parameters live in them, so nothing
@@ -184,6 +186,12 @@ def _state_bytes(
     return sum(model.elementwise_states * n * itemsize + model.scalar_bytes for n in tensors)
 
 
+def _flat_grad_copy(plan: ShardPlan, rank: int, kept: bool) -> int:
+    """Elements of the flat gradient a flat partition keeps between steps
+    (this rank's slice; with masters the slice is upcast and dropped instead)."""
+    return _owned_numel(plan, rank) if kept and isinstance(plan.partition, FlatPartition) else 0
+
+
 def _owned_numel(plan: ShardPlan, rank: int) -> int:
     """Elements of the model that ``rank`` steps."""
     return sum(piece.numel for piece in plan.partition.pieces_of(rank))
@@ -274,7 +282,7 @@ def plan_footprint(
     ranks = tuple(
         RankBytes(
             parameters=numel * itemsize,
-            gradients=numel * itemsize,
+            gradients=numel * itemsize + _flat_grad_copy(plan, r, masters is None) * itemsize,
             master_weights=_owned_numel(plan, r) * state_itemsize if masters else 0,
             optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
             exchange_buffers=buffers,

@@ -345,7 +345,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         out: list[torch.Tensor | None] = []
         groups = self.optim.param_groups
         for g, (group, mine) in enumerate(zip(groups, self._flat_slots(), strict=True)):
-            flat = self._flat_grads[g] = flat_grad(mine, grads, self._flat_grads[g])
+            if self._masters is not None:
+                # Upcast as gathered, into a tensor that lives until the step
+                # is over: no low-precision copy of the shard is kept.
+                flat = flat_grad(mine, grads, None, self._masters.dtype)
+            else:
+                flat = self._flat_grads[g] = flat_grad(mine, grads, self._flat_grads[g])
             sizes = [p.numel() for p in group["params"]]
             out.extend([None] * len(sizes) if flat is None else torch.split(flat, sizes))
         return out
@@ -803,7 +808,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         :func:`zerofn.footprint.plan_footprint` predicts.
 
         Returns:
-            ``parameters`` (all of them), ``gradients`` (their ``.grad``),
+            ``parameters`` (all of them), ``gradients`` (their ``.grad``,
+            and under a flat partition without masters the flat copy of
+            this rank's slice of them, kept from step to step),
             ``master_weights`` (this rank's master copies; zero without
             ``master_dtype``), ``optimizer_state`` (tensors in the local
             optimizer's state) and ``exchange_buffers`` (buffer bytes no
@@ -817,7 +824,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             aliased += sum(_nbytes(p) for p in params if lo <= p.data_ptr() < hi)
         return {
             "parameters": sum(_nbytes(p) for p in params),
-            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None)
+            + sum(_nbytes(g) for g in self._flat_grads if g is not None),
             "master_weights": self._masters.nbytes() if self._masters is not None else 0,
             "optimizer_state": sum(
                 _nbytes(v)
