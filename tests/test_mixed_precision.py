@@ -346,3 +346,44 @@ def test_checkpoints_with_masters_continue_bitwise_on_one_and_three_ranks(
                 world,
                 how,
             )
+
+
+def fp16_overlap_world(rank: int, world: int) -> dict[str, Any]:
+    """The overlapped step with loss scaling: an inf in one parameter's local
+    gradient on rank 0 reaches only that parameter's owner, yet both skip."""
+    model, ref_model = make_model(torch.float16), make_model(torch.float16)
+    ddp, ref_ddp = DDP(model, bucket_cap_mb=0.001), DDP(ref_model, bucket_cap_mb=0.001)
+    ref = Reference(ref_model)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, lr=LR, overlap_with_ddp=True,
+        master_dtype=torch.float32,
+    )  # fmt: skip
+    scaler = LossScaler(init_scale=2.0**10, growth_interval=3)
+    hook = hook_with_zero_step(allreduce_hook, ddp, opt, max_grad_norm=5.0, loss_scaler=scaler)
+    ddp.register_comm_hook(None, hook)
+    poison = {"on": False}
+    for m in (model, ref_model):
+        m[-1].bias.register_hook(lambda g: g.fill_(float("inf")) if poison["on"] else g)  # type: ignore[index, union-attr]
+    ref_scale, ref_good, scales = 2.0**10, 0, []
+    for step in range(12):
+        poison["on"] = step == INF_STEP and rank == 0
+        x = batch(step, rank).to(torch.float16)
+        for d, s in ((ddp, scaler.get_scale()), (ref_ddp, ref_scale)):
+            d.module.zero_grad()
+            (d(x).float().square().mean() * s).backward()
+        scaler.update()
+        stepped = ref.step(unscale=1.0 / ref_scale, max_norm=5.0)
+        ref_good = ref_good + 1 if stepped else 0
+        ref_scale = ref_scale * 0.5 if not stepped else ref_scale
+        if ref_good == 3:
+            ref_scale, ref_good = ref_scale * 2.0, 0
+        scales.append((scaler.get_scale(), ref_scale))
+    return {"mismatch": _mismatch(model, ref_model), "scales": scales}
+
+
+@pytest.mark.timeout(120)
+def test_fp16_loss_scaling_and_clipping_inside_the_overlapped_step() -> None:
+    for r in run_world(fp16_overlap_world, 2):
+        assert r["mismatch"] == 0
+        assert [a for a, _ in r["scales"]] == [b for _, b in r["scales"]]
+        assert r["scales"][INF_STEP][0] == r["scales"][INF_STEP - 1][0] / 2

@@ -90,6 +90,12 @@ class LossScaler:
             raise RuntimeError("unscale_() was already called on this optimizer since update()")
         self._found[id(optimizer)] = optimizer.unscale_gradients_(1.0 / self.state.scale)
 
+    def record(self, optimizer: ZeroRedundancyOptimizer, found_nonfinite: bool) -> None:
+        """Note that ``optimizer``'s step for this iteration was taken, or
+        skipped for inf/nan, elsewhere: the overlapped step calls this from
+        inside backward (``hook_with_zero_step(..., loss_scaler=...)``)."""
+        self._found[id(optimizer)] = found_nonfinite
+
     def step(self, optimizer: ZeroRedundancyOptimizer, *args: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless some rank's gradients held inf or nan.
 

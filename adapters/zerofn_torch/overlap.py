@@ -44,10 +44,12 @@ from zerofn.precision import (
     clip_coefficient,
     global_norm_program,
     local_norm_power,
+    nonfinite_program,
     norm_of_powers,
 )
 from zerofn_torch.comm import drive
 from zerofn_torch.default_hooks import allreduce_hook
+from zerofn_torch.loss_scaling import LossScaler
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -89,11 +91,13 @@ class _OverlappedStep:
         shard_buckets: bool,
         interleaved: bool,
         max_grad_norm: float | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         if max_grad_norm is not None:
             clip_coefficient(0.0, max_grad_norm)  # refuse a bad one now, not mid-backward
         zero._attach_overlap(shard_buckets)
         self.max_grad_norm = max_grad_norm
+        self.loss_scaler = loss_scaler
         self.hook = hook
         self.ddp = weakref.ref(ddp)
         self.zero = zero
@@ -160,20 +164,38 @@ class _OverlappedStep:
     def _indices(self, entry: _Pending) -> list[int]:
         return [self.index_of[id(p)] for p in entry.params]
 
-    def _clipping(self, grads: dict[int, torch.Tensor], everywhere: bool) -> float:
-        """The factor that clips ``grads`` (this rank's share of the model's
-        gradients, or all of them when ``everywhere``) to ``max_grad_norm``:
-        one all-reduce of one number unless every rank holds every gradient."""
+    def _grad_factor(self, grads: dict[int, torch.Tensor], everywhere: bool) -> float | None:
+        """What to multiply ``grads`` (this rank's share of the model's
+        gradients, or all of them when ``everywhere``) by before the step:
+        the loss scaler's ``1 / scale`` times the clipping factor; ``None``
+        when some rank's share holds inf or nan (every rank then skips). One
+        all-reduce of one number for each, unless every rank holds every
+        gradient."""
+        shares = list(grads.values())
+        unscale = 1.0
+        if self.loss_scaler is not None:
+            unscale = 1.0 / self.loss_scaler.get_scale()
+            if everywhere:
+                found = any(not bool(torch.isfinite(g).all()) for g in shares)
+            else:
+                program = nonfinite_program(shares, self.zero.join_device)
+                found = drive(program, self.zero.process_group, self._purpose("inf/nan")).wait()
+            self.loss_scaler.record(self.zero, found)
+            if found:
+                return None
         if self.max_grad_norm is None:
-            return 1.0
-        share = local_norm_power(list(grads.values()), 2.0)
+            return unscale
+        power = local_norm_power(shares, 2.0)
         if everywhere:
-            norm = norm_of_powers(float(share.item()), 2.0)
+            norm = norm_of_powers(float(power.item()), 2.0)
         else:
-            program = global_norm_program(share, 2.0, self.zero.join_device)
-            purpose = "the overlapped ZeRO step: the global gradient norm for clipping"
-            norm = drive(program, self.zero.process_group, purpose).wait()
-        return clip_coefficient(norm, self.max_grad_norm)
+            norm_program = global_norm_program(power, 2.0, self.zero.join_device)
+            norm = drive(norm_program, self.zero.process_group, self._purpose("norm")).wait()
+        return unscale * clip_coefficient(norm * unscale, self.max_grad_norm)
+
+    @staticmethod
+    def _purpose(what: str) -> str:
+        return f"the overlapped ZeRO step: the gradients' global {what} check before the step"
 
     def _step_buckets(self, entries: list[_Pending]) -> None:
         """Step this rank's shards of ``entries`` in one local step (clipped
@@ -184,9 +206,11 @@ class _OverlappedStep:
         for entry in entries:
             averaged = self._averaged(entry)
             grads |= owned_gradients(plan, zero.rank, entry.index, self._indices(entry), averaged)
-        scale = self._clipping(grads, everywhere=False)
+        factor = self._grad_factor(grads, everywhere=False)
+        if factor is None:  # every rank skips this step, and sends nothing
+            return
         if grads:
-            zero._step_with_grads(grads, scale)
+            zero._step_with_grads(grads, factor)
         for entry in entries:
             program = broadcast_from_owners(plan, zero.rank, entry.index, entry.params)
             purpose = (
@@ -217,7 +241,9 @@ class _OverlappedStep:
         for entry in entries:
             for p, g in zip(entry.params, self._averaged(entry), strict=True):
                 grads[self.index_of[id(p)]] = g
-        zero._step_with_grads(grads, self._clipping(grads, everywhere=True))
+        factor = self._grad_factor(grads, everywhere=True)
+        if factor is not None:
+            zero._step_with_grads(grads, factor)
         zero._finish_overlap_iteration()
 
 
@@ -235,6 +261,7 @@ def hook_with_zero_step(
     shard_buckets: bool = False,
     *,
     max_grad_norm: float | None = None,
+    loss_scaler: LossScaler | None = None,
 ) -> DDPHook:
     """Wrap ``hook`` so the ZeRO step runs when DDP hands over its last bucket.
 
@@ -248,6 +275,11 @@ def hook_with_zero_step(
             (the owners' shards give the norm with one all-reduce of one
             number). ``zero.clip_grad_norm_`` cannot do this: the step is
             over when backward returns.
+        loss_scaler: with fp16 parameters and ``master_dtype``, unscale the
+            gradients into the masters and skip the step on every rank when
+            any owner's shard holds inf or nan (one all-reduce of one flag).
+            Call ``loss_scaler.scale(loss).backward()`` and then
+            ``loss_scaler.update()``; not ``loss_scaler.step``: backward stepped.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook``.
@@ -257,7 +289,7 @@ def hook_with_zero_step(
             a negative or non-finite ``max_grad_norm``.
         RuntimeError: if ``zero`` is already driven by another hook.
     """
-    step = _OverlappedStep(hook, ddp, zero, shard_buckets, False, max_grad_norm)
+    step = _OverlappedStep(hook, ddp, zero, shard_buckets, False, max_grad_norm, loss_scaler)
     return _make_hook(step)
 
 

@@ -450,7 +450,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise RuntimeError(
                 f"{what} is not available with overlap_with_ddp=True: the DDP hook steps each "
                 "bucket during backward, before the gradients of the whole model are known. "
-                "Build the optimizer without overlap_with_ddp to clip or scale the loss."
+                "Pass max_grad_norm= and loss_scaler= to hook_with_zero_step instead."
             )
 
     def _step_grads(self) -> list[torch.Tensor]:
