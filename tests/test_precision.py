@@ -190,3 +190,23 @@ def test_clipping_needs_the_whole_gradient_so_not_with_overlap() -> None:
         opt.clip_grad_norm_(1.0)
     with pytest.raises(RuntimeError, match="overlap_with_ddp"):
         opt.unscale_gradients_(0.5)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize("mode", ["greedy", "flat"])
+def test_added_param_groups_get_masters_too(mode: str) -> None:
+    from zerofn_torch import ZeroRedundancyOptimizer
+
+    first, second = _bf16_model(), _bf16_model()
+    opt = ZeroRedundancyOptimizer(
+        first.parameters(), torch.optim.Adam, lr=1e-3, partition=mode, master_dtype=torch.float32
+    )
+    opt.add_param_group({"params": list(second.parameters()), "lr": 1e-2})
+    assert {p.dtype for g in opt.optim.param_groups for p in g["params"]} == {torch.float32}
+    before = [p.detach().clone() for p in second.parameters()]
+    for model in (first, second):
+        model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, second.parameters(), strict=True))
+    numel = sum(p.numel() for m in (first, second) for p in m.parameters())
+    assert opt.memory_bytes()["master_weights"] == 4 * numel
