@@ -39,7 +39,6 @@ table stays GPT-2 small: planning allocates nothing).
 from __future__ import annotations
 
 import gc
-import inspect
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -64,7 +63,6 @@ from zerofn_torch.traffic import collective_traffic
 
 from zerofn.footprint import plan_footprint
 from zerofn.model_shapes import MODELS
-from zerofn.partition import flat_partition, rank_loads
 
 Shape = tuple[int, ...]
 WORLD_SIZE = 2
@@ -293,35 +291,22 @@ def _numel(shape: Shape) -> int:
 # ----------------------------------------------------------------------------
 
 
-def _planner_has_masters() -> bool:
-    return "master_dtype" in inspect.signature(plan_footprint).parameters
-
-
 def computed_bytes_per_param(shapes: Sequence[Shape], world_size: int) -> dict[str, float]:
     """Heaviest rank's bytes per parameter by set-up, as ``plan_footprint`` plans them."""
     groups = [list(shapes)]
-    theirs = plan_footprint(groups, world_size, "greedy", bucket_view=True)
-    fp32 = plan_footprint(groups, world_size, "flat", bucket_view=True)
-    if _planner_has_masters():
-        masters: dict[str, Any] = {"master_dtype": torch.float32}
-        bf16 = plan_footprint(
-            groups, world_size, "flat", param_dtype=torch.bfloat16, bucket_view=True, **masters
-        )
-        mixed = bf16.bytes_per_parameter(bf16.heaviest)
-    else:
-        # A planner without ``master_dtype``: bf16 parameters and gradients,
-        # plus the fp32 plan's state and an fp32 master of the rank's shard.
-        loads = rank_loads(flat_partition([[_numel(s) for s in shapes]], world_size))
-        mixed = max(
-            (2 * fp32.numel + 2 * fp32.numel + 4 * loads[r] + fp32.ranks[r].optimizer_state)
-            / fp32.numel
-            for r in range(world_size)
-        )
-    return {
-        "torch": theirs.bytes_per_parameter(theirs.heaviest),
-        "fp32": fp32.bytes_per_parameter(fp32.heaviest),
-        "bf16": mixed,
+    plans = {
+        "torch": plan_footprint(groups, world_size, "greedy", bucket_view=True),
+        "fp32": plan_footprint(groups, world_size, "flat", bucket_view=True),
+        "bf16": plan_footprint(
+            groups,
+            world_size,
+            "flat",
+            param_dtype=torch.bfloat16,
+            bucket_view=True,
+            master_dtype=torch.float32,
+        ),
     }
+    return {setup: f.bytes_per_parameter(f.heaviest) for setup, f in plans.items()}
 
 
 def planned_exchange(shapes: Sequence[Shape], world_size: int) -> dict[str, int]:
@@ -342,16 +327,13 @@ def _per_param(n: float, numel: int) -> str:
     return f"{n / numel:.3f}"
 
 
-def bench_precision(quick: bool) -> Section:
-    rounds, warmup = (3, 1) if quick else (7, 1)
-    model, shapes = model_shapes(quick)
-    results = run_local_world(_precision_rank, WORLD_SIZE, quick, rounds, warmup, timeout_s=600.0)
-    numel: int = results[0]["numel"]
-    d = WORLD_SIZE
-    labels = dict(SETUPS)
-    formula = {"torch": pytorch_formula(d), "fp32": pytorch_formula(d), "bf16": target_formula(d)}
+def _formula(setup: str, d: int) -> float:
+    """The formula a set-up is held to at ``d`` ranks."""
+    return target_formula(d) if setup == "bf16" else pytorch_formula(d)
 
-    # Measured bytes per parameter.
+
+def measured_table(results: Sequence[Any], numel: int) -> tuple[str, dict[str, float]]:
+    """The measured bytes table, and each set-up's heaviest rank's bytes per parameter."""
     rows: list[list[object]] = []
     heaviest: dict[str, float] = {}
     for setup, label in SETUPS:
@@ -367,91 +349,116 @@ def bench_precision(quick: bool) -> Section:
                     *(_per_param(m["bytes"][k], numel) for k in KINDS),
                     _per_param(total, numel),
                     _per_param(sum(api.values()), numel) if api else "-",
-                    f"{formula[setup]:.3f}",
+                    f"{_formula(setup, WORLD_SIZE):.3f}",
                 ]
             )
-    measured_table = md_table(
-        [
-            "set-up",
-            "rank",
-            "params",
-            "grads",
-            "masters",
-            "optimizer state",
-            "other",
-            "total (live)",
-            "memory_bytes() total",
-            "formula",
-        ],
-        rows,
-    )
+    header = [
+        "set-up",
+        "rank",
+        "params",
+        "grads",
+        "masters",
+        "optimizer state",
+        "other",
+        "total (live)",
+        "memory_bytes() total",
+        "formula",
+    ]
+    return md_table(header, rows), heaviest
 
+
+def other_note(results: Sequence[Any]) -> str:
+    """The note on what holds the 'other' bytes on rank 0 (or that nothing does)."""
+    labels = dict(SETUPS)
     held = [
         f"{labels[setup]}: " + ", ".join(f"`{path}` {fmt_bytes(n)}" for path, n in where.items())
         for setup, _ in SETUPS
         if (where := results[0]["measured"][setup]["other_where"])
     ]
-    other_note = (
-        "'Other' on rank 0, by the attribute that holds it: " + "; ".join(held) + "."
-        if held
-        else "Nothing beyond these kinds is referenced by any of the optimizers."
-    )
+    if not held:
+        return "Nothing beyond these kinds is referenced by any of the optimizers."
+    return "'Other' on rank 0, by the attribute that holds it: " + "; ".join(held) + "."
 
-    # Computed for larger worlds (GPT-2 small even in --quick: nothing is allocated).
-    gpt2 = MODELS["gpt2-small"]()
-    computed = {ws: computed_bytes_per_param(gpt2, ws) for ws in COMPUTED_WORLD_SIZES}
-    computed_rows: list[list[object]] = [
-        [label, *(f"{computed[ws][setup]:.3f}" for ws in COMPUTED_WORLD_SIZES)]
-        for setup, label in SETUPS
-    ]
-    computed_rows += [
-        ["PyTorch's 4 + 4 + 8/d", *(f"{pytorch_formula(ws):.3f}" for ws in COMPUTED_WORLD_SIZES)],
-        ["goal 2 + 2 + 12/d", *(f"{target_formula(ws):.3f}" for ws in COMPUTED_WORLD_SIZES)],
-    ]
-    computed_table = md_table(
-        ["set-up (heaviest rank)", *(f"d = {ws}" for ws in COMPUTED_WORLD_SIZES)], computed_rows
-    )
-    source = (
-        "`plan_footprint(..., master_dtype=torch.float32)`"
-        if _planner_has_masters()
-        else "the formula (this planner has no `master_dtype`): bf16 parameters and "
-        "gradients, the fp32 plan's optimizer state, and 4 bytes per element of the "
-        "rank's flat shard"
-    )
 
-    # Exchange bytes per step.
+def measured_part(results: Sequence[Any], what: str) -> tuple[list[str], dict[str, float]]:
+    """The measured paragraphs (intro, table, 'other' note) and the heaviest bytes/param."""
+    table, heaviest = measured_table(results, results[0]["numel"])
+    intro = (
+        f"Model: {what}; each set-up built, stepped once and freed before the next. "
+        "Bytes per parameter per rank, counted after the step from the live tensors, "
+        "each storage once: parameters, their gradients, the local optimizer's own "
+        "parameters that are neither (fp32 masters), its state, and anything else the "
+        "optimizer object references ('other'). 'memory_bytes() total' is zerofn's own "
+        "account (`opt.memory_bytes()`), for comparison. Formula: 4 + 4 + 8/d for fp32, "
+        "2 + 2 + 12/d for bf16 with fp32 masters."
+    )
+    return [intro, table, other_note(results)], heaviest
+
+
+def computed_part(gpt2: Sequence[Shape], computed: dict[int, dict[str, float]]) -> list[str]:
+    """The computed paragraphs: intro and the bytes/param table for larger worlds."""
+    sizes = COMPUTED_WORLD_SIZES
+    rows: list[list[object]] = [
+        [label, *(f"{computed[ws][setup]:.3f}" for ws in sizes)] for setup, label in SETUPS
+    ]
+    rows += [
+        ["PyTorch's 4 + 4 + 8/d", *(f"{pytorch_formula(ws):.3f}" for ws in sizes)],
+        ["goal 2 + 2 + 12/d", *(f"{target_formula(ws):.3f}" for ws in sizes)],
+    ]
+    table = md_table(["set-up (heaviest rank)", *(f"d = {ws}" for ws in sizes)], rows)
+    intro = (
+        f"Computed for GPT-2 small ({sum(_numel(s) for s in gpt2) / 1e6:.1f}M), "
+        "heaviest rank; PyTorch's row is `plan_footprint` with greedy ownership, "
+        "zerofn's fp32 row flat, the bf16 row from "
+        "`plan_footprint(..., master_dtype=torch.float32)`:"
+    )
+    return [intro, table]
+
+
+def exchange_part(results: Sequence[Any], shapes: Sequence[Shape]) -> tuple[list[str], float]:
+    """The exchange paragraphs (intro, table, bf16/fp32 and agreement note) and bf16/fp32 sent."""
     r0 = results[0]["measured"]
-    planned = planned_exchange(shapes, d)
-    exchange_rows = [
+    planned = planned_exchange(shapes, WORLD_SIZE)
+    rows = [
         [
-            labels[setup],
+            label,
             sum(r0[setup]["calls"].values()),
             fmt_bytes(sum(r0[setup]["payload"].values())),
             fmt_bytes(r0[setup]["sent"]),
             fmt_bytes(planned[setup]) if setup in planned else "-",
         ]
-        for setup, _ in SETUPS
+        for setup, label in SETUPS
     ]
-    exchange_table = md_table(
-        [
-            "set-up",
-            "collectives / step",
-            "payload / step / rank",
-            "sent / step / rank (ring estimate)",
-            "planned payload",
-        ],
-        exchange_rows,
-    )
+    header = [
+        "set-up",
+        "collectives / step",
+        "payload / step / rank",
+        "sent / step / rank (ring estimate)",
+        "planned payload",
+    ]
     half = r0["bf16"]["sent"] / r0["fp32"]["sent"]
+    same = all(
+        res["measured"]["torch"]["digest"] == res["measured"]["fp32"]["digest"] for res in results
+    )
+    return [
+        "Exchange, counted by `collective_traffic` over one more step of each (rank 0); "
+        "'planned' is `plan_footprint`'s payload for the same layout:",
+        md_table(header, rows),
+        f"bf16 / fp32 bytes sent: {half:.3f}. PyTorch's and zerofn's fp32 parameters "
+        f"after the step agree: {'yes' if same else '**no**'} (same Adam, same gradients).",
+    ], half
 
-    # Step time.
-    times = results[0]["times"]
-    time_rows: list[list[object]] = []
+
+def step_time_part(
+    times: dict[str, dict[str, list[float]]], rounds: int, warmup: int
+) -> tuple[list[str], dict[str, Spread]]:
+    """The step-time paragraphs (intro, table) and the zerofn / PyTorch ratio per kernel."""
+    rows: list[list[object]] = []
     ratios: dict[str, Spread] = {}
     for kernel, t in times.items():
         ratios[kernel] = paired_ratios(t["zerofn"], t["torch"])
         theirs = "no bucket view" if kernel == "default" else "bucket view"
-        time_rows.append(
+        rows.append(
             [
                 f"{kernel} Adam (PyTorch: {theirs})",
                 Spread.of(t["zerofn"]).scaled(1e3).fmt(0),
@@ -459,22 +466,27 @@ def bench_precision(quick: bool) -> Section:
                 ratios[kernel].fmt(),
             ]
         )
-    time_table = md_table(
-        [
-            "kernel",
-            "zerofn bf16 + masters (ms)",
-            "PyTorch ZeRO fp32 (ms)",
-            "ratio: zerofn / PyTorch",
-        ],
-        time_rows,
+    header = [
+        "kernel",
+        "zerofn bf16 + masters (ms)",
+        "PyTorch ZeRO fp32 (ms)",
+        "ratio: zerofn / PyTorch",
+    ]
+    intro = (
+        f"Step time, rank 0, {warmup} warm-up and {rounds} timed rounds per kernel, the "
+        "two optimizers taking turns (`take_turns`); zerofn bf16 + fp32 masters (flat, "
+        "bucket view) against PyTorch's ZeRO on fp32:"
     )
+    return [intro, md_table(header, rows)], ratios
 
-    same = all(
-        res["measured"]["torch"]["digest"] == res["measured"]["fp32"]["digest"] for res in results
-    )
-    what = f"{model}, {numel / 1e6:.1f}M params, {d} gloo ranks"
+
+def headlines(
+    what: str, heaviest: dict[str, float], half: float, ratios: dict[str, Spread]
+) -> list[Headline]:
+    """The summary rows: bytes/param (bf16 + masters, PyTorch), bytes sent, step-time ratios."""
+    d = WORLD_SIZE
     goal = target_formula(d)
-    headlines = [
+    return [
         Headline(
             f"mixed precision ({what})",
             "bytes/param, heaviest rank: zerofn bf16 + fp32 masters (live tensors)",
@@ -506,55 +518,40 @@ def bench_precision(quick: bool) -> Section:
             for kernel, ratio in ratios.items()
         ),
     ]
-    panel = Panel(
+
+
+def bytes_panel(computed: dict[int, dict[str, float]]) -> Panel:
+    """The plot of planned bytes per parameter against d, with the goal's curve."""
+    sizes = COMPUTED_WORLD_SIZES
+    curves = [Curve(label, sizes, [computed[ws][setup] for ws in sizes]) for setup, label in SETUPS]
+    curves.append(Curve("goal 2 + 2 + 12/d", sizes, [target_formula(ws) for ws in sizes]))
+    return Panel(
         "Bytes per parameter per rank, GPT-2 small (planned, heaviest rank)",
         "data-parallel ranks d",
         "bytes per parameter",
-        [
-            *(
-                Curve(
-                    label,
-                    COMPUTED_WORLD_SIZES,
-                    [computed[ws][setup] for ws in COMPUTED_WORLD_SIZES],
-                )
-                for setup, label in SETUPS
-            ),
-            Curve(
-                "goal 2 + 2 + 12/d",
-                COMPUTED_WORLD_SIZES,
-                [target_formula(ws) for ws in COMPUTED_WORLD_SIZES],
-            ),
-        ],
+        curves,
         log_x=True,
     )
-    body = "\n\n".join(
-        [
-            f"Model: {what}; each set-up built, stepped once and freed before the next. "
-            "Bytes per parameter per rank, counted after the step from the live tensors, "
-            "each storage once: parameters, their gradients, the local optimizer's own "
-            "parameters that are neither (fp32 masters), its state, and anything else the "
-            "optimizer object references ('other'). 'memory_bytes() total' is zerofn's own "
-            "account (`opt.memory_bytes()`), for comparison. Formula: 4 + 4 + 8/d for fp32, "
-            "2 + 2 + 12/d for bf16 with fp32 masters.",
-            measured_table,
-            other_note,
-            f"Computed for GPT-2 small ({sum(_numel(s) for s in gpt2) / 1e6:.1f}M), "
-            f"heaviest rank; PyTorch's row is `plan_footprint` with greedy ownership, "
-            f"zerofn's fp32 row flat, the bf16 row from {source}:",
-            computed_table,
-            "Exchange, counted by `collective_traffic` over one more step of each (rank 0); "
-            "'planned' is `plan_footprint`'s payload for the same layout:",
-            exchange_table,
-            f"bf16 / fp32 bytes sent: {half:.3f}. PyTorch's and zerofn's fp32 parameters "
-            f"after the step agree: {'yes' if same else '**no**'} (same Adam, same gradients).",
-            f"Step time, rank 0, {warmup} warm-up and {rounds} timed rounds per kernel, the "
-            "two optimizers taking turns (`take_turns`); zerofn bf16 + fp32 masters (flat, "
-            "bucket view) against PyTorch's ZeRO on fp32:",
-            time_table,
-        ]
-    )
+
+
+def bench_precision(quick: bool) -> Section:
+    """The mixed-precision section: measured, computed, exchange and step-time tables."""
+    rounds, warmup = (3, 1) if quick else (7, 1)
+    model, shapes = model_shapes(quick)
+    results = run_local_world(_precision_rank, WORLD_SIZE, quick, rounds, warmup, timeout_s=600.0)
+    what = f"{model}, {results[0]['numel'] / 1e6:.1f}M params, {WORLD_SIZE} gloo ranks"
+    measured, heaviest = measured_part(results, what)
+    # Computed for larger worlds (GPT-2 small even in --quick: nothing is allocated).
+    gpt2 = MODELS["gpt2-small"]()
+    computed = {ws: computed_bytes_per_param(gpt2, ws) for ws in COMPUTED_WORLD_SIZES}
+    exchange, half = exchange_part(results, shapes)
+    timing, ratios = step_time_part(results[0]["times"], rounds, warmup)
+    body = "\n\n".join([*measured, *computed_part(gpt2, computed), *exchange, *timing])
     return Section(
-        "Mixed precision: bytes per parameter (2 gloo ranks, CPU, Adam)", body, headlines, [panel]
+        "Mixed precision: bytes per parameter (2 gloo ranks, CPU, Adam)",
+        body,
+        headlines(what, heaviest, half, ratios),
+        [bytes_panel(computed)],
     )
 
 
