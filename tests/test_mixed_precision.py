@@ -68,6 +68,17 @@ class Reference:
         return True
 
 
+def train_beside(model: torch.nn.Module, opt: Any, ref: Reference, rank: int) -> None:
+    """``STEPS`` steps of ``model`` with ``opt`` and of the reference, on the
+    same batches."""
+    for step in range(STEPS):
+        for m in (model, ref.model):
+            m.zero_grad()
+            averaged_backward(m, batch(step, rank))
+        opt.step()
+        ref.step()
+
+
 def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -85,12 +96,7 @@ def bf16_world(rank: int, world: int) -> dict[str, Any]:
             parameters_as_bucket_view=view,
             master_dtype=torch.float32,
         )
-        for step in range(STEPS):
-            for m in (model, ref.model):
-                m.zero_grad()
-                averaged_backward(m, batch(step, rank))
-            opt.step()
-            ref.step()
+        train_beside(model, opt, ref, rank)
         out[f"{mode}/view={view}"] = _mismatch(model, ref.model)
         out[f"{mode}/view={view}/memory"] = opt.memory_bytes()
         out[f"{mode}/view={view}/local_dtypes"] = sorted(
@@ -115,12 +121,7 @@ def _naive_bf16_fraction(rank: int) -> float:
     PyTorch's ZeRO does) ends away from the fp32-master answer."""
     model, ref = make_model(torch.bfloat16), Reference(make_model(torch.bfloat16))
     adam = torch.optim.Adam(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        for m in (model, ref.model):
-            m.zero_grad()
-            averaged_backward(m, batch(step, rank))
-        adam.step()
-        ref.step()
+    train_beside(model, adam, ref, rank)
     total = sum(p.numel() for p in model.parameters())
     return _mismatch(model, ref.model) / total
 
