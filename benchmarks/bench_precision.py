@@ -99,6 +99,12 @@ def pytorch_formula(d: int) -> float:
     return 4 + 4 + 8 / d
 
 
+def flat_fp32_formula(d: int) -> float:
+    """zerofn's flat partition on fp32: PyTorch's, plus the flat copy of the
+    rank's gradient slice the step reads, kept between steps (4/d)."""
+    return 4 + 4 + 12 / d
+
+
 def target_formula(d: int) -> float:
     """bf16 parameters and gradients, fp32 master and two fp32 moments on 1/d."""
     return 2 + 2 + 12 / d
@@ -164,7 +170,17 @@ def count_bytes(opt: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, int
     out: dict[str, int] = {}
     groups: dict[str, list[tuple[str, object]]] = {
         "parameters": [("param", p) for p in params],
-        "gradients": [("grad", p.grad) for p in params if p.grad is not None],
+        "gradients": [
+            *(("grad", p.grad) for p in params if p.grad is not None),
+            # What the local optimizer steps with: under a flat partition,
+            # views of the flat gradient copy it keeps (none with masters).
+            *(
+                ("opt.optim.param_groups.grad", t.grad)
+                for g in local.param_groups
+                for t in g["params"]
+                if t.grad is not None
+            ),
+        ],
         "masters": [("opt.optim.param_groups", g["params"]) for g in local.param_groups],
         "optimizer_state": [("opt.optim.state", local.state)],
         "other": [("opt", opt), *(("param", p) for p in params)],
@@ -329,7 +345,8 @@ def _per_param(n: float, numel: int) -> str:
 
 def _formula(setup: str, d: int) -> float:
     """The formula a set-up is held to at ``d`` ranks."""
-    return target_formula(d) if setup == "bf16" else pytorch_formula(d)
+    formulas = {"torch": pytorch_formula, "fp32": flat_fp32_formula, "bf16": target_formula}
+    return formulas[setup](d)
 
 
 def measured_table(results: Sequence[Any], numel: int) -> tuple[str, dict[str, float]]:
@@ -389,8 +406,11 @@ def measured_part(results: Sequence[Any], what: str) -> tuple[list[str], dict[st
         "each storage once: parameters, their gradients, the local optimizer's own "
         "parameters that are neither (fp32 masters), its state, and anything else the "
         "optimizer object references ('other'). 'memory_bytes() total' is zerofn's own "
-        "account (`opt.memory_bytes()`), for comparison. Formula: 4 + 4 + 8/d for fp32, "
-        "2 + 2 + 12/d for bf16 with fp32 masters."
+        "account (`opt.memory_bytes()`), for comparison. Formula: 4 + 4 + 8/d for "
+        "PyTorch on fp32; 4 + 4 + 12/d for zerofn's flat partition on fp32 (its step "
+        "reads a flat copy of the rank's gradient slice, kept between steps); "
+        "2 + 2 + 12/d for bf16 with fp32 masters (the slice is upcast into them and "
+        "dropped)."
     )
     return [intro, table, other_note(results)], heaviest
 
