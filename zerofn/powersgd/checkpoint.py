@@ -10,6 +10,7 @@ converts it by dropping the bucket memories.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from zerofn.hook import HookState
 from zerofn.powersgd.config import PowerSGDConfig
+from zerofn.powersgd.layout import matrix_view
 from zerofn.powersgd.seeds import SeedStream
 from zerofn.powersgd.state import (
     UNCLAIMED,
@@ -90,7 +92,7 @@ def to_state_dict(config: PowerSGDConfig, state: _State) -> dict[str, Any]:
 
 def _entry(mapping: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in mapping:
-        raise ValueError(f"PowerSGD state dict: {where} lacks {key!r}")
+        raise ValueError(f"PowerSGD state dict: {where}lacks {key!r}")
     value = mapping[key]
     if not isinstance(value, kind):
         raise ValueError(f"PowerSGD state dict: {where}{key!r} is a {type(value).__name__}")
@@ -126,34 +128,75 @@ def _seed_stream(entry: Mapping[str, Any]) -> SeedStream:
 def _read_layout(entries: Any, name: str) -> tuple[BucketKeys, ...]:
     if not isinstance(entries, list):
         raise ValueError(f"PowerSGD state dict: {name!r} is a {type(entries).__name__}")
-    return tuple(
-        (tuple(e["keys"]), tuple(tuple(int(d) for d in s) for s in e["shapes"])) for e in entries
-    )
+    layout = []
+    for index, entry in enumerate(entries):
+        where = f"{name} bucket {index} "
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"PowerSGD state dict: {where}is a {type(entry).__name__}")
+        keys = tuple(_entry(entry, "keys", (list, tuple), where))
+        shapes = tuple(_shape(s, where) for s in _entry(entry, "shapes", (list, tuple), where))
+        if len(keys) != len(shapes):
+            raise ValueError(
+                f"PowerSGD state dict: {where}has {len(keys)} keys, {len(shapes)} shapes"
+            )
+        layout.append((keys, shapes))
+    return tuple(layout)
+
+
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(d, int) for d in value):
+        raise ValueError(f"PowerSGD state dict: {where}holds a shape that is not a list of ints")
+    return tuple(int(d) for d in value)
+
+
+def _read_memory(key: Any, entry: Any) -> ParamMemory:
+    """One parameter's memory, checked against its shape."""
+    where = f"parameter {key!r} "
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"PowerSGD state dict: {where}is a {type(entry).__name__}")
+    shape = _shape(_entry(entry, "shape", (list, tuple), where), where)
+    error, q = _optional_tensor(entry, "error", where), _optional_tensor(entry, "q", where)
+    if error is not None and error.numel() != math.prod(shape):
+        raise ValueError(
+            f"PowerSGD state dict: {where}'error' has {error.numel()} elements, "
+            f"its shape {list(shape)} {math.prod(shape)}"
+        )
+    if q is not None and (q.dim() != 2 or q.shape[0] != matrix_view(shape)[1]):
+        raise ValueError(
+            f"PowerSGD state dict: {where}'q' has shape {list(q.shape)}, expected "
+            f"[{matrix_view(shape)[1]}, rank] for a parameter of shape {list(shape)}"
+        )
+    return ParamMemory(shape, error, q)
 
 
 def _read_params(entries: Mapping[Any, Any]) -> PowerSGDBucketState | None:
     if not entries:
         return None
     keys = tuple(entries)
-    params = tuple(
-        ParamMemory(
-            tuple(int(d) for d in _entry(e, "shape", (list, tuple), f"parameter {k!r} ")),
-            _optional_tensor(e, "error", f"parameter {k!r} "),
-            _optional_tensor(e, "q", f"parameter {k!r} "),
-        )
-        for k, e in entries.items()
-    )
+    params = tuple(_read_memory(k, e) for k, e in entries.items())
     return PowerSGDBucketState(keys, tuple(p.shape for p in params), params)
 
 
-def _read_square(entry: Mapping[str, Any]) -> PowerSGDBucketState:
-    keys = tuple(_entry(entry, "keys", (list, tuple), "square "))
-    square = SquareMemory(
-        keys, _optional_tensor(entry, "padding", "square "), _optional_tensor(entry, "q", "square ")
+def _read_squares(entries: Mapping[Any, Any]) -> dict[int, SquareMemory]:
+    squares = {}
+    for index, entry in entries.items():
+        where = f"square {index!r} "
+        keys = tuple(_entry(entry, "keys", (list, tuple), where))
+        padding, q = _optional_tensor(entry, "padding", where), _optional_tensor(entry, "q", where)
+        squares[int(index)] = SquareMemory(keys, padding, q)
+    return squares
+
+
+def _with_square(state: _State, index: int, square: SquareMemory | None) -> _State:
+    """Give bucket ``index`` its batched square memory back, if it was made
+    for exactly the parameters the bucket holds (else it is of no use)."""
+    bucket = state.bucket(index)
+    if square is None or bucket is None or bucket.keys != square.keys:
+        return state
+    restored = attrs.evolve(bucket, square=square)
+    return attrs.evolve(
+        state, buckets=tuple((i, restored if i == index else b) for i, b in state.buckets)
     )
-    # Shapes unknown here: the square waits for its bucket's claim, which
-    # keeps it only for exactly these keys.
-    return PowerSGDBucketState(keys, (), (), square)
 
 
 def _check_format(state_dict: Mapping[str, Any]) -> None:
@@ -204,16 +247,14 @@ def from_state_dict(state_dict: Mapping[str, Any]) -> tuple[PowerSGDConfig, _Sta
         reference=_read_layout(state_dict.get("reference_layout", []), "reference_layout"),
         previous=_read_layout(state_dict.get("previous_layout", []), "previous_layout"),
     )
-    buckets: list[tuple[int, PowerSGDBucketState | None]] = [
-        (int(i), _read_square(e)) for i, e in _entry(state_dict, "squares", Mapping, "").items()
-    ]
+    squares = _read_squares(_entry(state_dict, "squares", Mapping, ""))
     unclaimed = _read_params(_entry(state_dict, "parameters", Mapping, ""))
-    if unclaimed is not None:
-        buckets.append((UNCLAIMED, unclaimed))
-    state: _State = HookState(global_state, tuple(buckets))
-    # Laid out as in the last iteration; a driver's claims move them on.
+    state: _State = HookState(global_state, () if unclaimed is None else ((UNCLAIMED, unclaimed),))
+    # Laid out as in the last iteration (the batched squares with their
+    # buckets); a driver's claims move the memories on from there.
     for index, (keys, shapes) in enumerate(global_state.previous):
         state = claim(state, index, keys, shapes)
+        state = _with_square(state, index, squares.get(index))
     return config, state
 
 

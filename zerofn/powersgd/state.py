@@ -245,7 +245,7 @@ def claim(
         for i, b in state.buckets
         if i not in (index, UNCLAIMED) and b is not None
     ]
-    held = {k for _, b in others for k in b.keys}
+    held = {k for _, b in others for k, m in zip(b.keys, b.params, strict=False) if m is not None}
     leftover = {k: m for k, m in pool.items() if k not in held}
     if leftover:
         others.append((UNCLAIMED, _unclaimed(leftover)))
