@@ -522,18 +522,22 @@ def run_claimed(
     return per_key, states
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("warm_start", [True, False])
 def test_restored_state_compresses_provisional_buckets_with_its_memories(
-    warm_start: bool,
+    variant: str, warm_start: bool
 ) -> None:
     """A fresh DDP model's first iteration runs on provisional buckets (one
     bucket, parameters reversed): a restored state compresses it with each
     parameter's memories (two collectives, not plain averaging) and continues
-    exactly as the run that was never interrupted."""
+    exactly as the run that was never interrupted. (The batched hook: when the
+    provisional bucket holds the same parameters as a saved one.)"""
     cfg = config(2, warm_start=warm_start, random_seed=3)
-    hook = powersgd.layerwise(cfg)
+    hook = VARIANTS[variant](cfg)
     shapes = {0: (16, 12), 1: (16,), 2: (6, 4, 4), 3: (12, 16)}
     rebuilt = [((0, 1), [shapes[0], shapes[1]]), ((2, 3), [shapes[2], shapes[3]])]
+    if variant == "batched":
+        rebuilt = [((0, 1, 2, 3), list(shapes.values()))]
     provisional = [((3, 2, 1, 0), [shapes[k] for k in (3, 2, 1, 0)])]
     generator = torch.Generator().manual_seed(0)
     steps = [

@@ -2,13 +2,16 @@
 
 The bucket's factors are bucket-shaped by nature: its ``Q`` (``side x
 rank``) and the error of the padding that squares it are kept in a
-:class:`zerofn.powersgd.SquareMemory` for exactly the bucket's parameters.
-The error of the parameters themselves is kept per parameter. So:
+:class:`zerofn.powersgd.SquareMemory` for exactly the bucket's parameters,
+in the order they had. The error of the parameters themselves is kept per
+parameter. So:
 
-* when a bucket holds the same parameters as when its state was made, the
-  run continues exactly;
-* when it does not (DDP's provisional first iteration in a fresh model, a
-  rebuild, another ``bucket_cap_mb``), each parameter's error is kept and the
+* when a bucket holds the same parameters as when its square was made, in
+  any order (DDP's provisional first iteration in a fresh model holds them
+  reversed), they are compressed in the square's order and the results put
+  back in the bucket's: the run continues exactly;
+* when it holds other parameters (a bucket split or merged by a rebuild,
+  another ``bucket_cap_mb``), each parameter's error is kept and the
   bucket's matrix is re-formed from it; the padding error is dropped and the
   power iteration starts again from a random ``Q`` (one fresh seed drawn).
   Never plain averaging.
@@ -16,6 +19,7 @@ The error of the parameters themselves is kept per parameter. So:
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from zerofn.comm import AllReduce, Program
@@ -102,6 +106,38 @@ def _square_input(
     return padded
 
 
+def _square_order(keys: tuple[Key, ...], square: SquareMemory | None) -> tuple[int, ...] | None:
+    """Where the square's parameters sit in the bucket, in the square's order;
+    ``None`` when the bucket already holds them in that order (or no square)."""
+    if square is None or square.keys == keys:
+        return None
+    position = {key: j for j, key in enumerate(keys)}
+    return tuple(position[key] for key in square.keys)
+
+
+def _permuted(flat: torch.Tensor, numels: tuple[int, ...], order: tuple[int, ...]) -> torch.Tensor:
+    """The parameters of a flat bucket, taken in ``order``."""
+    parts = split_residual(flat, numels)
+    return torch.cat([parts[j] for j in order])
+
+
+def _restored_order(
+    program: Program[BucketResult],
+    order: tuple[int, ...],
+    keys: tuple[Key, ...],
+    bucket: BucketInfo,
+) -> Program[BucketResult]:
+    """``program`` run in the square's order, its results in the bucket's."""
+    out, state = yield from program
+    inverse = tuple(order.index(j) for j in range(len(order)))
+    numels = tuple(bucket.numels[j] for j in order)
+    out = _permuted(out, numels, inverse)
+    if state is not None:
+        params = tuple(state.params[i] for i in inverse)
+        state = PowerSGDBucketState(keys, bucket.shapes, params, state.square)
+    return out, state
+
+
 def batched(config: PowerSGDConfig) -> PowerSGDHook:
     """PowerSGD on the whole bucket as one matrix (PyTorch's ``batched_powerSGD_hook``).
 
@@ -148,8 +184,18 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
             state, seed = draw(state)
             generator = torch.Generator().manual_seed(seed)
             q = torch.randn(side, rank, generator=generator, dtype=grad.dtype).to(grad.device)
-        signal = _square_input(grad, side, params, square, bucket, config)
-        return state, _program(signal, numel, q, keys, bucket, config)
+        order = _square_order(keys, square)
+        if order is None:
+            signal = _square_input(grad, side, params, square, bucket, config)
+            return state, _program(signal, numel, q, keys, bucket, config)
+        # The square's parameters in another order: compress in the square's.
+        assert square is not None
+        square_bucket = attrs.evolve(bucket, shapes=tuple(bucket.shapes[j] for j in order))
+        square_params = tuple(params[j] for j in order)
+        grad = _permuted(grad, bucket.numels, order)
+        signal = _square_input(grad, side, square_params, square, square_bucket, config)
+        program = _program(signal, numel, q, square.keys, square_bucket, config)
+        return state, _restored_order(program, order, keys, bucket)
 
     return CommHook(
         init=lambda: init_global_state(config),

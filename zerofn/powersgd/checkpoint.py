@@ -189,9 +189,10 @@ def _read_squares(entries: Mapping[Any, Any]) -> dict[int, SquareMemory]:
 
 def _with_square(state: _State, index: int, square: SquareMemory | None) -> _State:
     """Give bucket ``index`` its batched square memory back, if it was made
-    for exactly the parameters the bucket holds (else it is of no use)."""
+    for exactly the parameters the bucket holds, in any order (else it is of
+    no use)."""
     bucket = state.bucket(index)
-    if square is None or bucket is None or bucket.keys != square.keys:
+    if square is None or bucket is None or set(bucket.keys) != set(square.keys):
         return state
     restored = attrs.evolve(bucket, square=square)
     return attrs.evolve(

@@ -227,7 +227,8 @@ def claim(
 
     Other buckets keep their other memories; bucket ``index``'s former
     memories of other keys wait under :data:`UNCLAIMED`. A batched square
-    memory stays only if bucket ``index`` holds exactly its keys again.
+    memory goes with them only to a bucket that holds exactly its parameters
+    (in any order: the batched hook compresses them in the square's order).
 
     Raises:
         ValueError: if a memory was made for another shape than its key's now.
@@ -237,8 +238,7 @@ def claim(
     for key, shape in zip(keys, shapes, strict=True):
         if key in pool:
             _check_shape(key, pool[key], shape)
-    old = state.bucket(index)
-    square = old.square if old is not None and old.square and old.square.keys == keys else None
+    square = _square_for(state, index, keys)
     claimed = PowerSGDBucketState(keys, shapes, tuple(pool.pop(k, None) for k in keys), square)
     others = [
         (i, _without(b, set(keys)))
@@ -250,6 +250,22 @@ def claim(
     if leftover:
         others.append((UNCLAIMED, _unclaimed(leftover)))
     return attrs.evolve(state, buckets=(*others, (index, claimed)))
+
+
+def _square_for(
+    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None],
+    index: int,
+    keys: tuple[Key, ...],
+) -> SquareMemory | None:
+    """The batched square memory made for exactly these parameters (in any
+    order), bucket ``index``'s own first; ``None`` if there is none."""
+    wanted = set(keys)
+    own = state.bucket(index)
+    for bucket in (own, *(b for i, b in state.buckets if i != index)):
+        square = bucket.square if bucket is not None else None
+        if square is not None and len(square.keys) == len(keys) and set(square.keys) == wanted:
+            return square
+    return None
 
 
 def _without(bucket: PowerSGDBucketState, taken: set[Key]) -> PowerSGDBucketState:
