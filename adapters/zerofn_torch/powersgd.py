@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from zerofn import powersgd
-from zerofn.hook import BucketInfo, HookState
+from zerofn.hook import HookState
 from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
 from zerofn_torch.comm import HookCell
 

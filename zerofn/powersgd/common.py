@@ -60,6 +60,7 @@ def begin(
             "PowerSGDState shared by models with different buckets? Give each model its own "
             "(or let the driver claim the bucket's parameters, see zerofn.powersgd.claim)"
         )
+    params: tuple[ParamMemory | None, ...]
     if bucket_state is None:
         keys, params = default_keys(bucket), tuple(None for _ in bucket.shapes)
     else:
