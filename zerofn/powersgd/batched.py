@@ -138,6 +138,51 @@ def _restored_order(
     return out, state
 
 
+def _starting_q(
+    state: PowerSGDGlobalState,
+    square: SquareMemory | None,
+    side: int,
+    rank: int,
+    like: torch.Tensor,
+    config: PowerSGDConfig,
+) -> tuple[PowerSGDGlobalState, torch.Tensor]:
+    """The square's last ``Q`` (warm start), else a random one from a fresh seed."""
+    if config.warm_start and square is not None and square.q is not None:
+        return state, square.q
+    state, seed = draw(state)
+    generator = torch.Generator().manual_seed(seed)
+    return state, torch.randn(side, rank, generator=generator, dtype=like.dtype).to(like.device)
+
+
+def _compress(
+    grad: torch.Tensor,
+    bucket: BucketInfo,
+    state: PowerSGDGlobalState,
+    keys: tuple[Key, ...],
+    params: tuple[ParamMemory | None, ...],
+    square: SquareMemory | None,
+    config: PowerSGDConfig,
+) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+    """The compressing iteration's program for one bucket (see :func:`batched`)."""
+    numel = grad.numel()
+    side = square_side(numel)
+    rank = min(side, config.matrix_approximation_rank)
+    state = record_compression(state, numel, 2 * side * rank, bucket.is_last, config)
+    state, q = _starting_q(state, square, side, rank, grad, config)
+    order = _square_order(keys, square)
+    if order is None:
+        signal = _square_input(grad, side, params, square, bucket, config)
+        return state, _program(signal, numel, q, keys, bucket, config)
+    # The square's parameters in another order: compress in the square's.
+    assert square is not None
+    square_bucket = attrs.evolve(bucket, shapes=tuple(bucket.shapes[j] for j in order))
+    square_params = tuple(params[j] for j in order)
+    grad = _permuted(grad, bucket.numels, order)
+    signal = _square_input(grad, side, square_params, square, square_bucket, config)
+    program = _program(signal, numel, q, square.keys, square_bucket, config)
+    return state, _restored_order(program, order, keys, bucket)
+
+
 def batched(config: PowerSGDConfig) -> PowerSGDHook:
     """PowerSGD on the whole bucket as one matrix (PyTorch's ``batched_powerSGD_hook``).
 
@@ -173,29 +218,8 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
         state, keys, params = begin(bucket, state, bucket_state)
         if state.iteration < config.start_powerSGD_iter:
             return state, averaging(grad, bucket.world_size, bucket_state)
-        numel = grad.numel()
-        side = square_side(numel)
-        rank = min(side, config.matrix_approximation_rank)
-        state = record_compression(state, numel, 2 * side * rank, bucket.is_last, config)
         square = bucket_state.square if bucket_state is not None else None
-        if config.warm_start and square is not None and square.q is not None:
-            q = square.q
-        else:
-            state, seed = draw(state)
-            generator = torch.Generator().manual_seed(seed)
-            q = torch.randn(side, rank, generator=generator, dtype=grad.dtype).to(grad.device)
-        order = _square_order(keys, square)
-        if order is None:
-            signal = _square_input(grad, side, params, square, bucket, config)
-            return state, _program(signal, numel, q, keys, bucket, config)
-        # The square's parameters in another order: compress in the square's.
-        assert square is not None
-        square_bucket = attrs.evolve(bucket, shapes=tuple(bucket.shapes[j] for j in order))
-        square_params = tuple(params[j] for j in order)
-        grad = _permuted(grad, bucket.numels, order)
-        signal = _square_input(grad, side, square_params, square, square_bucket, config)
-        program = _program(signal, numel, q, square.keys, square_bucket, config)
-        return state, _restored_order(program, order, keys, bucket)
+        return _compress(grad, bucket, state, keys, params, square, config)
 
     return CommHook(
         init=lambda: init_global_state(config),

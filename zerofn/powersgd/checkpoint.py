@@ -59,17 +59,7 @@ def to_state_dict(config: PowerSGDConfig, state: _State) -> dict[str, Any]:
     handles but plain ``pickle`` cannot in PyTorch 2.13; a pickler converts
     them to ``torch.int64`` first (:func:`from_state_dict` takes both).
     """
-    g = state.global_state
-    params = {
-        key: {"shape": list(m.shape), **_tensors(error=m.error, q=m.q)}
-        for key, m in memories(state).items()
-    }
-    squares = {
-        index: {"keys": list(b.square.keys), **_tensors(padding=b.square.padding, q=b.square.q)}
-        for index, b in state.buckets
-        if b is not None and b.square is not None
-    }
-    seeds = g.seeds
+    g, seeds = state.global_state, state.global_state.seeds
     return {
         "format": STATE_DICT_FORMAT,
         "config": {name: getattr(config, name) for name in _CONFIG_FIELDS},
@@ -85,9 +75,22 @@ def to_state_dict(config: PowerSGDConfig, state: _State) -> dict[str, Any]:
         "next_stats_report": g.next_stats_report,
         "reference_layout": _layout(g.reference),
         "previous_layout": _layout(g.previous),
-        "parameters": params,
-        "squares": squares,
+        **_memory_entries(state),
     }
+
+
+def _memory_entries(state: _State) -> dict[str, Any]:
+    """Each parameter's memory by key, and the batched squares by bucket index."""
+    params = {
+        key: {"shape": list(m.shape), **_tensors(error=m.error, q=m.q)}
+        for key, m in memories(state).items()
+    }
+    squares = {
+        index: {"keys": list(b.square.keys), **_tensors(padding=b.square.padding, q=b.square.q)}
+        for index, b in state.buckets
+        if b is not None and b.square is not None
+    }
+    return {"parameters": params, "squares": squares}
 
 
 def _entry(mapping: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
