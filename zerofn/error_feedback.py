@@ -35,6 +35,11 @@ The error is kept per bucket in the bucket's state
 buckets after the first iteration; a bucket whose layout changed starts again
 from zero error (dropping at most one iteration's compression error), because
 an error laid out for other gradients would corrupt the new ones.
+
+Hooks that keep the error per parameter instead (PowerSGD, whose error
+survives any change of bucket layout) use the two steps on their own:
+:func:`compensate` adds each parameter's error to a bucket's gradient, and
+:func:`split_residual` cuts the bucket's new error back into parameters.
 """
 
 from __future__ import annotations
