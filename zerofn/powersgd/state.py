@@ -240,12 +240,19 @@ def claim(
             _check_shape(key, pool[key], shape)
     square = _square_for(state, index, keys)
     claimed = PowerSGDBucketState(keys, shapes, tuple(pool.pop(k, None) for k in keys), square)
-    others = [
-        (i, _without(b, set(keys)))
+    # Other buckets keep their entries (a bucket with no state too), less these keys.
+    others: list[tuple[int, PowerSGDBucketState | None]] = [
+        (i, _without(b, set(keys)) if b is not None else None)
         for i, b in state.buckets
-        if i not in (index, UNCLAIMED) and b is not None
+        if i not in (index, UNCLAIMED)
     ]
-    held = {k for _, b in others for k, m in zip(b.keys, b.params, strict=False) if m is not None}
+    held = {
+        k
+        for _, b in others
+        if b is not None
+        for k, m in zip(b.keys, b.params, strict=False)
+        if m is not None
+    }
     leftover = {k: m for k, m in pool.items() if k not in held}
     if leftover:
         others.append((UNCLAIMED, _unclaimed(leftover)))
