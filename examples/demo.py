@@ -105,8 +105,8 @@ def train_steps(
     for step in range(cfg.steps):
         xy = batch(text, step, cfg.seed, global_batch, cfg.model.context)
         x, y = rank_slice(xy, rank, world_size)
-        last = step == cfg.steps - 1
-        split = step % TIME_SPLIT_EVERY == TIME_SPLIT_EVERY - 1 and not last
+        last, last_but_one = step == cfg.steps - 1, step == cfg.steps - 2
+        split = not last and (step % TIME_SPLIT_EVERY == TIME_SPLIT_EVERY - 1 or last_but_one)
         for trainer, key in zip(trainers, keys, strict=True):
             if split:  # compute alone, then the same batch with communication
                 out["compute"][key].append((step, trainer.compute_seconds(x, y)))
@@ -220,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for line in notes(results, RUNS, plans, cfg):
         print(line)
     print()
-    print(samples(results, RUNS, PROMPT))
+    seen = cfg.steps * cfg.batch_size * args.world_size * cfg.model.context
+    print(samples(results, RUNS, PROMPT, seen))
     print()
     print(dominant_line(results, RUNS))
     print(f"\nPlot: {args.plot}. Wall time, spawn included: {time.perf_counter() - started:.0f} s")

@@ -6,6 +6,7 @@ dicts, one per rank), so the tests check them without training anything.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -63,6 +64,8 @@ def timings(result: dict[str, Any], key: str) -> dict[str, float]:
     that compute) and its optimizer step."""
     fb, opt = median_ms(result["fb"][key]), median_ms(result["opt"][key])
     pairs = [(result["fb"][key][step], seconds) for step, seconds in result["compute"][key]]
+    if not pairs:  # a one-step run measures no split
+        return {"step": fb + opt, "compute": math.nan, "comm": math.nan, "opt": opt}
     compute = 1e3 * statistics.median(c for _, c in pairs)
     comm = 1e3 * statistics.median(max(0.0, f - c) for f, c in pairs)
     return {"step": fb + opt, "compute": compute, "comm": comm, "opt": opt}
@@ -138,7 +141,7 @@ def run_column(results: Results, spec: RunSpec, kinds: Sequence[str]) -> list[st
         *_memory_cells([r["memory"][spec.key] for r in results], kinds),
         *(mib(b) for b in (grads + params, grads, params)),
         calls,
-        *(f"{t[k]:.0f}" for k in ("step", "compute", "comm", "opt")),
+        *("-" if math.isnan(t[k]) else f"{t[k]:.0f}" for k in ("step", "compute", "comm", "opt")),
     ]
 
 
@@ -179,9 +182,16 @@ def matches_plan(results: Results, key: str, plan: Footprint) -> bool:
     )
 
 
-def samples(results: Results, specs: Sequence[RunSpec], prompt: bytes, lines: int = 6) -> str:
-    """Each run's sampled text after ``prompt``, at most ``lines`` lines, indented."""
-    out = [f"Sampled text (prompt {prompt.decode()!r}, same random numbers for every run):"]
+def samples(
+    results: Results, specs: Sequence[RunSpec], prompt: bytes, seen: int = 0, lines: int = 6
+) -> str:
+    """Each run's sampled text after ``prompt``, at most ``lines`` lines, indented;
+    ``seen``: the bytes of text each run trained on, if known."""
+    after = f" after {seen / 1e3:,.0f} KB of training text" if seen else ""
+    out = [
+        f"Sampled text{after} (prompt {prompt.decode()!r}, temperature 0.8, the same random "
+        "numbers for every run):"
+    ]
     for spec in specs:
         text = printable(prompt + results[0]["samples"][spec.key])
         out.append(f"  {spec.key}:")
@@ -199,6 +209,8 @@ def dominant_line(results: Results, specs: Sequence[RunSpec]) -> str:
     shares = []
     for spec in specs:
         t = timings(results[0], spec.key)
+        if math.isnan(t["compute"]):
+            return "The step's time was not split: that takes at least 2 steps."
         total = sum(t[k] for k in names) or 1.0
         shares.append({k: t[k] / total for k in names})
     top = max(names, key=lambda k: shares[0][k])
@@ -238,6 +250,11 @@ def notes(
                 f"Memory: {spec.key}'s live bytes (ZeroRedundancyOptimizer.memory_bytes()) "
                 f"{verdict}; plain's are counted the same way from its live tensors."
             )
+    if cfg.hook.kind == "powersgd" and cfg.steps <= cfg.hook.start_iter:
+        out.append(
+            f"PowerSGD compresses from step {cfg.hook.start_iter}, after this run's last step: "
+            "the gradients measured went uncompressed; the planner counts compressing steps."
+        )
     out.append(
         "Bytes sent: each collective's payload times a rank's share under ring algorithms "
         "(all-reduce 2(N-1)/N, broadcast (N-1)/N); zerofn's counted on the last step with "
@@ -245,6 +262,11 @@ def notes(
         "computed from the gradients' bytes."
     )
     return out
+
+
+def moving_average(xs: Sequence[float], window: int = 10) -> list[float]:
+    """The mean of each value and up to ``window - 1`` before it."""
+    return [statistics.fmean(xs[max(0, i + 1 - window) : i + 1]) for i in range(len(xs))]
 
 
 def plot(
@@ -260,9 +282,18 @@ def plot(
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for spec in specs:
+    for i, spec in enumerate(specs):
         losses = mean_losses(results, spec.key)
-        left.plot(range(1, len(losses) + 1), losses, label=spec.title, lw=1.4)
+        steps = range(1, len(losses) + 1)
+        line = left.plot(steps, losses, lw=0.8, alpha=0.35)[0]
+        left.plot(
+            steps,
+            moving_average(losses),
+            color=line.get_color(),
+            lw=2.0 - 0.5 * i,
+            ls=("-", "--", ":")[i % 3],
+            label=f"{spec.title} (10-step mean)",
+        )
     left.set(xlabel="step", ylabel="training loss (nats/byte, mean over ranks)")
     left.set_title("loss")
     left.legend()
@@ -279,9 +310,9 @@ def plot(
         right.bar(range(len(bars)), heights, bottom=bottom, label=kind.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     right.set_xticks(range(len(bars)), [label for label, _ in bars])
-    right.set(ylabel="MiB per rank")
+    right.set(ylabel="MiB per rank", ylim=(0, 1.4 * max(bottom)))
     right.set_title("memory per rank, by kind")
-    right.legend()
+    right.legend(loc="upper right")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -19,8 +19,10 @@ import demo
 from demo_data import batch, load_corpus, printable, rank_slice, stdlib_sources
 from demo_model import ModelConfig, TinyGPT, generate, held_out_loss
 from demo_report import (
+    dominant_line,
     format_table,
     matches_plan,
+    moving_average,
     notes,
     planned_memory,
     samples,
@@ -90,6 +92,10 @@ def test_format_table_pads_columns() -> None:
     assert out[3] == "| bbb | 22          |"
 
 
+def test_moving_average_smooths_over_the_window() -> None:
+    assert moving_average([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+
+
 def fake_results(world_size: int = 2, steps: int = 12) -> tuple[list[dict[str, Any]], Any]:
     """Per-rank results shaped as ``demo.train_rank`` returns them, with zerofn's
     memory exactly as planned."""
@@ -129,7 +135,7 @@ def test_the_report_shows_every_run_and_the_planner() -> None:
     text = "\n".join(notes(results, RUNS, plans, cfg))
     assert "equal the planner's prediction" in text and "-0.100" not in text
     assert "+0.100 nats/byte" in text
-    assert "x = 1" in samples(results, RUNS, b"def ")
+    assert "x = 1" in samples(results, RUNS, b"def ", seen=123_000)
 
 
 def test_timings_split_the_step() -> None:
@@ -137,6 +143,15 @@ def test_timings_split_the_step() -> None:
     t = timings(results[0], "plain")
     assert t["step"] == pytest.approx(230)
     assert t["compute"] == pytest.approx(180) and t["comm"] == pytest.approx(20)
+
+
+def test_a_run_without_a_time_split_says_so() -> None:
+    results, _ = fake_results()
+    for r in results:
+        r["compute"] = {"plain": [], "zerofn": []}
+    assert math.isnan(timings(results[0], "plain")["compute"])
+    assert "not split" in dominant_line(results, RUNS)
+    assert "| -" in table(results, RUNS, fake_results()[1])
 
 
 def test_the_plot_is_written(tmp_path: Path) -> None:
