@@ -396,14 +396,30 @@ def test_state_dict_resumes_exactly(variant: str, warm_start: bool) -> None:
     assert resumed[0].global_state.iteration == 6
 
 
+def first_key(sd: dict[str, Any]) -> Any:
+    return next(iter(sd["parameters"]))
+
+
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
         (lambda sd: sd.pop("format"), "not a PowerSGD state dict"),
+        (lambda sd: sd.update(format="zerofn.powersgd/1"), r"upgrade_v1\(state_dict\)"),
         (lambda sd: sd.pop("seeds"), "lacks 'seeds'"),
+        (lambda sd: sd.pop("parameters"), "lacks 'parameters'"),
         (lambda sd: sd["config"].update(matrix_approximation_rank=0), "matrix_approximation_rank"),
         (lambda sd: sd["config"].update(colour="blue"), "unknown config"),
-        (lambda sd: sd["buckets"][0].update(error=[1.0]), "bucket 0 'error'"),
+        (lambda sd: sd["parameters"][first_key(sd)].update(error=[1.0]), "'error' is a list"),
+        (
+            lambda sd: sd["parameters"][first_key(sd)].update(error=torch.zeros(3)),
+            r"'error' has 3 elements, its shape \[8, 8\] 64",
+        ),
+        (
+            lambda sd: sd["parameters"][first_key(sd)].update(q=torch.zeros(5, 1)),
+            r"'q' has shape \[5, 1\], expected \[8, rank\]",
+        ),
+        (lambda sd: sd["parameters"][first_key(sd)].pop("shape"), "lacks 'shape'"),
+        (lambda sd: sd["previous_layout"][0].pop("shapes"), "previous_layout bucket 0 lacks"),
         (lambda sd: sd["seeds"].update(keys=torch.zeros(3, dtype=torch.uint32)), "keys"),
     ],
 )
@@ -414,23 +430,51 @@ def test_from_state_dict_refuses_damaged_dicts(damage: Any, match: str) -> None:
         hook, random_grads([[(8, 8)]], 1, 0), [compressing(hook, cfg)], [[(8, 8)]]
     )
     state_dict = powersgd.to_state_dict(cfg, state)
+    assert state_dict["format"] == powersgd.STATE_DICT_FORMAT
     damage(state_dict)
     with pytest.raises(ValueError, match=match):
         powersgd.from_state_dict(state_dict)
 
 
-def test_bucket_state_for_other_shapes_or_variant_is_refused() -> None:
+def test_upgrade_v1_keeps_the_run_but_not_the_bucket_memories() -> None:
     cfg = config(1)
-    layer_hook, batched_hook = powersgd.layerwise(cfg), powersgd.batched(cfg)
+    hook = powersgd.layerwise(cfg)
     _, (state,) = simulate_iteration(
-        layer_hook, random_grads([[(8, 8)]], 1, 0), [compressing(layer_hook, cfg)], [[(8, 8)]]
+        hook, random_grads([[(8, 8)]], 1, 0), [compressing(hook, cfg)], [[(8, 8)]]
     )
+    current = powersgd.to_state_dict(cfg, state)
+    old = {k: v for k, v in current.items() if k not in ("parameters", "squares")}
+    old.update(format="zerofn.powersgd/1", buckets={0: {"error": torch.zeros(64)}})
+    loaded_cfg, loaded = powersgd.from_state_dict(powersgd.upgrade_v1(old))
+    assert loaded_cfg == cfg
+    assert loaded.global_state.iteration == state.global_state.iteration
+    assert powersgd.memories(loaded) == {}
+    with pytest.raises(ValueError, match="format 'zerofn.powersgd/1'"):
+        powersgd.upgrade_v1(current)
+
+
+def test_memory_for_another_shape_is_refused() -> None:
+    """A parameter whose memory was made for another shape (one state shared
+    by two models) is refused when its bucket claims it; so is a bucket state
+    at an index whose gradients have other shapes, without a claim."""
+    cfg = config(1)
+    layer_hook = powersgd.layerwise(cfg)
+    state = powersgd.claim(compressing(layer_hook, cfg), 0, [0], [(8, 8)])
+    _, (state,) = simulate_iteration(
+        layer_hook, random_grads([[(8, 8)]], 1, 0), [state], [[(8, 8)]]
+    )
+    with pytest.raises(ValueError, match=r"parameter 0 was made for shape \[8, 8\].*\[4, 16\]"):
+        powersgd.claim(state, 0, [0], [(4, 16)])
+    with pytest.raises(ValueError, match=r"parameter 0 .*shape \[8, 8\].*\[64\]"):
+        powersgd.claim(state, 1, [5, 0], [(3,), (64,)])
     info = BucketInfo(0, ((4, 16),), world_size=1, is_last=True)
     with pytest.raises(ValueError, match=r"bucket 0 .* shapes \[\(8, 8\)\].*\[\(4, 16\)\]"):
         begin_bucket(layer_hook, state, torch.zeros(64), info)
+    # The same shape under the other variant is defined: the batched hook
+    # uses the per-parameter error and starts its square Q afresh.
+    batched_hook = powersgd.batched(cfg)
     same_shape = BucketInfo(0, ((8, 8),), world_size=1, is_last=True)
-    with pytest.raises(ValueError, match="layer-wise hook and cannot be used by the batched"):
-        begin_bucket(batched_hook, state, torch.zeros(64), same_shape)
+    begin_bucket(batched_hook, state, torch.zeros(64), same_shape)
 
 
 def test_hook_leaves_the_gradient_alone() -> None:
@@ -446,28 +490,78 @@ def test_hook_leaves_the_gradient_alone() -> None:
             assert torch.equal(g[0], b)
 
 
-def test_restored_state_waits_out_provisional_buckets() -> None:
-    """A fresh DDP model's first iteration runs on provisional buckets: a
-    restored state averages a bucket that does not fit it, keeps its state for
-    the rebuilt buckets, and refuses misfits again from the next iteration."""
-    cfg = config(1)
-    hook = powersgd.layerwise(cfg)
-    rebuilt, provisional = [(8, 8), (8,)], [(8,), (8, 8)]
-    _, (state,) = simulate_iteration(
-        hook, random_grads([rebuilt], 1, 0), [compressing(hook, cfg)], [rebuilt]
+def claimed(state: State, layout: Sequence[tuple[Sequence[Any], Shapes]]) -> State:
+    """``state`` with each bucket's parameters claimed, as a driver does."""
+    for index, (keys, shapes) in enumerate(layout):
+        state = powersgd.claim(state, index, keys, shapes)
+    return state
+
+
+def run_claimed(
+    hook: PowerSGDHook,
+    states: list[State],
+    layout: Sequence[tuple[Sequence[Any], Shapes]],
+    by_key: dict[Any, list[torch.Tensor]],
+) -> tuple[list[dict[Any, torch.Tensor]], list[State]]:
+    """One iteration on ``layout`` (buckets of parameter keys) with each
+    rank's gradients given per key; each rank's results per key."""
+    world_size = len(states)
+    grads = [
+        [torch.cat([by_key[k][r].reshape(-1) for k in keys]) for keys, _ in layout]
+        for r in range(world_size)
+    ]
+    shapes = [list(s) for _, s in layout]
+    states = [claimed(s, layout) for s in states]
+    outs, states = simulate_iteration(hook, grads, states, shapes)
+    per_key: list[dict[Any, torch.Tensor]] = [{} for _ in range(world_size)]
+    for r in range(world_size):
+        for (keys, bucket_shapes), out in zip(layout, outs[r], strict=True):
+            numels = [numel(s) for s in bucket_shapes]
+            for k, part in zip(keys, out.split(numels), strict=True):
+                per_key[r][k] = part
+    return per_key, states
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_restored_state_compresses_provisional_buckets_with_its_memories(
+    variant: str, warm_start: bool
+) -> None:
+    """A fresh DDP model's first iteration runs on provisional buckets (one
+    bucket, parameters reversed): a restored state compresses it with each
+    parameter's memories (two collectives, not plain averaging) and continues
+    exactly as the run that was never interrupted. (The batched hook: when the
+    provisional bucket holds the same parameters as a saved one.)"""
+    cfg = config(2, warm_start=warm_start, random_seed=3)
+    hook = VARIANTS[variant](cfg)
+    shapes = {0: (16, 12), 1: (16,), 2: (6, 4, 4), 3: (12, 16)}
+    rebuilt = [((0, 1), [shapes[0], shapes[1]]), ((2, 3), [shapes[2], shapes[3]])]
+    if variant == "batched":
+        rebuilt = [((0, 1, 2, 3), list(shapes.values()))]
+    provisional = [((3, 2, 1, 0), [shapes[k] for k in (3, 2, 1, 0)])]
+    generator = torch.Generator().manual_seed(0)
+    steps = [
+        {k: [torch.randn(s, generator=generator) for _ in range(2)] for k, s in shapes.items()}
+        for _ in range(6)
+    ]
+    through = [compressing(hook, cfg)] * 2
+    for grads in steps[:2]:
+        _, through = run_claimed(hook, through, rebuilt, grads)
+    resumed = [
+        powersgd.from_state_dict(weights_only_copy(powersgd.to_state_dict(cfg, s)))[1]
+        for s in through
+    ]
+    log, _ = bucket_requests(
+        hook,
+        claimed(resumed[0], provisional),
+        torch.cat([steps[2][k][0].reshape(-1) for k in (3, 2, 1, 0)]),
+        provisional[0][1],
     )
-    _, restored = powersgd.from_state_dict(weights_only_copy(powersgd.to_state_dict(cfg, state)))
-    assert restored.global_state.restored
-    grads = random_grads([provisional], 2, 1)
-    log, _ = bucket_requests(hook, restored, grads[0][0], provisional)
-    assert len(log) == 1  # plain averaging
-    outs, after = simulate_iteration(hook, grads, [restored, restored], [provisional])
-    torch.testing.assert_close(outs[0][0], (grads[0][0] + grads[1][0]) / 2)
-    saved, kept = restored.bucket(0), after[0].bucket(0)
-    assert saved is not None and kept is not None and kept.error is saved.error
-    assert not after[0].global_state.restored
-    with pytest.raises(ValueError, match="different buckets"):
-        simulate_iteration(hook, grads, after, [provisional])
-    simulate_iteration(hook, random_grads([rebuilt], 2, 2), after, [rebuilt])  # fits: no error
-    log, _ = bucket_requests(hook, after[0], random_grads([rebuilt], 1, 2)[0][0], rebuilt)
-    assert len(log) == 2  # compressing again, from the restored state
+    assert len(log) == 2  # compressing, not plain averaging
+    for i, grads in enumerate(steps[2:]):
+        want, through = run_claimed(hook, through, rebuilt, grads)
+        got, resumed = run_claimed(hook, resumed, provisional if i == 0 else rebuilt, grads)
+        for w, g in zip(want, got, strict=True):
+            for k in shapes:
+                torch.testing.assert_close(g[k], w[k], rtol=1e-6, atol=1e-7)
+    assert resumed[0].global_state.iteration == through[0].global_state.iteration

@@ -35,10 +35,16 @@ The error is kept per bucket in the bucket's state
 buckets after the first iteration; a bucket whose layout changed starts again
 from zero error (dropping at most one iteration's compression error), because
 an error laid out for other gradients would corrupt the new ones.
+
+Hooks that keep the error per parameter instead (PowerSGD, whose error
+survives any change of bucket layout) use the two steps on their own:
+:func:`compensate` adds each parameter's error to a bucket's gradient, and
+:func:`split_residual` cuts the bucket's new error back into parameters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 import attrs
@@ -47,7 +53,7 @@ import torch
 from zerofn.comm import AllGather, AllReduce, Program, Request, Response
 from zerofn.hook import BucketInfo, CommHook
 
-__all__ = ["ErrorFeedbackState", "error_feedback"]
+__all__ = ["ErrorFeedbackState", "compensate", "error_feedback", "split_residual"]
 
 G = TypeVar("G")
 B = TypeVar("B")
@@ -143,3 +149,49 @@ def _fulfil_alone(request: Request) -> Response:
         return (request.tensor.clone(),)
     assert isinstance(request, AllReduce)
     return tuple(t.clone() for t in request.tensors)
+
+
+# ----- per-parameter error memory ---------------------------------------------------
+# The same two steps, for hooks that keep the error per parameter rather than
+# per bucket (PowerSGD): the memory then survives any change of bucket layout.
+
+
+def compensate(
+    grad: torch.Tensor,
+    errors: Sequence[torch.Tensor | None],
+    numels: Sequence[int],
+    owned: bool,
+) -> torch.Tensor:
+    """``grad`` (a bucket's flat gradient) plus its parameters' remembered errors.
+
+    Args:
+        grad: the flat gradient, parameters laid out back to back (it may
+            extend past them, e.g. padding; that part gets no error).
+        errors: one flat error per parameter, in bucket order (``None``: none
+            remembered, counts as zero).
+        numels: each parameter's element count.
+        owned: whether the caller owns ``grad`` (then it is added to in place).
+
+    Returns:
+        A tensor the caller owns (``grad`` itself only if ``owned``), so it
+        may turn it into the next error in place.
+    """
+    if all(e is None for e in errors):
+        return grad if owned else grad.clone()
+    parts = [
+        e.reshape(-1).to(grad.dtype) if e is not None else grad.new_zeros(n)
+        for e, n in zip(errors, numels, strict=True)
+    ]
+    tail = grad.numel() - sum(numels)
+    flat = torch.cat([*parts, grad.new_zeros(tail)] if tail else parts)
+    return grad.add_(flat) if owned else grad + flat
+
+
+def split_residual(residual: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
+    """Cut a bucket's flat residual (compensated input minus what was
+    decoded) into each parameter's new error (views of ``residual``)."""
+    out, offset = [], 0
+    for n in numels:
+        out.append(residual[offset : offset + n])
+        offset += n
+    return out

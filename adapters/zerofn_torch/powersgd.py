@@ -14,7 +14,8 @@ state records (see :mod:`zerofn.powersgd`). Each hook call reads the state,
 asks the core for the bucket's program, runs it in the cell's
 :class:`zerofn_torch.comm.ProgramPipeline` and assigns the new state, exactly
 as :class:`zerofn_torch.hooks.HookRunner` does for any hook; PowerSGD adds
-only its warning for restored state and its statistics log. The pipeline
+only the parameters' keys (each bucket claims its parameters' memories, see
+:func:`zerofn.powersgd.claim`) and its statistics log. The pipeline
 issues every collective from the thread that calls the hook, in bucket-and-
 round order, so all ranks issue them in one order however many buckets there
 are; and a bucket's second all-reduce goes out in the next bucket's hook call,
@@ -25,7 +26,7 @@ real objects (no postponed evaluation).
 """
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from zerofn import powersgd
-from zerofn.hook import BucketInfo, HookState
+from zerofn.hook import HookState
 from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
 from zerofn_torch.comm import HookCell
 
@@ -100,7 +101,20 @@ class PowerSGDState:
         # Not state to checkpoint: the cell's lock and pipeline belong to this
         # process; its state is replaced by load_state_dict.
         self._cell = HookCell(initial)
+        self._keys = _ParameterKeys()
         self._adopt(config, initial)
+
+    def track_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Key the state by these parameters' positions (e.g. ``model.parameters()``).
+
+        Optional: without it, the keys are learned from DDP's first iteration
+        (see the module docs); give them when the state is attached to a DDP
+        model that has already run, or whose parameters mix dtypes.
+
+        Args:
+            parameters: the model's parameters, in the model's order.
+        """
+        self._keys.track(list(parameters))
 
     def _adopt(self, config: PowerSGDConfig, state: _State) -> None:
         self.config = config
@@ -185,11 +199,10 @@ class PowerSGDState:
         """Restore configuration and state from :meth:`state_dict`'s result.
 
         Training continues exactly as if never stopped: same iteration, seed
-        position, error feedback and warm-start factors. The process group is
-        kept. In a freshly built DDP model, whose first iteration runs on
-        provisional buckets, a bucket that does not fit its restored state is
-        averaged plainly in that one iteration (with a warning), and PowerSGD
-        resumes on the rebuilt buckets.
+        position, error feedback and warm-start factors, kept per parameter,
+        so also in a freshly built DDP model, whose first iteration runs on
+        provisional buckets (see ``docs/powersgd.md`` for the batched hook).
+        The process group is kept.
 
         Args:
             state_dict: a dict :meth:`state_dict` made (tensors are copied).
@@ -220,21 +233,63 @@ class PowerSGDState:
         )
         config, restored = powersgd.from_state_dict(state)
         self._cell = HookCell(restored)
+        self._keys = _ParameterKeys()
         self._adopt(config, restored)
 
     def __repr__(self) -> str:
         return f"PowerSGDState(iter={self.iter}, config={self.config})"
 
 
-def _warn_if_awaiting_rebuilt_buckets(hook_state: _State, info: BucketInfo) -> None:
-    saved = hook_state.bucket(info.index)
-    if hook_state.global_state.restored and not powersgd.fits_bucket(saved, info):
-        logger.warning(
-            "PowerSGD: bucket %s differs from the restored state's (DDP's provisional "
-            "first-iteration buckets?); averaging it plainly in this iteration and keeping "
-            "its state for the rebuilt buckets",
-            info.index,
-        )
+class _ParameterKeys:
+    """Each parameter's key: its index in the model.
+
+    Given the model (:meth:`PowerSGDState.track_parameters`), the index in its
+    ``parameters()``. Otherwise learned from the first iteration this state
+    sees of a model: DDP runs it on provisional buckets that hold the
+    parameters in reverse order of definition, the last ones in bucket 0, so
+    the position counted from the model's end is known as the buckets come;
+    the count of parameters comes from the restored layout (or, in a fresh
+    run, from the end of that first iteration, before anything is kept).
+    """
+
+    def __init__(self) -> None:
+        self.known: dict[int, int] = {}
+        self._from_end: dict[int, int] = {}
+
+    def track(self, parameters: list[torch.Tensor]) -> None:
+        self.known = {id(p): i for i, p in enumerate(parameters)}
+        self._from_end = {}
+
+    def keys(self, bucket: Any, count: int | None) -> tuple[int, ...] | None:
+        params = list(bucket.parameters()) if hasattr(bucket, "parameters") else None
+        if params is None:
+            return None  # a hand-made bucket: the core keys it by position
+        if not all(id(p) in self.known for p in params):
+            self._discover(params, count)
+            if any(id(p) not in self.known for p in params):
+                return None
+        return tuple(self.known[id(p)] for p in params)
+
+    def _discover(self, params: list[Any], count: int | None) -> None:
+        base = len(self._from_end)
+        for j, p in enumerate(params):
+            self._from_end[id(p)] = base + len(params) - 1 - j
+        if count is not None:
+            self.known.update({pid: count - 1 - e for pid, e in self._from_end.items()})
+
+    def end_iteration(self) -> None:
+        if self._from_end and not all(pid in self.known for pid in self._from_end):
+            count = len(self._from_end)
+            self.known.update({pid: count - 1 - e for pid, e in self._from_end.items()})
+        self._from_end = {}
+
+
+def _parameter_count(state: _State) -> int | None:
+    layout = state.global_state.reference or state.global_state.previous
+    keys = [k for bucket_keys, _ in layout for k in bucket_keys]
+    if keys and all(isinstance(k, int) for k in keys):
+        return len(keys)
+    return None
 
 
 def _log_stats_if_due(state: PowerSGDState, before: PowerSGDGlobalState) -> None:
@@ -255,8 +310,14 @@ def _run(
     state: PowerSGDState, hook: PowerSGDHook, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
+    keys = state._keys.keys(bucket, _parameter_count(state.hook_state))
+    if keys is not None:
+        shapes = [tuple(g.shape) for g in bucket.gradients()]
+        with state._cell.lock:
+            state._cell.state = powersgd.claim(state._cell.state, bucket.index(), keys, shapes)
     before, info, result = state._cell.run(hook, bucket, group)
-    _warn_if_awaiting_rebuilt_buckets(before, info)
+    if info.is_last:
+        state._keys.end_iteration()
     _log_stats_if_due(state, before.global_state)
     return result
 

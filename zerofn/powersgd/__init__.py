@@ -1,0 +1,92 @@
+"""PowerSGD gradient compression as pure functions over explicit records.
+
+PowerSGD (Vogels et al., 2019, https://arxiv.org/abs/1905.13727) replaces the
+all-reduce of a gradient matrix ``M`` (``n x m``) by the all-reduce of two thin
+factors: ``P = M Q`` (``n x r``) and ``Q = M^T P`` (``m x r``), one power
+iteration per training step, so each rank sends ``r (n + m)`` numbers instead
+of ``n m``. The rounding error is kept locally and added to the next step's
+gradient (*error feedback*), and ``Q`` is carried from step to step (*warm
+start*), so the approximation tracks the gradients' dominant subspace.
+
+The package is a composition of small modules, one idea each:
+
+* :mod:`~zerofn.powersgd.config`: :class:`PowerSGDConfig`, validated once;
+* :mod:`~zerofn.powersgd.seeds`: :class:`SeedStream`, PyTorch's seed sequence;
+* :mod:`~zerofn.powersgd.layout`: which matrices are compressed, grouped by shape;
+* :mod:`~zerofn.powersgd.codec`: the low-rank codec (orthogonalisation, ``P``/``Q``);
+* :mod:`~zerofn.powersgd.state`: state keyed by parameter, :func:`claim`;
+* :mod:`~zerofn.powersgd.layerwise` and :mod:`~zerofn.powersgd.batched`: the hooks,
+  with :mod:`zerofn.error_feedback`'s per-parameter primitives;
+* :mod:`~zerofn.powersgd.checkpoint`: versioned, weights-only state dicts.
+
+A compressing bucket costs two collectives, not PyTorch's three: the
+uncompressed gradients travel in the same all-reduce as the ``P`` factors.
+"""
+
+from zerofn.powersgd.batched import batched
+from zerofn.powersgd.checkpoint import STATE_DICT_FORMAT, from_state_dict, to_state_dict, upgrade_v1
+from zerofn.powersgd.codec import orthogonalize, random_factors
+from zerofn.powersgd.common import BucketResult, PowerSGDHook
+from zerofn.powersgd.config import PowerSGDConfig
+from zerofn.powersgd.layerwise import layerwise
+from zerofn.powersgd.layout import (
+    BucketLayout,
+    MatrixPlan,
+    ShapeGroup,
+    bucket_layout,
+    matrix_view,
+    should_compress,
+    square_side,
+)
+from zerofn.powersgd.seeds import SeedStream, draw_seed
+from zerofn.powersgd.state import (
+    UNCLAIMED,
+    Key,
+    ParamMemory,
+    PowerSGDBucketState,
+    PowerSGDGlobalState,
+    SquareMemory,
+    claim,
+    compression_stats,
+    end_iteration,
+    fits_bucket,
+    init_global_state,
+    memories,
+    record_compression,
+)
+
+__all__ = [
+    "STATE_DICT_FORMAT",
+    "UNCLAIMED",
+    "BucketLayout",
+    "BucketResult",
+    "Key",
+    "MatrixPlan",
+    "ParamMemory",
+    "PowerSGDBucketState",
+    "PowerSGDConfig",
+    "PowerSGDGlobalState",
+    "PowerSGDHook",
+    "SeedStream",
+    "ShapeGroup",
+    "SquareMemory",
+    "batched",
+    "bucket_layout",
+    "claim",
+    "compression_stats",
+    "draw_seed",
+    "end_iteration",
+    "fits_bucket",
+    "from_state_dict",
+    "init_global_state",
+    "layerwise",
+    "matrix_view",
+    "memories",
+    "orthogonalize",
+    "random_factors",
+    "record_compression",
+    "should_compress",
+    "square_side",
+    "to_state_dict",
+    "upgrade_v1",
+]

@@ -1,0 +1,229 @@
+"""PowerSGD on a whole bucket as one square matrix (PyTorch's ``batched_powerSGD_hook``).
+
+The bucket's factors are bucket-shaped by nature: its ``Q`` (``side x
+rank``) and the error of the padding that squares it are kept in a
+:class:`zerofn.powersgd.SquareMemory` for exactly the bucket's parameters,
+in the order they had. The error of the parameters themselves is kept per
+parameter. So:
+
+* when a bucket holds the same parameters as when its square was made, in
+  any order (DDP's provisional first iteration in a fresh model holds them
+  reversed), they are compressed in the square's order and the results put
+  back in the bucket's: the run continues exactly;
+* when it holds other parameters (a bucket split or merged by a rebuild,
+  another ``bucket_cap_mb``), each parameter's error is kept and the
+  bucket's matrix is re-formed from it; the padding error is dropped and the
+  power iteration starts again from a random ``Q`` (one fresh seed drawn).
+  Never plain averaging.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from zerofn.comm import AllReduce, Program
+from zerofn.error_feedback import compensate, split_residual
+from zerofn.hook import BucketInfo, CommHook
+from zerofn.powersgd import codec
+from zerofn.powersgd.common import BucketResult, PowerSGDHook, averaging, begin, draw, errors_of
+from zerofn.powersgd.config import PowerSGDConfig
+from zerofn.powersgd.layout import square_side
+from zerofn.powersgd.state import (
+    Key,
+    ParamMemory,
+    PowerSGDBucketState,
+    PowerSGDGlobalState,
+    SquareMemory,
+    end_iteration,
+    init_global_state,
+    record_compression,
+)
+
+__all__ = ["batched"]
+
+
+def _new_state(
+    keys: tuple[Key, ...],
+    bucket: BucketInfo,
+    residual: torch.Tensor | None,
+    q: torch.Tensor,
+    config: PowerSGDConfig,
+) -> PowerSGDBucketState | None:
+    if not (config.use_error_feedback or config.warm_start):
+        return None
+    numel = sum(bucket.numels)
+    errors = split_residual(residual, bucket.numels) if residual is not None else None
+    params = tuple(
+        ParamMemory(shape, errors[j] if errors is not None else None)
+        for j, shape in enumerate(bucket.shapes)
+    )
+    padding = residual[numel:] if residual is not None else None
+    square = SquareMemory(keys, padding, q if config.warm_start else None)
+    return PowerSGDBucketState(keys, bucket.shapes, params, square)
+
+
+def _program(
+    signal: torch.Tensor,
+    numel: int,
+    initial_q: torch.Tensor,
+    keys: tuple[Key, ...],
+    bucket: BucketInfo,
+    config: PowerSGDConfig,
+) -> Program[BucketResult]:
+    eps = config.orthogonalization_epsilon
+    side = initial_q.shape[0]
+    matrix = signal.view(1, side, side)
+    q = codec.orthogonalize(initial_q.unsqueeze(0), eps)
+    (p_sum,) = yield AllReduce((codec.project(matrix, q).contiguous(),), "sum")
+    p = codec.orthogonalize(p_sum, eps)
+    (q_sum,) = yield AllReduce(
+        (codec.project_transposed(matrix, p).contiguous(),), "sum", last=True
+    )
+    q_mean = q_sum / bucket.world_size
+    decoded = torch.bmm(p, q_mean.transpose(1, 2)).view(-1)
+    # The error covers the padding too, as in PyTorch; the result drops it.
+    residual = signal.sub_(decoded) if config.use_error_feedback else None
+    return decoded[:numel], _new_state(keys, bucket, residual, q_mean[0], config)
+
+
+def _square_input(
+    grad: torch.Tensor,
+    side: int,
+    params: tuple[ParamMemory | None, ...],
+    square: SquareMemory | None,
+    bucket: BucketInfo,
+    config: PowerSGDConfig,
+) -> torch.Tensor:
+    """The bucket, padded to ``side * side``, plus the remembered errors."""
+    padded = torch.zeros(side * side, dtype=grad.dtype, device=grad.device)
+    padded[: grad.numel()] = grad
+    if not config.use_error_feedback:
+        return padded
+    padded = compensate(padded, errors_of(params), bucket.numels, owned=True)
+    if square is not None and square.padding is not None:
+        padded[grad.numel() :] += square.padding
+    return padded
+
+
+def _square_order(keys: tuple[Key, ...], square: SquareMemory | None) -> tuple[int, ...] | None:
+    """Where the square's parameters sit in the bucket, in the square's order;
+    ``None`` when the bucket already holds them in that order (or no square)."""
+    if square is None or square.keys == keys:
+        return None
+    position = {key: j for j, key in enumerate(keys)}
+    return tuple(position[key] for key in square.keys)
+
+
+def _permuted(flat: torch.Tensor, numels: tuple[int, ...], order: tuple[int, ...]) -> torch.Tensor:
+    """The parameters of a flat bucket, taken in ``order``."""
+    parts = split_residual(flat, numels)
+    return torch.cat([parts[j] for j in order])
+
+
+def _restored_order(
+    program: Program[BucketResult],
+    order: tuple[int, ...],
+    keys: tuple[Key, ...],
+    bucket: BucketInfo,
+) -> Program[BucketResult]:
+    """``program`` run in the square's order, its results in the bucket's."""
+    out, state = yield from program
+    inverse = tuple(order.index(j) for j in range(len(order)))
+    numels = tuple(bucket.numels[j] for j in order)
+    out = _permuted(out, numels, inverse)
+    if state is not None:
+        params = tuple(state.params[i] for i in inverse)
+        state = PowerSGDBucketState(keys, bucket.shapes, params, state.square)
+    return out, state
+
+
+def _starting_q(
+    state: PowerSGDGlobalState,
+    square: SquareMemory | None,
+    side: int,
+    rank: int,
+    like: torch.Tensor,
+    config: PowerSGDConfig,
+) -> tuple[PowerSGDGlobalState, torch.Tensor]:
+    """The square's last ``Q`` (warm start), else a random one from a fresh seed."""
+    if config.warm_start and square is not None and square.q is not None:
+        return state, square.q
+    state, seed = draw(state)
+    generator = torch.Generator().manual_seed(seed)
+    return state, torch.randn(side, rank, generator=generator, dtype=like.dtype).to(like.device)
+
+
+def _compress(
+    grad: torch.Tensor,
+    bucket: BucketInfo,
+    state: PowerSGDGlobalState,
+    keys: tuple[Key, ...],
+    params: tuple[ParamMemory | None, ...],
+    square: SquareMemory | None,
+    config: PowerSGDConfig,
+) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+    """The compressing iteration's program for one bucket (see :func:`batched`)."""
+    numel = grad.numel()
+    side = square_side(numel)
+    rank = min(side, config.matrix_approximation_rank)
+    state = record_compression(state, numel, 2 * side * rank, bucket.is_last, config)
+    state, q = _starting_q(state, square, side, rank, grad, config)
+    order = _square_order(keys, square)
+    if order is None:
+        signal = _square_input(grad, side, params, square, bucket, config)
+        return state, _program(signal, numel, q, keys, bucket, config)
+    # The square's parameters in another order: compress in the square's.
+    assert square is not None
+    square_bucket = attrs.evolve(bucket, shapes=tuple(bucket.shapes[j] for j in order))
+    square_params = tuple(params[j] for j in order)
+    grad = _permuted(grad, bucket.numels, order)
+    signal = _square_input(grad, side, square_params, square, square_bucket, config)
+    program = _program(signal, numel, q, square.keys, square_bucket, config)
+    return state, _restored_order(program, order, keys, bucket)
+
+
+def batched(config: PowerSGDConfig) -> PowerSGDHook:
+    """PowerSGD on the whole bucket as one matrix (PyTorch's ``batched_powerSGD_hook``).
+
+    The flat bucket, padded with zeros to ``side * side`` elements (``side =
+    ceil(sqrt(numel))``), is compressed as one square matrix: faster than
+    :func:`zerofn.powersgd.layerwise`, usually less accurate beyond rank 1.
+    Two all-reduces per bucket (``P``, then ``Q``). The rank is clipped to
+    ``side`` for tiny buckets, where PyTorch's would fail.
+
+    The numbers are those PyTorch's hook was written to compute (PyTorch 2.13's
+    own fails on every call: it passes a 2-D ``Q`` to an orthogonalisation that
+    only accepts batches), except that ``config.orthogonalization_epsilon`` is
+    honoured (PyTorch's batched hook ignores it; with the default 0 they agree).
+    What happens when a bucket's parameters change: see the module docs.
+
+    Args:
+        config: the hyperparameters.
+
+    Returns:
+        A hook like :func:`zerofn.powersgd.layerwise`'s.
+
+    Raises:
+        ValueError: (from ``start``) if the bucket's state was made for other
+            gradient shapes.
+    """
+
+    def start(
+        grad: torch.Tensor,
+        bucket: BucketInfo,
+        state: PowerSGDGlobalState,
+        bucket_state: PowerSGDBucketState | None,
+    ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+        state, keys, params = begin(bucket, state, bucket_state)
+        if state.iteration < config.start_powerSGD_iter:
+            return state, averaging(grad, bucket.world_size, bucket_state)
+        square = bucket_state.square if bucket_state is not None else None
+        return _compress(grad, bucket, state, keys, params, square, config)
+
+    return CommHook(
+        init=lambda: init_global_state(config),
+        start=start,
+        end_iteration=end_iteration,
+        name="batched_powersgd",
+    )

@@ -1,0 +1,183 @@
+"""The low-rank codec: PowerSGD's linear algebra on batches of matrices.
+
+Orthogonalisation, the random starting factors PyTorch draws, the two
+projections ``P = M Q`` and ``Q = M^T P`` (in the orientation CPU BLAS is
+fastest at), and moving matrices and factors in and out of a bucket's flat
+buffer. Pure functions; only :func:`assemble` writes, into a tensor it makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from zerofn.powersgd.layout import BucketLayout, ShapeGroup
+
+__all__ = [
+    "assemble",
+    "flat",
+    "gather_group",
+    "gather_uncompressed",
+    "orthogonalize",
+    "project",
+    "project_transposed",
+    "random_factors",
+    "split_factors",
+]
+
+
+def _gram_schmidt(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
+    out = matrices.clone()
+    for i in range(out.shape[2]):
+        column = out[:, :, i : i + 1]
+        # With epsilon 0 an all-zero column gives NaNs, as in PyTorch.
+        column /= torch.linalg.vector_norm(column, dim=1, keepdim=True) + epsilon
+        if i + 1 < out.shape[2]:
+            rest = out[:, :, i + 1 :]
+            rest -= torch.sum(column * rest, dim=1, keepdim=True) * column
+    return out
+
+
+def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Orthonormalise the columns of each matrix in a batch.
+
+    Gram-Schmidt, run on the whole batch at once; for rank above 2 in single
+    or double precision, a QR decomposition instead (usually faster there, and
+    PyTorch's choice, so the factors match its hook's).
+
+    Args:
+        matrices: ``(batch, rows, cols)`` with ``cols <= rows``.
+        epsilon: added to each column's norm (Gram-Schmidt only).
+
+    Returns:
+        A new tensor of the same shape; the input is left as it is.
+
+    Raises:
+        ValueError: if ``matrices`` is not a batch of tall matrices.
+    """
+    if matrices.dim() != 3 or matrices.shape[2] > matrices.shape[1]:
+        raise ValueError(
+            f"expected a (batch, rows, cols) tensor with cols <= rows, got {tuple(matrices.shape)}"
+        )
+    if matrices.shape[2] <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
+        return _gram_schmidt(matrices, epsilon)
+    # LAPACK hands Q back column-major; every factor here is row-major (the
+    # layout that is flattened, all-reduced and checkpointed).
+    q: torch.Tensor = torch.linalg.qr(matrices).Q.contiguous()
+    return q
+
+
+def random_factors(
+    layout: BucketLayout,
+    seed: int,
+    batch_same_shape: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """The random starting ``Q`` of each shape group, as PyTorch draws them.
+
+    PyTorch seeds its CPU generator with ``seed`` and draws one normal tensor
+    per matrix, or per shape group when ``batch_same_shape``; the two give
+    different numbers, so both orders are reproduced. A private generator
+    stands in for the global one, which stays untouched.
+
+    Returns:
+        One ``(group size, cols, rank)`` tensor per group, in layout order.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    factors = []
+    for group in layout.groups:
+        if batch_same_shape:
+            draws = [
+                torch.randn(group.size, group.cols, group.rank, generator=generator, dtype=dtype)
+            ]
+        else:
+            draws = [
+                torch.randn(1, group.cols, group.rank, generator=generator, dtype=dtype)
+                for _ in range(group.size)
+            ]
+        factors.append(torch.cat(draws).to(device))
+    return factors
+
+
+def project(matrices: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``matrices @ factors`` for a batch of wide-by-thin products (``P = M Q``).
+
+    Computed as ``(factors^T matrices^T)^T``: the same sums, but CPU BLAS
+    kernels run this orientation 2 to 4 times faster for a thin ``factors``
+    (measured on one MKL thread at rank 4: 0.42 ms instead of 1.3 ms for
+    1024 x 1024). The result is a transposed view; reshaping it copies.
+    """
+    return torch.bmm(factors.transpose(1, 2), matrices.transpose(1, 2)).transpose(1, 2)
+
+
+def project_transposed(matrices: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``matrices^T @ factors`` (``Q = M^T P``) as ``(factors^T matrices)^T``,
+    4 to 12 times faster on CPU than the product as written."""
+    return torch.bmm(factors.transpose(1, 2), matrices).transpose(1, 2)
+
+
+def split_factors(
+    flat: torch.Tensor, layout: BucketLayout, side: Literal["p", "q"]
+) -> list[torch.Tensor]:
+    """Cut a flat ``P`` (``side="p"``) or ``Q`` (``side="q"``) into per-group batches."""
+    out = []
+    offset = 0
+    for group in layout.groups:
+        length = group.rows if side == "p" else group.cols
+        numel = group.size * length * group.rank
+        out.append(flat[offset : offset + numel].view(group.size, length, group.rank))
+        offset += numel
+    return out
+
+
+def flat(batches: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not batches:
+        return like.new_empty(0)
+    return torch.cat([b.reshape(-1) for b in batches])
+
+
+def gather_group(flat: torch.Tensor, group: ShapeGroup) -> torch.Tensor:
+    numel = group.rows * group.cols
+    if group.adjacent:
+        start = group.offsets[0]
+        return flat[start : start + group.size * numel].view(group.size, group.rows, group.cols)
+    return torch.stack([flat[o : o + numel].view(group.rows, group.cols) for o in group.offsets])
+
+
+def gather_uncompressed(flat: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+    parts = [flat[m.offset : m.offset + m.numel] for m in layout.uncompressed]
+    return torch.cat(parts) if parts else flat.new_empty(0)
+
+
+def assemble(
+    layout: BucketLayout,
+    uncompressed: torch.Tensor,
+    ps: Sequence[torch.Tensor],
+    qs: Sequence[torch.Tensor],
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """The bucket's flat result: the averaged uncompressed gradients, and each
+    compressed matrix decoded as ``P Q^T``."""
+    out = torch.empty_like(like)
+    offset = 0
+    for matrix in layout.uncompressed:
+        out[matrix.offset : matrix.offset + matrix.numel] = uncompressed[
+            offset : offset + matrix.numel
+        ]
+        offset += matrix.numel
+    for group, p, q in zip(layout.groups, ps, qs, strict=True):
+        numel = group.rows * group.cols
+        if group.adjacent:
+            # Decode straight into the result: the products are the bucket's
+            # largest tensors, not worth a second copy.
+            start = group.offsets[0]
+            target = out[start : start + group.size * numel]
+            torch.bmm(p, q.transpose(1, 2), out=target.view(group.size, group.rows, group.cols))
+        else:
+            decoded = torch.bmm(p, q.transpose(1, 2))
+            for offset_in_bucket, matrix in zip(group.offsets, decoded, strict=True):
+                out[offset_in_bucket : offset_in_bucket + numel] = matrix.reshape(-1)
+    return out

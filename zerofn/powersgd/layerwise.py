@@ -1,0 +1,249 @@
+"""PowerSGD compressing each gradient matrix on its own (PyTorch's ``powerSGD_hook``).
+
+The program reads as the paper's algorithm, one power iteration per step::
+
+    M <- grad + error                 (error feedback, per parameter)
+    P <- M Q;   all-reduce P          (uncompressed gradients ride along)
+    P <- orthogonalise(P)
+    Q <- M^T P; all-reduce Q, mean
+    grad' <- P Q^T;  error <- M - grad';  Q is kept (warm start, per parameter)
+
+Each parameter's error and ``Q`` are kept under its key (see
+:mod:`zerofn.powersgd.state`), so they mean the same in any bucket layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from zerofn.comm import AllReduce, Program
+from zerofn.error_feedback import compensate, split_residual
+from zerofn.hook import BucketInfo, CommHook
+from zerofn.powersgd import codec
+from zerofn.powersgd.common import (
+    BucketResult,
+    PowerSGDHook,
+    averaging,
+    begin,
+    draw,
+    errors_of,
+    fresh_start_due,
+)
+from zerofn.powersgd.config import PowerSGDConfig
+from zerofn.powersgd.layout import BucketLayout, bucket_layout
+from zerofn.powersgd.state import (
+    Key,
+    ParamMemory,
+    PowerSGDBucketState,
+    PowerSGDGlobalState,
+    end_iteration,
+    init_global_state,
+    record_compression,
+)
+
+__all__ = ["layerwise"]
+
+Factors = dict[Key, torch.Tensor]
+
+
+def _keyed(layout: BucketLayout, keys: Sequence[Key], groups: Sequence[torch.Tensor]) -> Factors:
+    """Per-group factor batches as one factor per parameter key."""
+    position = {m.offset: j for j, m in enumerate(layout.matrices)}
+    return {
+        keys[position[offset]]: factor
+        for group, batch in zip(layout.groups, groups, strict=True)
+        for offset, factor in zip(group.offsets, batch, strict=True)
+    }
+
+
+def _grouped(layout: BucketLayout, keys: Sequence[Key], factors: Factors) -> list[torch.Tensor]:
+    """One factor per key as per-group batches (the inverse of :func:`_keyed`)."""
+    position = {m.offset: j for j, m in enumerate(layout.matrices)}
+    return [torch.stack([factors[keys[position[o]]] for o in g.offsets]) for g in layout.groups]
+
+
+def _draw_for(
+    state: PowerSGDGlobalState,
+    layout: BucketLayout,
+    keys: Sequence[Key],
+    like: torch.Tensor,
+    config: PowerSGDConfig,
+) -> tuple[PowerSGDGlobalState, Factors]:
+    state, seed = draw(state)
+    groups = codec.random_factors(
+        layout, seed, config.batch_tensors_with_same_shape, like.dtype, like.device
+    )
+    return state, _keyed(layout, keys, groups)
+
+
+def _draw_ahead(
+    state: PowerSGDGlobalState, index: int, like: torch.Tensor, config: PowerSGDConfig
+) -> PowerSGDGlobalState:
+    """Draw this iteration's remaining random starts by the reference layout
+    (see :func:`zerofn.powersgd.end_iteration`), keyed by parameter."""
+    table: Factors = {}
+    if fresh_start_due(state, config):
+        for keys, shapes in state.reference[index:]:
+            layout = bucket_layout(
+                shapes, config.matrix_approximation_rank, config.min_compression_rate
+            )
+            state, drawn = _draw_for(state, layout, keys, like, config)
+            table.update(drawn)
+    return attrs.evolve(state, ahead=tuple(table.items()))
+
+
+def _differs_from_reference(state: PowerSGDGlobalState, bucket: BucketInfo) -> bool:
+    reference = state.reference
+    if not reference or state.ahead is not None:
+        return False
+    return bucket.index >= len(reference) or reference[bucket.index] != state.current[-1]
+
+
+def _starting_factors(
+    state: PowerSGDGlobalState,
+    bucket: BucketInfo,
+    layout: BucketLayout,
+    keys: Sequence[Key],
+    params: Sequence[ParamMemory | None],
+    like: torch.Tensor,
+    config: PowerSGDConfig,
+) -> tuple[PowerSGDGlobalState, list[torch.Tensor]]:
+    """Each compressed matrix's starting ``Q``: its own last one (warm start),
+    else a random one, drawn as PyTorch draws them for the layout in force."""
+    kept: Factors = {}
+    if config.warm_start:
+        kept = {
+            k: m.q for k, m in zip(keys, params, strict=True) if m is not None and m.q is not None
+        }
+    compressed = [keys[j] for j, m in enumerate(layout.matrices) if m.compressed]
+    missing = [k for k in compressed if k not in kept]
+    if _differs_from_reference(state, bucket):
+        state = _draw_ahead(state, bucket.index, like, config)
+    if state.ahead is not None:
+        ahead = dict(state.ahead)
+        kept.update({k: ahead[k] for k in missing if k in ahead})
+        missing = [k for k in missing if k not in kept]
+        if missing:
+            state, drawn = _draw_for(state, layout, keys, like, config)
+            kept.update({k: drawn[k] for k in missing})
+    elif missing or fresh_start_due(state, config):
+        # PyTorch draws a seed even for a bucket with nothing to compress.
+        state, drawn = _draw_for(state, layout, keys, like, config)
+        kept.update({k: drawn[k] for k in missing})
+    return state, _grouped(layout, keys, kept)
+
+
+def _new_state(
+    keys: tuple[Key, ...],
+    bucket: BucketInfo,
+    layout: BucketLayout,
+    residual: torch.Tensor | None,
+    qs: Sequence[torch.Tensor],
+    config: PowerSGDConfig,
+) -> PowerSGDBucketState | None:
+    """What each parameter keeps: its error (measured against the averaged
+    result, PyTorch's definition) and its ``Q``."""
+    if not (config.use_error_feedback or config.warm_start):
+        return None
+    errors = split_residual(residual, bucket.numels) if residual is not None else None
+    factors = _keyed(layout, keys, qs) if config.warm_start else {}
+    params = tuple(
+        ParamMemory(shape, errors[j] if errors is not None else None, factors.get(key))
+        for j, (key, shape) in enumerate(zip(keys, bucket.shapes, strict=True))
+    )
+    return PowerSGDBucketState(keys, bucket.shapes, params)
+
+
+def _program(
+    signal: torch.Tensor,
+    layout: BucketLayout,
+    initial_qs: list[torch.Tensor],
+    keys: tuple[Key, ...],
+    bucket: BucketInfo,
+    config: PowerSGDConfig,
+) -> Program[BucketResult]:
+    eps, world_size = config.orthogonalization_epsilon, bucket.world_size
+    matrices = [codec.gather_group(signal, group) for group in layout.groups]
+    ps = [
+        codec.project(m, codec.orthogonalize(q, eps))
+        for m, q in zip(matrices, initial_qs, strict=True)
+    ]
+    uncompressed = codec.gather_uncompressed(signal, layout)
+    if not layout.groups:
+        # Nothing worth compressing: one round trip is enough.
+        (summed,) = yield AllReduce((uncompressed,), "sum", last=True)
+        out = codec.assemble(layout, summed / world_size, [], [], signal)
+        qs: list[torch.Tensor] = []
+    else:
+        # Round 1: the uncompressed gradients ride along with the P factors.
+        # P is not averaged: orthogonalisation removes the scale anyway.
+        summed, p_sum = yield AllReduce((uncompressed, codec.flat(ps, signal)), "sum")
+        ps = [codec.orthogonalize(p, eps) for p in codec.split_factors(p_sum, layout, "p")]
+        qs = [codec.project_transposed(m, p) for m, p in zip(matrices, ps, strict=True)]
+        # Round 2: the Q factors.
+        (q_sum,) = yield AllReduce((codec.flat(qs, signal),), "sum", last=True)
+        qs = codec.split_factors(q_sum / world_size, layout, "q")
+        out = codec.assemble(layout, summed / world_size, ps, qs, signal)
+    # With error feedback the signal is the program's own: it becomes the error.
+    residual = signal.sub_(out) if config.use_error_feedback else None
+    return out, _new_state(keys, bucket, layout, residual, qs, config)
+
+
+def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
+    """PowerSGD compressing each gradient matrix on its own (PyTorch's ``powerSGD_hook``).
+
+    Before ``config.start_powerSGD_iter`` iterations have completed, a bucket
+    is averaged plainly (one all-reduce). After, its gradients worth
+    compressing (see :func:`zerofn.powersgd.should_compress`) travel as
+    factors and the rest as they are: two all-reduces per bucket, the first
+    carrying the uncompressed gradients with the ``P`` factors, the second
+    the ``Q`` factors (one, if nothing in the bucket is worth compressing).
+
+    Given the same configuration, it draws the same random numbers as
+    PyTorch's hook, in the same order, and so computes the same factors, up
+    to rounding (products run transposed, same-shape matrices as one batch).
+    Error and ``Q`` are kept per parameter, so a bucket with another set of
+    parameters (DDP's provisional first iteration, a rebuild) continues with
+    the same state; such an iteration draws its random starts by the layout
+    before it (see :func:`zerofn.powersgd.end_iteration`).
+
+    Args:
+        config: the hyperparameters.
+
+    Returns:
+        A hook whose programs return the averaged flat gradient and the
+        bucket's new :class:`PowerSGDBucketState` (``None`` when neither error
+        feedback nor warm start keeps anything).
+
+    Raises:
+        ValueError: (from ``start``) if the bucket's state was made for other
+            gradient shapes.
+    """
+
+    def start(
+        grad: torch.Tensor,
+        bucket: BucketInfo,
+        state: PowerSGDGlobalState,
+        bucket_state: PowerSGDBucketState | None,
+    ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+        state, keys, params = begin(bucket, state, bucket_state)
+        if state.iteration < config.start_powerSGD_iter:
+            return state, averaging(grad, bucket.world_size, bucket_state)
+        rank, rate = config.matrix_approximation_rank, config.min_compression_rate
+        layout = bucket_layout(bucket.shapes, rank, rate)
+        state = record_compression(state, layout.numel, layout.sent_numel, bucket.is_last, config)
+        state, qs = _starting_factors(state, bucket, layout, keys, params, grad, config)
+        signal = grad
+        if config.use_error_feedback:
+            signal = compensate(grad, errors_of(params), bucket.numels, owned=False)
+        return state, _program(signal, layout, qs, keys, bucket, config)
+
+    return CommHook(
+        init=lambda: init_global_state(config),
+        start=start,
+        end_iteration=end_iteration,
+        name="powersgd",
+    )
