@@ -47,7 +47,7 @@ from zerofn_torch.traffic import Traffic, collective_traffic
 from zerofn.footprint import HookKind
 
 PROMPT = b"def "
-TIME_SPLIT_EVERY = 10  # steps between forward+backward runs under no_sync (the time split)
+TIME_SPLIT_EVERY = 6  # steps between forward+backward runs under no_sync (the time split)
 
 
 @attrs.frozen

@@ -124,7 +124,7 @@ def row_labels(world_size: int, kinds: Sequence[str] = KINDS) -> list[str]:
         "collectives per step",
         "time per step, median (ms)",
         "  forward+backward compute (no_sync)",
-        "  gradient communication in backward",
+        "  gradient exchange in backward (+ hook math)",
         "  optimizer step",
     ]
 
@@ -203,7 +203,7 @@ def dominant_line(results: Results, specs: Sequence[RunSpec]) -> str:
     """One plain sentence: what takes most of a step here, measured on rank 0."""
     names = {
         "compute": "forward+backward compute",
-        "comm": "gradient communication",
+        "comm": "the gradient exchange in backward (communication, waiting, hook math)",
         "opt": "the optimizer step",
     }
     shares = []
@@ -217,13 +217,16 @@ def dominant_line(results: Results, specs: Sequence[RunSpec]) -> str:
     each = ", ".join(f"{s[top]:.0%} of {spec.key}'s" for spec, s in zip(specs, shares, strict=True))
     line = (
         f"What dominates the time on this machine: {names[top]} ({each} step). Measured on "
-        "rank 0: forward+backward re-run under DDP's no_sync() (no communication) against "
-        "the full forward+backward; the optimizer step timed on its own."
+        "rank 0: forward+backward re-run under DDP's no_sync() (no hook, no communication) "
+        "on the same batch against the full forward+backward, whose extra time is the hook's "
+        "(all-reduces, waiting for the other rank, and PowerSGD's own compression math); the "
+        "optimizer step (zerofn's includes broadcasting the shards) timed on its own."
     )
     if top == "compute":
         line += (
-            " So here zerofn's savings in memory and bytes sent do not shorten the step; "
-            "they pay where memory or the network is the limit (bigger models, more ranks)."
+            " So here the step's time is set by arithmetic: zerofn's smaller optimizer state "
+            "and fewer bytes sent pay where memory or the network is the limit (bigger "
+            "models, more ranks, slower links), not in this step time."
         )
     return line
 
