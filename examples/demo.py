@@ -40,7 +40,7 @@ import torch
 from demo_data import batch, load_corpus, rank_slice
 from demo_model import ModelConfig, TinyGPT, generate, held_out_loss
 from demo_report import dominant_line, notes, plot, samples, table
-from demo_runs import RUNS, HookConfig, Trainer, lr_schedule, plan
+from demo_runs import MIXED, RUNS, HookConfig, RunSpec, Trainer, lr_schedule, plan
 from zerofn_torch.launch import run_local_world
 from zerofn_torch.traffic import Traffic, collective_traffic
 
@@ -63,6 +63,7 @@ class Config:
     data_bytes: int = 4_000_000
     sample_bytes: int = 200
     progress_bar: bool = False
+    runs: tuple[RunSpec, ...] = RUNS
 
 
 class Progress:
@@ -128,7 +129,7 @@ def train_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     corpus = load_corpus(cfg.data_bytes)
     torch.manual_seed(cfg.seed)
     initial = TinyGPT(cfg.model)
-    trainers = [Trainer(spec, copy.deepcopy(initial), cfg.hook, cfg.lr) for spec in RUNS]
+    trainers = [Trainer(spec, copy.deepcopy(initial), cfg.hook, cfg.lr) for spec in cfg.runs]
     out = train_steps(rank, world_size, cfg, trainers, corpus.train)
     for t in trainers:
         if not t.spec.zerofn:  # DDP's built-in all-reduce, issued from C++, is not counted
@@ -167,6 +168,11 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--context", type=int, default=64, help="bytes per sequence")
     parser.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="add a third run: zerofn with bf16 parameters and fp32 master shards",
+    )
     parser.add_argument("--plot", default=os.path.join("out", "demo.png"))
     args = parser.parse_args(argv)
     if min(args.world_size, args.steps, args.batch_size, args.layers) < 1:
@@ -184,6 +190,7 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         seed=args.seed,
         data_bytes=int(args.data_mb * 1e6),
         progress_bar=sys.stdout.isatty(),
+        runs=(*RUNS, MIXED) if args.mixed_precision else RUNS,
     ), args
 
 
@@ -210,20 +217,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     cfg, args = parse(argv)
     shapes = TinyGPT(cfg.model)  # for the planner, which reads only the shapes
-    plans = [plan(spec, shapes, args.world_size, cfg.hook) for spec in RUNS]
+    plans = [plan(spec, shapes, args.world_size, cfg.hook) for spec in cfg.runs]
     print(header(cfg, args.world_size, sum(p.numel() for p in shapes.parameters())), flush=True)
     results = run_local_world(train_rank, args.world_size, cfg, timeout_s=300)
-    plot(results, RUNS, plans, args.plot)
+    plot(results, cfg.runs, plans, args.plot)
     print()
-    print(table(results, RUNS, plans))
+    print(table(results, cfg.runs, plans))
     print()
-    for line in notes(results, RUNS, plans, cfg):
+    for line in notes(results, cfg.runs, plans, cfg):
         print(line)
     print()
     seen = cfg.steps * cfg.batch_size * args.world_size * cfg.model.context
-    print(samples(results, RUNS, PROMPT, seen))
+    print(samples(results, cfg.runs, PROMPT, seen))
     print()
-    print(dominant_line(results, RUNS))
+    print(dominant_line(results, cfg.runs))
     print(f"\nPlot: {args.plot}. Wall time, spawn included: {time.perf_counter() - started:.0f} s")
 
 

@@ -1,12 +1,8 @@
 """The demo's training runs: what each one builds, and how it steps and measures.
 
 A run is a :class:`RunSpec`; :data:`RUNS` lists the two the demo trains side
-by side. Adding a run is adding a spec. Mixed precision, once
-``ZeroRedundancyOptimizer`` takes ``master_dtype``, is one more line::
-
-    RunSpec("zerofn-bf16", "DDP + zerofn, bf16 params, fp32 master shards",
-            zerofn=True, param_dtype=torch.bfloat16,
-            zero_kwargs={"master_dtype": torch.float32})
+by side, and ``--mixed-precision`` adds :data:`MIXED` (bf16 parameters, fp32
+master shards). Adding a run is adding a spec.
 """
 
 from __future__ import annotations
@@ -54,6 +50,15 @@ RUNS = (
     RunSpec("plain", "DDP + torch.optim.AdamW", zerofn=False),
     RunSpec("zerofn", "DDP + zerofn (flat ZeRO + hook)", zerofn=True),
 )
+MIXED = RunSpec(
+    "zerofn-bf16",
+    "DDP + zerofn, bf16 + fp32 master shards",
+    zerofn=True,
+    param_dtype=torch.bfloat16,
+    zero_kwargs={"master_dtype": torch.float32},
+)
+"""The third run of ``--mixed-precision``: bf16 parameters and gradients, fp32
+master weights and AdamW state on this rank's shard only."""
 
 
 @attrs.frozen
@@ -166,6 +171,7 @@ def plan(spec: RunSpec, model: nn.Module, world_size: int, hook: HookConfig) -> 
         world_size,
         "flat",
         param_dtype=spec.param_dtype,
+        master_dtype=spec.zero_kwargs.get("master_dtype"),
         optimizer="adamw",
         hook=hook.kind,
         powersgd_rank=hook.powersgd_rank,
