@@ -4,7 +4,7 @@ exact byte counts, collective mismatch detection and pure state transitions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -273,9 +273,15 @@ def errors(states: list[HookState[Any, Any]], bucket: int) -> list[torch.Tensor]
     return [s.bucket(bucket).error for s in states]
 
 
-def assert_identity(lhs: torch.Tensor, rhs: torch.Tensor) -> None:
-    # Equal up to the rounding of one subtraction (and, across ranks, of a mean).
-    tolerance = 4 * torch.finfo(torch.float32).eps * rhs.abs().max().clamp_min(1e-30)
+def assert_identity(
+    lhs: torch.Tensor, rhs: torch.Tensor, terms: Sequence[torch.Tensor] = ()
+) -> None:
+    # Equal up to the rounding of one subtraction (and, across ranks, of a
+    # mean), relative to the largest value that was rounded: the result, or
+    # one of the ``terms`` it was computed from (a rank's error may be far
+    # larger than the mean it contributes to).
+    scale = torch.stack([t.abs().max() for t in (rhs, *terms)]).max().clamp_min(1e-30)
+    tolerance = 4 * torch.finfo(torch.float32).eps * scale
     assert (lhs - rhs).abs().max() <= tolerance
 
 
@@ -298,14 +304,17 @@ def test_error_feedback_over_ranks_sends_the_mean_eventually(grads: Grads, name:
     states = None
     for step in iterations(grads, 2):
         old = [torch.zeros_like(g) for g in step[0]]
+        old_terms: list[list[torch.Tensor]] = [[] for _ in old]
         if states is not None:
-            old = [torch.stack(errors(states, b)).mean(dim=0) for b in range(len(old))]
+            old_terms = [errors(states, b) for b in range(len(old))]
+            old = [torch.stack(terms).mean(dim=0) for terms in old_terms]
         outs, states = simulate_iteration(hook, step, states)
         assert_ranks_agree(outs)
         for b in range(len(old)):
             owed = torch.stack(errors(states, b)).mean(dim=0)
             # decoded + mean(new errors) == mean(gradients) + mean(old errors)
-            assert_identity(outs[0][b] + owed, mean_over_ranks(step, b) + old[b])
+            terms = [*errors(states, b), *old_terms[b], *(rank[b] for rank in step)]
+            assert_identity(outs[0][b] + owed, mean_over_ranks(step, b) + old[b], terms)
 
 
 def test_error_feedback_restarts_a_bucket_whose_layout_changed() -> None:

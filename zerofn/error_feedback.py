@@ -178,6 +178,9 @@ def compensate(
     """
     if all(e is None for e in errors):
         return grad if owned else grad.clone()
+    together = _back_to_back(errors, numels, grad)
+    if together is not None:  # last step's residual, untouched: no gathering copy
+        return grad.add_(together) if owned else grad + together
     parts = [
         e.reshape(-1).to(grad.dtype) if e is not None else grad.new_zeros(n)
         for e, n in zip(errors, numels, strict=True)
@@ -185,6 +188,30 @@ def compensate(
     tail = grad.numel() - sum(numels)
     flat = torch.cat([*parts, grad.new_zeros(tail)] if tail else parts)
     return grad.add_(flat) if owned else grad + flat
+
+
+def _back_to_back(
+    errors: Sequence[torch.Tensor | None], numels: Sequence[int], grad: torch.Tensor
+) -> torch.Tensor | None:
+    """The errors as one flat view, when they are consecutive slices of one
+    tensor covering ``grad`` exactly (what :func:`split_residual` made last
+    step, for the same bucket); else ``None``."""
+    first = errors[0]
+    if first is None or sum(numels) != grad.numel() or first.dtype != grad.dtype:
+        return None
+    storage, start = first.untyped_storage(), first.storage_offset()
+    expected = start
+    for e, n in zip(errors, numels, strict=True):
+        if (
+            e is None
+            or e.numel() != n
+            or not e.is_contiguous()
+            or e.untyped_storage().data_ptr() != storage.data_ptr()
+            or e.storage_offset() != expected
+        ):
+            return None
+        expected += n
+    return first.as_strided((grad.numel(),), (1,), start)
 
 
 def split_residual(residual: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
