@@ -340,7 +340,7 @@ def test_checkpoints_with_masters_continue_bitwise_on_one_and_three_ranks(
     saved = torch.load(tmp_path / "full.pt", weights_only=True)["optim"]
     masters = [entry["master_param"] for entry in saved["state"].values()]
     assert len(masters) == 6 and all(m.dtype == torch.float32 for m in masters)
-    for world, how in ((1, "consolidated"), (3, "sharded"), (1, "sharded")):
+    for world, how in ((1, "consolidated"), (3, "consolidated"), (3, "sharded"), (1, "sharded")):
         resumed = run_world(resuming_world, world, str(tmp_path), how)
         for params in resumed:
             assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True)), (
