@@ -41,13 +41,16 @@ class LossScaler:
 
     Differences from ``GradScaler``: it accepts fp16 gradients; the skip
     decision is collective (one all-reduce); clipping goes through the
-    optimizer's :meth:`~zerofn_torch.ZeroRedundancyOptimizer.clip_grad_norm_`
+    optimizer's :meth:`~zerofn_torch.zero.ZeroRedundancyOptimizer.clip_grad_norm_`
     (the masters' gradients, not ``.grad``, hold the unscaled values); and
     :meth:`update` takes no explicit new scale tensor, only a float.
 
     Args:
-        init_scale, growth_factor, backoff_factor, growth_interval: the
-            schedule (:class:`zerofn.precision.LossScaleConfig`).
+        init_scale: the first scale.
+        growth_factor: the scale's factor after ``growth_interval`` good steps.
+        backoff_factor: the scale's factor after a step with inf or nan.
+        growth_interval: good steps in a row before the scale grows (see
+            :class:`zerofn.precision.LossScaleConfig`).
         enabled: ``False`` makes every method a pass-through.
     """
 

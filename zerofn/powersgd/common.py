@@ -47,7 +47,7 @@ def begin(
     """The bucket's parameter keys and memories; the layout noted.
 
     Without a driver's :func:`zerofn.powersgd.claim`, the keys are the
-    bucket's positions (:func:`zerofn.powersgd.default_keys`).
+    bucket's positions (:func:`zerofn.powersgd.state.default_keys`).
 
     Raises:
         ValueError: if ``bucket_state`` was made for other gradient shapes.
