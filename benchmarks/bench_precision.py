@@ -99,12 +99,6 @@ def pytorch_formula(d: int) -> float:
     return 4 + 4 + 8 / d
 
 
-def flat_fp32_formula(d: int) -> float:
-    """zerofn's flat partition on fp32: PyTorch's, plus the flat copy of the
-    rank's gradient slice the step reads, kept between steps (4/d)."""
-    return 4 + 4 + 12 / d
-
-
 def target_formula(d: int) -> float:
     """bf16 parameters and gradients, fp32 master and two fp32 moments on 1/d."""
     return 2 + 2 + 12 / d
@@ -172,8 +166,9 @@ def count_bytes(opt: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, int
         "parameters": [("param", p) for p in params],
         "gradients": [
             *(("grad", p.grad) for p in params if p.grad is not None),
-            # What the local optimizer steps with: under a flat partition,
-            # views of the flat gradient copy it keeps (none with masters).
+            # What the local optimizer steps with (views of the parameters'
+            # gradients under a flat partition, fp32 copies only mid-step
+            # with masters): anything here not already counted is a copy.
             *(
                 ("opt.optim.param_groups.grad", t.grad)
                 for g in local.param_groups
@@ -345,7 +340,7 @@ def _per_param(n: float, numel: int) -> str:
 
 def _formula(setup: str, d: int) -> float:
     """The formula a set-up is held to at ``d`` ranks."""
-    formulas = {"torch": pytorch_formula, "fp32": flat_fp32_formula, "bf16": target_formula}
+    formulas = {"torch": pytorch_formula, "fp32": pytorch_formula, "bf16": target_formula}
     return formulas[setup](d)
 
 
@@ -406,11 +401,8 @@ def measured_part(results: Sequence[Any], what: str) -> tuple[list[str], dict[st
         "each storage once: parameters, their gradients, the local optimizer's own "
         "parameters that are neither (fp32 masters), its state, and anything else the "
         "optimizer object references ('other'). 'memory_bytes() total' is zerofn's own "
-        "account (`opt.memory_bytes()`), for comparison. Formula: 4 + 4 + 8/d for "
-        "PyTorch on fp32; 4 + 4 + 12/d for zerofn's flat partition on fp32 (its step "
-        "reads a flat copy of the rank's gradient slice, kept between steps); "
-        "2 + 2 + 12/d for bf16 with fp32 masters (the slice is upcast into them and "
-        "dropped)."
+        "account (`opt.memory_bytes()`), for comparison. Formula: 4 + 4 + 8/d for fp32, "
+        "2 + 2 + 12/d for bf16 with fp32 masters."
     )
     return [intro, table, other_note(results)], heaviest
 

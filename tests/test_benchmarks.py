@@ -183,7 +183,7 @@ def test_precision_model_has_gpt2_small_structure() -> None:
 
 def test_precision_planned_bytes_follow_the_formulas() -> None:
     planned = bench_precision.computed_bytes_per_param(MODELS["gpt2-small"](), 8)
-    assert planned["fp32"] == pytest.approx(bench_precision.flat_fp32_formula(8), rel=1e-4)
+    assert planned["fp32"] == pytest.approx(bench_precision.pytorch_formula(8), rel=1e-4)
     assert planned["bf16"] == pytest.approx(bench_precision.target_formula(8), rel=1e-4)
     # Whole-tensor ownership: the embedding alone outweighs 1/8 of the model.
     assert planned["torch"] > bench_precision.pytorch_formula(8) + 1
@@ -198,9 +198,7 @@ def test_precision_counts_every_live_tensor_once(setup: str) -> None:
     opt.step()
     counted, _ = bench_precision.count_bytes(opt, params)
     width = 2 if setup == "bf16" else 4
-    assert counted["parameters"] == width * numel
-    # fp32 flat keeps a flat copy of its gradient slice (here: everything).
-    assert counted["gradients"] == width * numel * (2 if setup == "fp32" else 1)
+    assert counted["parameters"] == counted["gradients"] == width * numel
     assert counted["masters"] == (4 * numel if setup == "bf16" else 0)
     # Adam's two fp32 moments on every element (one rank), and 4-byte step counters.
     assert counted["optimizer_state"] - 8 * numel in range(4, 4 * len(shapes) + 1)

@@ -8,7 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.chunks import chunk_sizes, merge_chunk_state, split_chunk_state
+from zerofn.chunks import (
+    FLAT_CHUNK_BYTES,
+    chunk_sizes,
+    chunk_sources,
+    merge_chunk_state,
+    split_chunk_state,
+)
+from zerofn.layout import Slot
+from zerofn.partition import Piece
 
 
 @settings(max_examples=100, deadline=None)
@@ -60,3 +68,27 @@ def test_conversions_refuse_what_does_not_fit() -> None:
         merge_chunk_state(partial)
     with pytest.raises(ValueError, match="bad chunking"):
         chunk_sizes(-1, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1000)), min_size=0, max_size=6),
+    st.booleans(),
+)
+def test_chunk_sources_tile_the_slots_without_spanning_parameters(
+    pieces: list[tuple[int, int]], cache_sized: bool
+) -> None:
+    slots, offset = [], 0
+    for param, numel in pieces:
+        slots.append(Slot(Piece(param, 7, 7 + numel), offset))
+        offset += numel
+    sources = chunk_sources(slots, 4096, cache_sized)  # 128 elements per chunk
+    # In buffer order, each slot's elements exactly once, each chunk in one parameter.
+    expected = [(s.piece.param, e) for s in slots for e in range(s.piece.start, s.piece.stop)]
+    got = [(param, e) for param, start, n in sources for e in range(start, start + n)]
+    assert got == expected
+    assert all(n > 0 for _, _, n in sources)
+    if cache_sized:
+        assert all(n * 4096 <= FLAT_CHUNK_BYTES for _, _, n in sources)
+    else:
+        assert len(sources) == sum(1 for s in slots if s.piece.numel)

@@ -10,7 +10,9 @@ cache. Measured on this project's 2-core machine, Adam over 10.9M elements:
 shape), 51 ms as 128K-element chunks. The math is element-wise, so the
 result is bitwise the same.
 
-The local optimizer then holds several tensors per group; the functions here
+Chunks never span two parameters (see :func:`chunk_sources`), so each
+chunk's gradient is a view of its parameter's gradient. The local optimizer
+then holds several tensors per group; the functions here
 convert its state dict to and from the one-tensor-per-group format the rest
 of zerofn (consolidation, sharding, checkpoints) reads and writes: element-wise
 states are concatenated or sliced, per-tensor scalars (Adam's ``step``) are
@@ -24,13 +26,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLAT_CHUNK_BYTES", "chunk_sizes", "merge_chunk_state", "split_chunk_state"]
+from zerofn.layout import Slot
+
+__all__ = [
+    "FLAT_CHUNK_BYTES",
+    "ChunkSource",
+    "chunk_sizes",
+    "chunk_sources",
+    "merge_chunk_state",
+    "split_chunk_state",
+]
 
 FLAT_CHUNK_BYTES = 512 * 1024
 """Bytes of one chunk: with the gradient, two Adam states and a temporary,
 about the size of an L2 cache."""
 
 StateDict = dict[str, Any]
+
+ChunkSource = tuple[int, int, int]
+"""Where a local tensor's elements come from: (parameter index, first
+element in the flattened parameter, element count)."""
 
 
 def chunk_sizes(numel: int, itemsize: int, chunk_bytes: int = FLAT_CHUNK_BYTES) -> tuple[int, ...]:
@@ -46,6 +61,36 @@ def chunk_sizes(numel: int, itemsize: int, chunk_bytes: int = FLAT_CHUNK_BYTES) 
     full, rest = divmod(numel, per)
     sizes = (per,) * full + ((rest,) if rest or not full else ())
     return sizes
+
+
+def chunk_sources(
+    slots: Sequence[Slot], itemsize: int, cache_sized: bool
+) -> tuple[ChunkSource, ...]:
+    """The local tensors one param group's flat shard is stepped as, in
+    buffer order: one per slot (a piece of one parameter), or, with
+    ``cache_sized``, each slot cut by :func:`chunk_sizes`. No local tensor
+    spans two parameters, so each one's gradient is a view of its
+    parameter's ``.grad``: nothing is gathered.
+
+    Args:
+        slots: the group's contiguous slots on this rank.
+        itemsize: bytes per element of the stepped tensors.
+        cache_sized: cut slots into cache-sized chunks (``torch.optim``'s
+            per-tensor loop on CPU).
+
+    Returns:
+        One :class:`ChunkSource` per local tensor; empty for no slots.
+    """
+    out = []
+    for slot in slots:
+        piece = slot.piece
+        sizes = chunk_sizes(piece.numel, itemsize) if cache_sized else (piece.numel,)
+        start = piece.start
+        for n in sizes:
+            if n:
+                out.append((piece.param, start, n))
+            start += n
+    return tuple(out)
 
 
 def _group_indices(state_dict: StateDict) -> list[list[int]]:

@@ -13,9 +13,8 @@ Run it as a program::
         --partition flat --param-dtype bf16
 
 What it counts, per rank: **parameters** (every rank holds the whole model),
-**gradients** (DDP's gradient buckets, one per parameter element; under
-``flat`` without masters also the flat copy of the rank's slice, kept
-between steps), **master weights** (with ``master_dtype``, the rank's shard),
+**gradients** (DDP's gradient buckets, one per parameter element),
+**master weights** (with ``master_dtype``, the rank's shard),
 **optimizer state** (only the rank's shard, plus per-tensor scalars such as
 Adam's step), **exchange buffers** (the flat buffers the ZeRO step exchanges
 through; with ``bucket_view`` the parameters live in them, so nothing
@@ -174,22 +173,16 @@ def _state_bytes(
     plan: ShardPlan, rank: int, model: OptimizerModel, itemsize: int, chunked: bool
 ) -> int:
     """The local optimizer's state on ``rank``: one stepped tensor per owned
-    parameter, or (flat) per param group with a non-empty shard, or per
-    cache-sized chunk of it (see :mod:`zerofn.chunks`)."""
+    parameter, or (flat) per owned piece of a parameter, or per cache-sized
+    chunk of it (see :func:`zerofn.chunks.chunk_sources`)."""
     partition = plan.partition
     if isinstance(partition, FlatPartition):
-        shards = [sum(p.numel for p in g) for g in partition.group_pieces_of(rank) if g]
-        tensors = [c for n in shards for c in (chunk_sizes(n, itemsize) if chunked else (n,))]
+        pieces = [p.numel for g in partition.group_pieces_of(rank) for p in g if p.numel]
+        tensors = [c for n in pieces for c in (chunk_sizes(n, itemsize) if chunked else (n,))]
     else:
         sizes = partition.sizes
         tensors = [sizes[i] for i in partition.params_of(rank)]
     return sum(model.elementwise_states * n * itemsize + model.scalar_bytes for n in tensors)
-
-
-def _flat_grad_copy(plan: ShardPlan, rank: int, kept: bool) -> int:
-    """Elements of the flat gradient a flat partition keeps between steps
-    (this rank's slice; with masters the slice is upcast and dropped instead)."""
-    return _owned_numel(plan, rank) if kept and isinstance(plan.partition, FlatPartition) else 0
 
 
 def _owned_numel(plan: ShardPlan, rank: int) -> int:
@@ -282,7 +275,7 @@ def plan_footprint(
     ranks = tuple(
         RankBytes(
             parameters=numel * itemsize,
-            gradients=numel * itemsize + _flat_grad_copy(plan, r, masters is None) * itemsize,
+            gradients=numel * itemsize,
             master_weights=_owned_numel(plan, r) * state_itemsize if masters else 0,
             optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
             exchange_buffers=buffers,

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
-from zerofn.chunks import chunk_sizes, merge_chunk_state, split_chunk_state
-from zerofn.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
+from zerofn.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_chunk_state
+from zerofn.exchange import ExchangeVia, exchange_program, group_slots, pack, unpack
 from zerofn.layout import Slot
 from zerofn.optimizers import check_elementwise
 from zerofn.overlap import (
@@ -179,16 +179,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._optimizer_class = optimizer_class
         self._optim_defaults = defaults
-        # torch.optim's per-tensor loop (the CPU default) steps a flat shard
-        # twice as fast in cache-sized chunks; foreach and fused kernels do not
-        # gain from it (see zerofn.chunks).
-        self._chunked = (
-            partition == "flat"
-            and self._all_params[0].device.type == "cpu"
+        # A flat shard is stepped as one local tensor per piece of a
+        # parameter, so gradients are views, never gathered; torch.optim's
+        # per-tensor loop (the CPU default) steps it twice as fast with the
+        # pieces cut into cache-sized chunks; foreach and fused kernels do not
+        # gain from that (see zerofn.chunks).
+        self._chunked = partition == "flat"
+        self._cache_sized = (
+            self._all_params[0].device.type == "cpu"
             and not defaults.get("foreach")
             and not defaults.get("fused")
         )
-        self._flat_grads: list[torch.Tensor | None] = []
         self._default_device = self._all_params[0].device
         self._overlap: OverlapState | None = OverlapState() if overlap_with_ddp else None
         self._overlap_attached = False
@@ -289,18 +290,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     self.param_groups, self._plan.partition.assignment[self.rank], strict=True
                 )
             ]
-        # Flat: one tensor per group (or its cache-sized chunks), a view of this
-        # rank's part of the buffer, so the local step writes straight into
-        # what the exchange sends.
+        # Flat: each group's part of this rank's buffer segment, cut into its
+        # chunks (views), so the local step writes straight into what the
+        # exchange sends.
         buffer = self._buffers[0]
         local = []
-        for group, mine in zip(self.param_groups, self._flat_slots(), strict=True):
+        for group, mine, sources in zip(
+            self.param_groups, self._flat_slots(), self._chunk_sources(), strict=True
+        ):
             view = buffer[mine[0].offset : mine[-1].stop] if mine else buffer.new_empty(0)
-            pieces = [view]
-            if self._chunked:
-                pieces = list(torch.split(view, list(self._chunking(view.numel()))))
-            local.append({**_hyperparams(group), "params": pieces})
+            sizes = [n for _, _, n in sources] or [0]
+            local.append({**_hyperparams(group), "params": list(torch.split(view, sizes))})
         return local
+
+    def _chunk_sources(self) -> list[tuple[ChunkSource, ...]]:
+        """Per param group, where each of its local tensors comes from."""
+        dtype = self._master_dtype or self._all_params[0].dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return [chunk_sources(mine, itemsize, self._cache_sized) for mine in self._flat_slots()]
 
     def _flat_slots(self) -> tuple[tuple[Slot, ...], ...]:
         """This rank's buffer slots under a flat partition, per param group."""
@@ -314,9 +321,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._flat and not self._plan.layouts:
             raise ValueError("partition='flat' needs at least one parameter that requires grad")
         local = self._local_groups()
-        # Each group's flat gradient, kept from step to step: it lives as long
-        # as the local optimizer whose shapes it has.
-        self._flat_grads = [None] * len(local)
         if self._master_dtype is not None:
             local, self._masters = make_masters(local, self._master_dtype)
         return self._optimizer_class(local, **self._optim_defaults)
@@ -334,25 +338,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._plan = with_trainable(self._plan, trainable)
         self._build_buffers()
 
-    def _chunking(self, numel: int) -> tuple[int, ...]:
-        dtype = self._master_dtype or self._all_params[0].dtype
-        return chunk_sizes(numel, torch.empty((), dtype=dtype).element_size())
-
     def _flat_local_grads(self) -> list[torch.Tensor | None]:
         """This rank's slices of the gradients, one per local tensor (each
-        group's chunks): views of the group's flat gradient."""
+        group's chunks): views of the parameters' gradients. A group none of
+        whose parameters has a gradient sits the step out; within a group, a
+        parameter without one counts as zeros."""
         grads = [p.grad for p in self._all_params]
         out: list[torch.Tensor | None] = []
-        groups = self.optim.param_groups
-        for g, (group, mine) in enumerate(zip(groups, self._flat_slots(), strict=True)):
-            if self._masters is not None:
-                # Upcast as gathered, into a tensor that lives until the step
-                # is over: no low-precision copy of the shard is kept.
-                flat = flat_grad(mine, grads, None, self._masters.dtype)
-            else:
-                flat = self._flat_grads[g] = flat_grad(mine, grads, self._flat_grads[g])
-            sizes = [p.numel() for p in group["params"]]
-            out.extend([None] * len(sizes) if flat is None else torch.split(flat, sizes))
+        for sources in self._chunk_sources():
+            if not sources or all(grads[param] is None for param, _, _ in sources):
+                out.extend([None] * max(1, len(sources)))
+                continue
+            for param, start, numel in sources:
+                grad = grads[param]
+                if grad is None:
+                    out.append(self._all_params[param].new_zeros(numel))
+                else:
+                    out.append(grad.detach().reshape(-1)[start : start + numel])
         return out
 
     def _load_step_grads(self, unscale: float = 1.0) -> None:
@@ -808,9 +810,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         :func:`zerofn.footprint.plan_footprint` predicts.
 
         Returns:
-            ``parameters`` (all of them), ``gradients`` (their ``.grad``,
-            and under a flat partition without masters the flat copy of
-            this rank's slice of them, kept from step to step),
+            ``parameters`` (all of them), ``gradients`` (their ``.grad``),
             ``master_weights`` (this rank's master copies; zero without
             ``master_dtype``), ``optimizer_state`` (tensors in the local
             optimizer's state) and ``exchange_buffers`` (buffer bytes no
@@ -824,8 +824,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             aliased += sum(_nbytes(p) for p in params if lo <= p.data_ptr() < hi)
         return {
             "parameters": sum(_nbytes(p) for p in params),
-            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None)
-            + sum(_nbytes(g) for g in self._flat_grads if g is not None),
+            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
             "master_weights": self._masters.nbytes() if self._masters is not None else 0,
             "optimizer_state": sum(
                 _nbytes(v)
