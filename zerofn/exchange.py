@@ -119,10 +119,7 @@ def group_slots(
 
 
 def flat_grad(
-    slots: Sequence[Slot],
-    grads: Sequence[torch.Tensor | None],
-    out: torch.Tensor | None,
-    dtype: torch.dtype | None = None,
+    slots: Sequence[Slot], grads: Sequence[torch.Tensor | None], out: torch.Tensor | None
 ) -> torch.Tensor | None:
     """One param group's gradient as one flat tensor: the slices of ``grads``
     (global, by parameter index) that ``slots`` cover, laid out as in the
@@ -132,8 +129,6 @@ def flat_grad(
         slots: the group's contiguous slots (see :func:`group_slots`).
         grads: every parameter's gradient, or ``None``.
         out: last step's flat gradient to write into (handed over), or ``None``.
-        dtype: without ``out``, the new tensor's dtype (the gradients are cast
-            as they are gathered); default: the gradients'.
 
     Returns:
         The flat gradient (``out`` when given); ``None`` if no covered
@@ -145,9 +140,7 @@ def flat_grad(
     base = slots[0].offset
     length = slots[-1].stop - base
     some = next(g for g in covered if g is not None)
-    if out is None:
-        out = torch.empty(length, dtype=dtype or some.dtype, device=some.device)
-    flat = out
+    flat = out if out is not None else torch.zeros(length, dtype=some.dtype, device=some.device)
     for slot, grad in zip(slots, covered, strict=True):
         target = flat[slot.offset - base : slot.stop - base]
         if grad is None:
