@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _world import run_world
+from test_powersgd_ddp import make_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.powersgd import PowerSGDState, powerSGD_hook
 
@@ -28,21 +29,6 @@ START = 2
 SAVE_AT = 5
 MORE = 10
 SEVERAL = 0.004  # bucket_cap_mb that cuts the model below into 3 buckets
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(3)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 32),
-        torch.nn.ReLU(),
-        torch.nn.Linear(32, 32),
-        torch.nn.Tanh(),
-        torch.nn.Linear(32, 32),
-        torch.nn.Unflatten(1, (4, 8)),
-        torch.nn.Conv1d(4, 6, 3),
-        torch.nn.Flatten(),
-        torch.nn.Linear(36, 4),
-    )
 
 
 def step(model: DDP, opt: torch.optim.Optimizer, i: int) -> None:
@@ -77,7 +63,7 @@ def resume_case(kwargs: dict[str, Any], cap: float | None, folder: str) -> dict[
     """Train SAVE_AT + MORE steps; save at SAVE_AT and resume from files in a
     brand-new model, optimizer and state; the largest relative difference."""
     state = PowerSGDState(None, start_powerSGD_iter=START, **kwargs)
-    model = wrap(make_model(), state, cap)
+    model = wrap(make_model(3), state, cap)
     opt = sgd(model)
     for i in range(SAVE_AT):
         step(model, opt, i)
@@ -93,7 +79,7 @@ def resume_case(kwargs: dict[str, Any], cap: float | None, folder: str) -> dict[
     buckets = len({index for index, _ in state.hook_state.buckets if index >= 0})
 
     saved = torch.load(path, weights_only=True)
-    module = make_model()
+    module = make_model(3)
     module.load_state_dict(saved["model"])
     fresh_state = PowerSGDState(None)
     fresh_state.load_state_dict(saved["psgd"])
@@ -112,10 +98,10 @@ def layout_change_case() -> dict[str, Any]:
     copy of the module) with other buckets; compared with a run that never moved."""
     kwargs = {"matrix_approximation_rank": 2}
     steady_state = PowerSGDState(None, start_powerSGD_iter=START, **kwargs)
-    steady = wrap(make_model(), steady_state, None)
+    steady = wrap(make_model(3), steady_state, None)
     steady_opt = sgd(steady)
     state = PowerSGDState(None, start_powerSGD_iter=START, **kwargs)
-    moved = wrap(make_model(), state, None)
+    moved = wrap(make_model(3), state, None)
     opt = sgd(moved)
     for i in range(SAVE_AT):
         step(steady, steady_opt, i)
