@@ -3,8 +3,10 @@ greedy with PyTorch's own sorted-greedy partition."""
 
 from __future__ import annotations
 
+import bisect
 import copy
 import functools
+import itertools
 import types
 
 import pytest
@@ -318,3 +320,22 @@ def test_manual_partition_takes_the_old_argument_order_with_a_warning() -> None:
     with pytest.warns(DeprecationWarning, match="deprecated"):
         old = manual_partition([[3, 4, 5]], [[2], [0, 1]], 2)  # type: ignore[arg-type]
     assert old == new
+
+
+@SETTINGS
+@given(zst.group_sizes(), zst.world_sizes())
+def test_local_tensors_hold_each_ranks_pieces_in_order_within_one_group(
+    groups: list[list[int]], world_size: int
+) -> None:
+    # The one partition protocol the optimizer, consolidation and checkpoints read.
+    partitions = [
+        *_whole_partitions(groups, world_size).values(),
+        flat_partition(groups, world_size),
+    ]
+    bounds = list(itertools.accumulate((len(g) for g in groups), initial=0))
+    for partition in partitions:
+        for rank in range(world_size):
+            tensors = partition.local_tensors(rank)
+            assert tuple(p for t in tensors for p in t) == partition.pieces_of(rank)
+            for pieces in tensors:
+                assert len({bisect.bisect_right(bounds, p.param) for p in pieces}) <= 1

@@ -142,6 +142,11 @@ class Partition:
         sizes = self.sizes
         return tuple(Piece(i, 0, sizes[i]) for i in self.params_of(rank))
 
+    def local_tensors(self, rank: int) -> tuple[tuple[Piece, ...], ...]:
+        """What each tensor of ``rank``'s local state dict holds: one whole
+        parameter each, in local order."""
+        return tuple((piece,) for piece in self.pieces_of(rank))
+
 
 @attrs.frozen
 class Piece:
@@ -217,6 +222,11 @@ class FlatPartition:
             tuple(p for p in pieces if offsets[g] <= p.param < offsets[g + 1])
             for g in range(len(self.group_sizes))
         )
+
+    def local_tensors(self, rank: int) -> tuple[tuple[Piece, ...], ...]:
+        """What each tensor of ``rank``'s local state dict holds: one per param
+        group, its pieces back to back (a group may hold none)."""
+        return self.group_pieces_of(rank)
 
 
 def _first_min(values: Sequence[int]) -> int:

@@ -197,7 +197,7 @@ def _consolidate_flat(
     # Collect, per global parameter, (piece, rank's flat state, offset in it).
     found: dict[int, list[tuple[Piece, Mapping[str, Any], int]]] = {}
     for rank, sd in enumerate(local_state_dicts):
-        for g, pieces in enumerate(partition.group_pieces_of(rank)):
+        for g, pieces in enumerate(partition.local_tensors(rank)):
             entry = sd["state"].get(g)
             offset = 0
             for piece in pieces:
@@ -238,7 +238,7 @@ def _shard_flat(
     state: dict[int, Any] = {}
     groups = []
     global_state = state_dict["state"]
-    for g, pieces in enumerate(partition.group_pieces_of(rank)):
+    for g, pieces in enumerate(partition.local_tensors(rank)):
         groups.append({**hyper[g], "params": [g]})
         with_state = [p for p in pieces if p.param in global_state]
         if not with_state:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -38,7 +39,7 @@ from zerofn.checkpoint_manifest import (
     refusal,
 )
 from zerofn.errors import CheckpointError
-from zerofn.partition import FlatPartition, Piece
+from zerofn.partition import Piece
 from zerofn.sharded_checkpoint import PREFIX, Copy, cover, parse_key, piece_key
 from zerofn_torch.comm import all_gather_objects, broadcast_object, gather_objects, guarded
 from zerofn_torch.zero import ZeroRedundancyOptimizer
@@ -54,20 +55,13 @@ _Plans = dict[Piece, dict[str, list[Copy]]]
 
 
 def _local_pieces(optimizer: ZeroRedundancyOptimizer) -> list[list[tuple[Piece, int]]]:
-    """For each local optimizer parameter: the global pieces it holds, with
-    each piece's offset inside the local tensor."""
-    partition = optimizer._plan.partition
-    rank = optimizer.rank
-    if isinstance(partition, FlatPartition):
-        out = []
-        for pieces in partition.group_pieces_of(rank):
-            offset, located = 0, []
-            for piece in pieces:
-                located.append((piece, offset))
-                offset += piece.numel
-            out.append(located)
-        return out
-    return [[(piece, 0)] for piece in partition.pieces_of(rank)]
+    """For each tensor of the local state dict: the global pieces it holds
+    (as the partition says), with each piece's offset inside the tensor."""
+    out = []
+    for pieces in optimizer._plan.partition.local_tensors(optimizer.rank):
+        offsets = itertools.accumulate((p.numel for p in pieces), initial=0)
+        out.append(list(zip(pieces, offsets, strict=False)))
+    return out
 
 
 def _shapes(optimizer: ZeroRedundancyOptimizer) -> list[tuple[int, ...]]:
