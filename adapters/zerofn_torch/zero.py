@@ -79,6 +79,29 @@ def _cpu_copy(value: Any) -> Any:
     return value
 
 
+def _check_arguments(
+    groups: Sequence[dict[str, Any]],
+    optimizer_class: type[Optimizer],
+    overlap_with_ddp: bool,
+    partition: str | Sequence[Sequence[torch.Tensor]],
+    elementwise: bool,
+) -> None:
+    """Refuse what the constructor cannot build, before anything is built."""
+    check_same_dense_type([p for g in groups for p in g["params"]])
+    if overlap_with_ddp and len(groups) != 1:
+        raise RuntimeError(
+            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
+            f"group, got {len(groups)}"
+        )
+    if overlap_with_ddp and partition != "greedy":
+        raise ValueError(
+            "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
+            "at its default"
+        )
+    if partition == "flat":
+        check_elementwise(optimizer_class, elementwise)
+
+
 class _ZeroJoinHook(JoinHook):
     """Shadows a joined rank's share of the step's collectives."""
 
@@ -150,21 +173,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         groups = normalize_params(params)
-        check_same_dense_type([p for g in groups for p in g["params"]])
+        _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
         self._master_dtype = resolve_master_dtype(groups[0]["params"][0].dtype, master_dtype)
         self._masters: Masters | None = None
-        if overlap_with_ddp and len(groups) != 1:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
-                f"group, got {len(groups)}"
-            )
-        if overlap_with_ddp and partition != "greedy":
-            raise ValueError(
-                "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
-                "at its default"
-            )
-        if partition == "flat":
-            check_elementwise(optimizer_class, elementwise)
         self._initialized = False
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)
