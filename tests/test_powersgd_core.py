@@ -565,3 +565,23 @@ def test_restored_state_compresses_provisional_buckets_with_its_memories(
             for k in shapes:
                 torch.testing.assert_close(g[k], w[k], rtol=1e-6, atol=1e-7)
     assert resumed[0].global_state.iteration == through[0].global_state.iteration
+
+
+def test_keys_are_looked_up_when_tracked_and_learned_from_the_provisional_buckets() -> None:
+    from zerofn.powersgd.keys import KeyFinder, bucket_keys, finish_iteration, tracked
+
+    finder, keys = bucket_keys(tracked([10, 11, 12, 13]), [13, 11], None)
+    assert keys == (3, 1)
+    # Untracked, count unknown: DDP's first iteration takes the parameters
+    # from the model's end (each bucket in model order); their keys are known
+    # once the iteration is over.
+    finder, keys = bucket_keys(KeyFinder(), [12, 13], None)
+    assert keys is None
+    finder, keys = bucket_keys(finder, [10, 11], None)
+    assert keys is None
+    finder = finish_iteration(finder)
+    assert bucket_keys(finder, [10, 11, 12, 13], None)[1] == (0, 1, 2, 3)
+    assert finder.from_end == {}
+    # Count known (a restored layout): keys at once.
+    _, keys = bucket_keys(KeyFinder(), [12, 13], 4)
+    assert keys == (2, 3)

@@ -36,6 +36,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from zerofn import powersgd
 from zerofn.hook import HookState
 from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
+from zerofn.powersgd.keys import KeyFinder, bucket_keys, finish_iteration, parameter_count, tracked
 from zerofn_torch.comm import HookCell
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
@@ -101,20 +102,20 @@ class PowerSGDState:
         # Not state to checkpoint: the cell's lock and pipeline belong to this
         # process; its state is replaced by load_state_dict.
         self._cell = HookCell(initial)
-        self._keys = _ParameterKeys()
+        self._keys = KeyFinder()
         self._adopt(config, initial)
 
     def track_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
         """Key the state by these parameters' positions (e.g. ``model.parameters()``).
 
         Optional: without it, the keys are learned from DDP's first iteration
-        (see the module docs); give them when the state is attached to a DDP
+        (see :mod:`zerofn.powersgd.keys`); give them when the state is attached to a DDP
         model that has already run, or whose parameters mix dtypes.
 
         Args:
             parameters: the model's parameters, in the model's order.
         """
-        self._keys.track(list(parameters))
+        self._keys = tracked([id(p) for p in parameters])
 
     def _adopt(self, config: PowerSGDConfig, state: _State) -> None:
         self.config = config
@@ -233,63 +234,11 @@ class PowerSGDState:
         )
         config, restored = powersgd.from_state_dict(state)
         self._cell = HookCell(restored)
-        self._keys = _ParameterKeys()
+        self._keys = KeyFinder()
         self._adopt(config, restored)
 
     def __repr__(self) -> str:
         return f"PowerSGDState(iter={self.iter}, config={self.config})"
-
-
-class _ParameterKeys:
-    """Each parameter's key: its index in the model.
-
-    Given the model (:meth:`PowerSGDState.track_parameters`), the index in its
-    ``parameters()``. Otherwise learned from the first iteration this state
-    sees of a model: DDP runs it on provisional buckets that hold the
-    parameters in reverse order of definition, the last ones in bucket 0, so
-    the position counted from the model's end is known as the buckets come;
-    the count of parameters comes from the restored layout (or, in a fresh
-    run, from the end of that first iteration, before anything is kept).
-    """
-
-    def __init__(self) -> None:
-        self.known: dict[int, int] = {}
-        self._from_end: dict[int, int] = {}
-
-    def track(self, parameters: list[torch.Tensor]) -> None:
-        self.known = {id(p): i for i, p in enumerate(parameters)}
-        self._from_end = {}
-
-    def keys(self, bucket: Any, count: int | None) -> tuple[int, ...] | None:
-        params = list(bucket.parameters()) if hasattr(bucket, "parameters") else None
-        if params is None:
-            return None  # a hand-made bucket: the core keys it by position
-        if not all(id(p) in self.known for p in params):
-            self._discover(params, count)
-            if any(id(p) not in self.known for p in params):
-                return None
-        return tuple(self.known[id(p)] for p in params)
-
-    def _discover(self, params: list[Any], count: int | None) -> None:
-        base = len(self._from_end)
-        for j, p in enumerate(params):
-            self._from_end[id(p)] = base + len(params) - 1 - j
-        if count is not None:
-            self.known.update({pid: count - 1 - e for pid, e in self._from_end.items()})
-
-    def end_iteration(self) -> None:
-        if self._from_end and not all(pid in self.known for pid in self._from_end):
-            count = len(self._from_end)
-            self.known.update({pid: count - 1 - e for pid, e in self._from_end.items()})
-        self._from_end = {}
-
-
-def _parameter_count(state: _State) -> int | None:
-    layout = state.global_state.reference or state.global_state.previous
-    keys = [k for bucket_keys, _ in layout for k in bucket_keys]
-    if keys and all(isinstance(k, int) for k in keys):
-        return len(keys)
-    return None
 
 
 def _log_stats_if_due(state: PowerSGDState, before: PowerSGDGlobalState) -> None:
@@ -310,14 +259,18 @@ def _run(
     state: PowerSGDState, hook: PowerSGDHook, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    keys = state._keys.keys(bucket, _parameter_count(state.hook_state))
+    keys = None
+    if hasattr(bucket, "parameters"):  # a hand-made bucket: the core keys it by position
+        identities = [id(p) for p in bucket.parameters()]
+        count = parameter_count(state.hook_state.global_state)
+        state._keys, keys = bucket_keys(state._keys, identities, count)
     if keys is not None:
         shapes = [tuple(g.shape) for g in bucket.gradients()]
         with state._cell.lock:
             state._cell.state = powersgd.claim(state._cell.state, bucket.index(), keys, shapes)
     before, info, result = state._cell.run(hook, bucket, group)
     if info.is_last:
-        state._keys.end_iteration()
+        state._keys = finish_iteration(state._keys)
     _log_stats_if_due(state, before.global_state)
     return result
 

@@ -15,6 +15,7 @@ The package is a composition of small modules, one idea each:
 * :mod:`~zerofn.powersgd.layout`: which matrices are compressed, grouped by shape;
 * :mod:`~zerofn.powersgd.codec`: the low-rank codec (orthogonalisation, ``P``/``Q``);
 * :mod:`~zerofn.powersgd.state`: state keyed by parameter, :func:`claim`;
+* :mod:`~zerofn.powersgd.keys`: which parameter is which (its index in the model);
 * :mod:`~zerofn.powersgd.layerwise` and :mod:`~zerofn.powersgd.batched`: the hooks,
   with :mod:`zerofn.error_feedback`'s per-parameter primitives;
 * :mod:`~zerofn.powersgd.checkpoint`: versioned, weights-only state dicts.
