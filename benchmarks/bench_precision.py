@@ -39,6 +39,7 @@ table stays GPT-2 small: planning allocates nothing).
 from __future__ import annotations
 
 import gc
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -287,14 +288,7 @@ def _precision_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup
         times[kernel] = take_turns({"zerofn": ours.step, "torch": theirs.step}, rounds, warmup)
         del ours, theirs
         gc.collect()
-    return {"measured": measured, "times": times, "numel": sum(_numel(s) for s in shapes)}
-
-
-def _numel(shape: Shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return {"measured": measured, "times": times, "numel": sum(math.prod(s) for s in shapes)}
 
 
 # ----------------------------------------------------------------------------
@@ -419,7 +413,7 @@ def computed_part(gpt2: Sequence[Shape], computed: dict[int, dict[str, float]]) 
     ]
     table = md_table(["set-up (heaviest rank)", *(f"d = {ws}" for ws in sizes)], rows)
     intro = (
-        f"Computed for GPT-2 small ({sum(_numel(s) for s in gpt2) / 1e6:.1f}M), "
+        f"Computed for GPT-2 small ({sum(math.prod(s) for s in gpt2) / 1e6:.1f}M), "
         "heaviest rank; PyTorch's row is `plan_footprint` with greedy ownership, "
         "zerofn's fp32 row flat, the bf16 row from "
         "`plan_footprint(..., master_dtype=torch.float32)`:"

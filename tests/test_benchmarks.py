@@ -9,6 +9,7 @@ model, planned bytes and live-tensor count (on one in-process rank).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -178,7 +179,7 @@ def test_mode_rows_hold_each_setting_against_the_floor_of_its_kernel() -> None:
 def test_precision_model_has_gpt2_small_structure() -> None:
     assert bench_precision.gpt2_like(768, 3072, 50257, 1024, 12) == MODELS["gpt2-small"]()
     _, quick = bench_precision.model_shapes(quick=True)
-    assert 2e6 < sum(bench_precision._numel(s) for s in quick) < 10e6
+    assert 2e6 < sum(math.prod(s) for s in quick) < 10e6
 
 
 def test_precision_planned_bytes_follow_the_formulas() -> None:
@@ -193,7 +194,7 @@ def test_precision_planned_bytes_follow_the_formulas() -> None:
 @pytest.mark.parametrize("setup", ["torch", "fp32", "bf16"])
 def test_precision_counts_every_live_tensor_once(setup: str) -> None:
     shapes = [(16, 8), (8,), (8, 4)]
-    numel = sum(bench_precision._numel(s) for s in shapes)
+    numel = sum(math.prod(s) for s in shapes)
     opt, params = bench_precision._build(setup, shapes)
     opt.step()
     counted, _ = bench_precision.count_bytes(opt, params)

@@ -185,11 +185,6 @@ def _state_bytes(
     return sum(model.elementwise_states * n * itemsize + model.scalar_bytes for n in tensors)
 
 
-def _owned_numel(plan: ShardPlan, rank: int) -> int:
-    """Elements of the model that ``rank`` steps."""
-    return sum(piece.numel for piece in plan.partition.pieces_of(rank))
-
-
 def _hook_payload(shapes: list[Sequence[int]], hook: HookKind, rank: int, itemsize: int) -> int:
     """Bytes one rank hands to the hook's all-reduces per step."""
     numel = sum(math.prod(s) for s in shapes)
@@ -276,7 +271,7 @@ def plan_footprint(
         RankBytes(
             parameters=numel * itemsize,
             gradients=numel * itemsize,
-            master_weights=_owned_numel(plan, r) * state_itemsize if masters else 0,
+            master_weights=plan.partition.loads()[r] * state_itemsize if masters else 0,
             optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
             exchange_buffers=buffers,
         )

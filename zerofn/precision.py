@@ -32,6 +32,7 @@ __all__ = [
     "LossScaleState",
     "clip_coefficient",
     "global_norm_program",
+    "has_nonfinite",
     "init_loss_scale",
     "local_norm_power",
     "nonfinite_program",
@@ -99,16 +100,19 @@ def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.T
     """
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0, 1.0, inf), got {norm_type}")
-    total = torch.zeros(1, dtype=torch.float32)
+    # Accumulated where the gradients live and moved once: one sync, not one
+    # per tensor, on an accelerator.
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads:
         if g.numel() == 0:  # an empty shard adds nothing (and has no max)
             continue
         wide = g.detach().to(torch.float32)
         if math.isinf(norm_type):
-            total = torch.maximum(total, wide.abs().amax().reshape(1).cpu())
+            total = torch.maximum(total, wide.abs().amax().reshape(1))
         else:
-            total += torch.linalg.vector_norm(wide, norm_type).pow(norm_type).cpu()
-    return total
+            total += torch.linalg.vector_norm(wide, norm_type).pow(norm_type)
+    return total.cpu()
 
 
 def global_norm_program(
@@ -129,14 +133,18 @@ def global_norm_program(
     return norm_of_powers(float(total.item()), norm_type)
 
 
+def has_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``grads`` holds inf or nan (this rank's answer alone)."""
+    return any(not bool(torch.isfinite(g).all()) for g in grads)
+
+
 def nonfinite_program(grads: Sequence[torch.Tensor], device: torch.device) -> Program[bool]:
     """Whether any rank's ``grads`` hold inf or nan: one all-reduce of one flag.
 
     Returns:
         A program whose value is the same on every rank.
     """
-    local = any(not bool(torch.isfinite(g).all()) for g in grads)
-    flag = torch.tensor([1.0 if local else 0.0], device=device)
+    flag = torch.tensor([1.0 if has_nonfinite(grads) else 0.0], device=device)
     (total,) = yield AllReduce((flag,), "max")
     return bool(total.item() > 0)
 

@@ -43,6 +43,7 @@ from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_t
 from zerofn.precision import (
     clip_coefficient,
     global_norm_program,
+    has_nonfinite,
     local_norm_power,
     nonfinite_program,
     norm_of_powers,
@@ -176,7 +177,7 @@ class _OverlappedStep:
         if self.loss_scaler is not None:
             unscale = 1.0 / self.loss_scaler.get_scale()
             if everywhere:
-                found = any(not bool(torch.isfinite(g).all()) for g in shares)
+                found = has_nonfinite(shares)
             else:
                 program = nonfinite_program(shares, self.zero.join_device)
                 found = drive(program, self.zero.process_group, self._purpose("inf/nan")).wait()
