@@ -27,7 +27,7 @@ precision. :func:`allreduce_mean` is the plain averaging hook.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 import torch
@@ -60,12 +60,22 @@ class BucketInfo:
         shapes: shapes of the bucket's gradients, laid out flat in order.
         world_size: number of ranks reducing the bucket.
         is_last: whether this is the iteration's last bucket.
+        params: global indices of the bucket's parameters, in bucket order,
+            where the runner knows them (the overlapped ZeRO step needs them).
+        final: whether the bucket layout is final (DDP rebuilds its buckets
+            once, after the first iteration).
+        handle: the runner's own object for the bucket (DDP's
+            ``GradBucket``), for a hook that lives outside the core; not
+            compared.
     """
 
     index: int
     shapes: tuple[tuple[int, ...], ...]
     world_size: int
     is_last: bool = False
+    params: tuple[int, ...] = ()
+    final: bool = True
+    handle: Any = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def numels(self) -> tuple[int, ...]:

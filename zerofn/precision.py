@@ -38,6 +38,7 @@ __all__ = [
     "nonfinite_program",
     "norm_of_powers",
     "resolve_master_dtype",
+    "step_factor_program",
     "update_loss_scale",
 ]
 
@@ -147,6 +148,49 @@ def nonfinite_program(grads: Sequence[torch.Tensor], device: torch.device) -> Pr
     flag = torch.tensor([1.0 if has_nonfinite(grads) else 0.0], device=device)
     (total,) = yield AllReduce((flag,), "max")
     return bool(total.item() > 0)
+
+
+def step_factor_program(
+    grads: Sequence[torch.Tensor],
+    *,
+    inv_scale: float | None,
+    max_norm: float | None,
+    device: torch.device,
+    shared: bool,
+) -> Program[tuple[bool, float]]:
+    """What to multiply this rank's share of the gradients by before a step.
+
+    A loss scaler's ``inv_scale`` asks first whether any rank's share holds
+    inf or nan (then every rank skips the step); ``max_norm`` then clips by
+    the 2-norm over every rank's share. Each question is one all-reduce of
+    one number, unless ``shared``: every rank holds all of the gradients, so
+    its own answer is everyone's and nothing is sent.
+
+    Args:
+        grads: this rank's share of the model's gradients.
+        inv_scale: the loss scaler's ``1 / scale``; ``None`` without one.
+        max_norm: the clipping threshold; ``None`` not to clip.
+        device: where the collectives' tensors live.
+        shared: every rank holds every gradient.
+
+    Returns:
+        A program whose value is ``(skip, factor)``, equal on every rank:
+        ``skip`` when some share held inf or nan (only asked with
+        ``inv_scale``), else the factor (unscale times the clip coefficient).
+    """
+    unscale = 1.0 if inv_scale is None else inv_scale
+    if inv_scale is not None:
+        found = has_nonfinite(grads) if shared else (yield from nonfinite_program(grads, device))
+        if found:
+            return True, 0.0
+    if max_norm is None:
+        return False, unscale
+    power = local_norm_power(grads, 2.0)
+    if shared:
+        norm = norm_of_powers(float(power.item()), 2.0)
+    else:
+        norm = yield from global_norm_program(power, 2.0, device)
+    return False, unscale * clip_coefficient(norm * unscale, max_norm)
 
 
 def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:

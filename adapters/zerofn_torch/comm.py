@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -49,6 +50,7 @@ from zerofn.errors import CollectiveError
 from zerofn.hook import BucketInfo, CommHook, HookState
 
 __all__ = [
+    "Await",
     "HookCell",
     "ProgramPipeline",
     "all_gather_objects",
@@ -58,6 +60,7 @@ __all__ = [
     "drive",
     "failed",
     "for_ddp",
+    "foreign_hook",
     "gather_objects",
     "guarded",
     "issue",
@@ -69,6 +72,26 @@ R = TypeVar("R")
 T = TypeVar("T")
 G = TypeVar("G")
 B = TypeVar("B")
+
+
+@attrs.frozen(eq=False)
+class Await:
+    """A request the core does not know: the result of a DDP hook the core
+    cannot see into (PyTorch's own, or yours), already started. The driver
+    answers with the future's value; a failure passes through as raised
+    (the hook's own error, already naming what failed).
+
+    Attributes:
+        future: the running hook's future of the reduced flat gradient.
+        last: always the program's final request.
+    """
+
+    future: torch.futures.Future[torch.Tensor]
+    last: bool = True
+
+
+Step = Request | Await
+"""What a program run by this driver may yield."""
 
 
 def bucket_info(bucket: Any, group: Any) -> BucketInfo:
@@ -314,7 +337,7 @@ def _start(request: Request, group: Any) -> torch.futures.Future[Response]:
 
 
 def issue(
-    request: Request, group: Any, purpose: str = "a collective"
+    request: Step, group: Any, purpose: str = "a collective"
 ) -> torch.futures.Future[Response]:
     """Start the collective ``request`` asks for; the future yields its response.
 
@@ -332,6 +355,8 @@ def issue(
         :class:`zerofn.errors.CollectiveError` if the collective failed on
         this rank (raised by ``wait()``; never a partial result).
     """
+    if isinstance(request, Await):
+        return then(request.future, lambda value: (value,))
     try:
         started = _start(request, group)
     except Exception as e:  # a transport that fails at once, when posting
@@ -413,7 +438,7 @@ class _Running(Generic[R]):
         self.pending: torch.futures.Future[Response] | None = None
         self._step(lambda: next(program))
 
-    def _step(self, resume: Callable[[], Request]) -> None:
+    def _step(self, resume: Callable[[], Step]) -> None:
         """Resume the program and issue the request it makes next."""
         try:
             request = resume()
@@ -496,11 +521,17 @@ class ProgramPipeline:
         for running in older:
             running.advance()
         self._running = [r for r in [*older, started] if not r.done]
-        while is_last and self._running:
+        if is_last:
+            self.drain()
+        return started.result
+
+    def drain(self) -> None:
+        """Issue every running program's remaining requests, oldest program
+        first, round by round (the same order on every rank)."""
+        while self._running:
             for running in self._running:
                 running.advance()
             self._running = [r for r in self._running if not r.done]
-        return started.result
 
 
 def run_stateless(
@@ -514,6 +545,32 @@ def run_stateless(
     _, program = hook.start(bucket.buffer(), info, None, None)
     purpose = f"DDP bucket {info.index} (hook {hook.name!r})"
     return for_ddp(then(drive(program, group, purpose), lambda result: result[0]))
+
+
+def foreign_hook(
+    fn: Callable[[Any, Any], torch.futures.Future[torch.Tensor]],
+) -> CommHook[None, None]:
+    """A DDP hook the core cannot see into, ``fn(state, bucket)``, as a core
+    hook, so combinators (the overlapped ZeRO step) can wrap it.
+
+    The bucket's :attr:`~zerofn.hook.BucketInfo.handle` must be the pair
+    ``(state, bucket)`` DDP passed; ``fn`` starts when the hook starts (in
+    bucket order) and its program awaits ``fn``'s future (:class:`Await`).
+    Only this module's driver runs such a program.
+    """
+
+    def start(
+        grad: torch.Tensor, bucket: BucketInfo, g: None, b: None
+    ) -> tuple[None, Program[tuple[torch.Tensor, None]]]:
+        running = fn(*bucket.handle)
+
+        def program() -> Program[tuple[torch.Tensor, None]]:
+            (reduced,) = yield Await(running)  # type: ignore[misc]
+            return reduced, None
+
+        return None, program()
+
+    return CommHook(init=lambda: None, start=start, name=getattr(fn, "__name__", "hook"))
 
 
 class HookCell(Generic[G, B]):
@@ -546,7 +603,16 @@ class HookCell(Generic[G, B]):
             :func:`for_ddp`; the cell's state takes the bucket's result when it
             completes).
         """
-        info = bucket_info(bucket, group)
+        before, info, result = self.start(hook, bucket, group, bucket_info(bucket, group))
+        return before, info, for_ddp(result)
+
+    def start(
+        self, hook: CommHook[G, B], bucket: Any, group: Any, info: BucketInfo
+    ) -> tuple[HookState[G, B], BucketInfo, torch.futures.Future[torch.Tensor]]:
+        """Like :meth:`run`, with the bucket described by ``info`` (for hooks
+        that need more than :func:`bucket_info` reads: parameter indices,
+        whether the layout is final), and the future not yet made for DDP:
+        it fails with the :class:`zerofn.errors.CollectiveError` itself."""
         with self.lock:
             before = self.state
             state, program = core.begin_bucket(hook, before, bucket.buffer(), info)
@@ -561,5 +627,4 @@ class HookCell(Generic[G, B]):
             return grad
 
         purpose = f"DDP bucket {info.index} (hook {hook.name!r})"
-        result = then(self.pipeline.run(program, group, info.is_last, purpose), record)
-        return before, info, for_ddp(result)
+        return before, info, then(self.pipeline.run(program, group, info.is_last, purpose), record)

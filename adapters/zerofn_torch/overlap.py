@@ -38,17 +38,11 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
 from zerofn.comm import split_like
-from zerofn.ddp_buckets import BucketPlan, BucketShard
-from zerofn.overlap_step import broadcast_from_owners, owned_gradients, reduce_to_owners
-from zerofn.precision import (
-    clip_coefficient,
-    global_norm_program,
-    has_nonfinite,
-    local_norm_power,
-    nonfinite_program,
-    norm_of_powers,
-)
-from zerofn_torch.comm import drive
+from zerofn.hook import init_hook_state
+from zerofn.overlap_hook import OverlapConfig, StepOrder, gradients_to_step, zero_step_hook
+from zerofn.overlap_step import broadcast_from_owners
+from zerofn.precision import clip_coefficient, step_factor_program
+from zerofn_torch.comm import HookCell, bucket_info, drive, for_ddp, foreign_hook
 from zerofn_torch.default_hooks import allreduce_hook
 from zerofn_torch.loss_scaling import LossScaler
 from zerofn_torch.zero import ZeroRedundancyOptimizer
@@ -64,195 +58,148 @@ def _is_averaging_hook(hook: DDPHook) -> bool:
     return hook in (allreduce_hook, torch_default_hooks.allreduce_hook)
 
 
-@attrs.define
-class _Pending:
-    """A bucket handed over this iteration, whose reduction may be in flight."""
-
-    index: int
-    params: list[torch.Tensor]
-    buffer: torch.Tensor
-    future: torch.futures.Future[torch.Tensor] | None  # the inner hook's result
-    reduction: torch.futures.Future[torch.Tensor] | None  # pending reduce-to-owner
-
-
-def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-class _OverlappedStep:
-    """The stateful shell behind one overlapped hook registration."""
+class _OverlapRunner:
+    """The stateful shell behind one overlapped hook registration: it runs
+    the core's :func:`zerofn.overlap_hook.zero_step_hook` in a
+    :class:`~zerofn_torch.comm.HookCell`, like every other hook, and obeys
+    the step orders its state carries."""
 
     def __init__(
         self,
         hook: DDPHook,
         ddp: torch.nn.parallel.DistributedDataParallel,
         zero: ZeroRedundancyOptimizer,
-        shard_buckets: bool,
-        interleaved: bool,
+        config: OverlapConfig,
         max_grad_norm: float | None = None,
         loss_scaler: LossScaler | None = None,
     ) -> None:
         if max_grad_norm is not None:
             clip_coefficient(0.0, max_grad_norm)  # refuse a bad one now, not mid-backward
-        zero._attach_overlap(shard_buckets)
-        self.max_grad_norm = max_grad_norm
-        self.loss_scaler = loss_scaler
-        self.hook = hook
+        zero._attach_overlap_hook()
+        self.config = config
+        self.hook = zero_step_hook(foreign_hook(hook), config)
+        self.cell = HookCell(init_hook_state(self.hook))
         self.ddp = weakref.ref(ddp)
         self.zero = zero
-        self.interleaved = interleaved
-        self.reduce_to_owner = _is_averaging_hook(hook)
-        self.index_of = {id(p): i for i, p in enumerate(zero._all_params)}
-        self.pending: list[_Pending] = []
-        self.broadcasts: list[
-            tuple[list[torch.Tensor], torch.futures.Future[list[tuple[BucketShard, torch.Tensor]]]]
-        ] = []
-
-    # ----- one bucket ----------------------------------------------------------
+        self.max_grad_norm = max_grad_norm
+        self.loss_scaler = loss_scaler
+        params = [p for group in zero.param_groups for p in group["params"]]
+        self.index_of = {id(p): i for i, p in enumerate(params)}
+        # Buckets handed over and not stepped yet: their parameters, and the
+        # future of their averaged flat gradient.
+        self.handed: dict[int, tuple[list[torch.Tensor], torch.futures.Future[torch.Tensor]]] = {}
+        self.sending: list[tuple[list[torch.Tensor], torch.futures.Future[Any]]] = []
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        zero = self.zero
-        overlapped = zero._overlap_state.status == "initialized"
+        group = self.zero.process_group
         params = list(bucket.parameters())
-        ddp = self.ddp()
-        rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", True))
-        zero._observe_bucket(bucket.index(), [self.index_of[id(p)] for p in params], rebuilt)
-        if overlapped and self.reduce_to_owner:
-            entry = _Pending(bucket.index(), params, bucket.buffer(), None, self._reduce(bucket))
-            result = _completed(bucket.buffer())
-        else:
-            result = self.hook(state, bucket)
-            entry = _Pending(bucket.index(), params, bucket.buffer(), result, None)
-        self.pending.append(entry)
-        if overlapped and self.interleaved and len(self.pending) >= 2:
-            self._step_buckets([self.pending.pop(0)])
-        if bucket.is_last():
-            self._finish_iteration(overlapped)
-        return result
-
-    def _plan(self) -> BucketPlan:
-        plan = self.zero._overlap_state.plan
-        assert plan is not None
-        return plan
-
-    def _reduce(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Average the bucket's gradients onto the owner of each of its shards."""
-        program = reduce_to_owners(
-            self._plan(), bucket.index(), bucket.buffer(), self.zero.world_size
+        info = attrs.evolve(
+            bucket_info(bucket, group),
+            params=tuple(self.index_of[id(p)] for p in params),
+            final=bool(getattr(self.ddp(), "_has_rebuilt_buckets", True)),
+            handle=(state, bucket),
         )
-        purpose = (
-            f"the overlapped ZeRO step: reducing DDP bucket {bucket.index()}'s gradients "
-            "to their owners"
-        )
-        return drive(program, self.zero.process_group, purpose)
+        _, _, reduced = self.cell.start(self.hook, bucket, group, info)
+        self.handed[info.index] = (params, reduced)
+        order = self.cell.state.global_state.order
+        if order is not None:
+            self._obey(order)
+        if info.is_last:
+            self._receive()
+        return for_ddp(reduced)
 
-    # ----- stepping ----------------------------------------------------------------
-
-    def _averaged(self, entry: _Pending) -> tuple[torch.Tensor, ...]:
-        """The bucket's averaged gradients, once its reduction finished (on an
-        owner; elsewhere the reduce-to-owner path leaves them unspecified).
+    def _obey(self, order: StepOrder) -> None:
+        """Step what ``order`` names, start sending the owners' updates, and
+        keep only this rank's share once the plan is fixed.
 
         Raises:
-            zerofn.errors.CollectiveError: the reduction failed.
+            zerofn.errors.CollectiveError: a reduction, or a check before the
+                step, failed.
         """
-        if entry.reduction is not None:
-            entry.reduction.wait()
-        flat = entry.future.wait() if entry.future is not None else entry.buffer
-        return split_like(flat, entry.params)
-
-    def _indices(self, entry: _Pending) -> list[int]:
-        return [self.index_of[id(p)] for p in entry.params]
-
-    def _grad_factor(self, grads: dict[int, torch.Tensor], everywhere: bool) -> float | None:
-        """What to multiply ``grads`` (this rank's share of the model's
-        gradients, or all of them when ``everywhere``) by before the step:
-        the loss scaler's ``1 / scale`` times the clipping factor; ``None``
-        when some rank's share holds inf or nan (every rank then skips). One
-        all-reduce of one number for each, unless every rank holds every
-        gradient."""
-        shares = list(grads.values())
-        unscale = 1.0
-        if self.loss_scaler is not None:
-            unscale = 1.0 / self.loss_scaler.get_scale()
-            if everywhere:
-                found = has_nonfinite(shares)
-            else:
-                program = nonfinite_program(shares, self.zero.join_device)
-                found = drive(program, self.zero.process_group, self._purpose("inf/nan")).wait()
-            self.loss_scaler.record(self.zero, found)
-            if found:
-                return None
-        if self.max_grad_norm is None:
-            return unscale
-        power = local_norm_power(shares, 2.0)
-        if everywhere:
-            norm = norm_of_powers(float(power.item()), 2.0)
-        else:
-            norm_program = global_norm_program(power, 2.0, self.zero.join_device)
-            norm = drive(norm_program, self.zero.process_group, self._purpose("norm")).wait()
-        return unscale * clip_coefficient(norm * unscale, self.max_grad_norm)
-
-    @staticmethod
-    def _purpose(what: str) -> str:
-        return f"the overlapped ZeRO step: the gradients' global {what} check before the step"
-
-    def _step_buckets(self, entries: list[_Pending]) -> None:
-        """Step this rank's shards of ``entries`` in one local step (clipped
-        by the whole model's norm when asked), then start sending every shard
-        of them from its owner."""
-        zero, plan = self.zero, self._plan()
+        state = self.cell.state.global_state
+        self.cell.pipeline.drain()  # the buckets to step must be fully issued
+        taken = [(index, *self.handed.pop(index)) for index in order.buckets]
         grads: dict[int, torch.Tensor] = {}
-        for entry in entries:
-            averaged = self._averaged(entry)
-            grads |= owned_gradients(plan, zero.rank, entry.index, self._indices(entry), averaged)
-        factor = self._grad_factor(grads, everywhere=False)
-        if factor is None:  # every rank skips this step, and sends nothing
-            return
-        if grads:
-            zero._step_with_grads(grads, factor)
-        for entry in entries:
-            program = broadcast_from_owners(plan, zero.rank, entry.index, entry.params)
-            purpose = (
-                f"the overlapped ZeRO step: sending DDP bucket {entry.index}'s updated "
-                "parameters from their owners"
-            )
-            sent = drive(program, zero.process_group, purpose)
-            self.broadcasts.append((entry.params, sent))
+        for index, params, reduced in taken:
+            averaged = split_like(reduced.wait(), params)
+            indices = [self.index_of[id(p)] for p in params]
+            grads |= gradients_to_step(state, self.config, order, index, indices, averaged)
+        stepped = self._step(grads, shared=order.everywhere)
+        if stepped and not order.everywhere:
+            for index, params, _ in taken:
+                self._send(state, index, params)
+        if order.reshard is not None:
+            self.zero._adopt_overlap_plan(order.reshard)
 
-    def _receive_broadcasts(self) -> None:
+    def _step(self, grads: dict[int, torch.Tensor], shared: bool) -> bool:
+        """Step ``grads`` (this rank's share, or all of them when ``shared``)
+        unless the loss scaler finds inf or nan on some rank; clip first if
+        asked. Returns whether the step was taken (on every rank alike)."""
+        scaler = self.loss_scaler
+        program = step_factor_program(
+            list(grads.values()),
+            inv_scale=None if scaler is None else 1.0 / scaler.get_scale(),
+            max_norm=self.max_grad_norm,
+            device=self.zero.join_device,
+            shared=shared,
+        )
+        purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
+        skip, factor = drive(program, self.zero.process_group, purpose).wait()
+        if scaler is not None:
+            scaler.record(self.zero, skip)
+        if skip:
+            return False
+        if grads:
+            self.zero._step_with_grads(grads, factor)
+        return True
+
+    def _send(self, state: Any, index: int, params: list[torch.Tensor]) -> None:
+        """Start sending bucket ``index``'s shards from their owners."""
+        plan = state.overlap.plan
+        program = broadcast_from_owners(plan, self.config.rank, index, params)
+        purpose = (
+            f"the overlapped ZeRO step: sending DDP bucket {index}'s updated parameters "
+            "from their owners"
+        )
+        self.sending.append((params, drive(program, self.zero.process_group, purpose)))
+
+    def _receive(self) -> None:
+        """Write the shards other ranks sent into this rank's parameters."""
+        sending, self.sending = self.sending, []
         with torch.no_grad():
-            for params, sent in self.broadcasts:
-                for shard, flat in sent.wait():  # the shards other ranks own
+            for params, sent in sending:
+                for shard, flat in sent.wait():
                     owned = params[shard.offset : shard.offset + shard.count]
                     for p, value in zip(owned, split_like(flat, owned), strict=True):
                         p.copy_(value)
-        self.broadcasts = []
-
-    def _finish_iteration(self, overlapped: bool) -> None:
-        zero = self.zero
-        entries, self.pending = self.pending, []
-        if overlapped:
-            self._step_buckets(entries)
-            self._receive_broadcasts()
-            return
-        # Buckets not final yet: every rank steps every parameter itself.
-        grads: dict[int, torch.Tensor] = {}
-        for entry in entries:
-            for p, g in zip(entry.params, self._averaged(entry), strict=True):
-                grads[self.index_of[id(p)]] = g
-        factor = self._grad_factor(grads, everywhere=True)
-        if factor is not None:
-            zero._step_with_grads(grads, factor)
-        zero._finish_overlap_iteration()
 
 
-def _make_hook(step: _OverlappedStep) -> DDPHook:
+def _make_hook(runner: _OverlapRunner) -> DDPHook:
     def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return step(state, bucket)
+        return runner(state, bucket)
 
     return hook_with_zero_fn
+
+
+def _runner(
+    hook: DDPHook,
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    zero: ZeroRedundancyOptimizer,
+    shard_buckets: bool,
+    interleaved: bool,
+    max_grad_norm: float | None = None,
+    loss_scaler: LossScaler | None = None,
+) -> _OverlapRunner:
+    params = [p for group in zero.param_groups for p in group["params"]]
+    config = OverlapConfig(
+        sizes=tuple(p.numel() for p in params),
+        world_size=zero.world_size,
+        rank=zero.rank,
+        shard_buckets=shard_buckets,
+        interleaved=interleaved,
+        reduce_to_owner=_is_averaging_hook(hook),
+    )
+    return _OverlapRunner(hook, ddp, zero, config, max_grad_norm, loss_scaler)
 
 
 def hook_with_zero_step(
@@ -290,8 +237,7 @@ def hook_with_zero_step(
             a negative or non-finite ``max_grad_norm``.
         RuntimeError: if ``zero`` is already driven by another hook.
     """
-    step = _OverlappedStep(hook, ddp, zero, shard_buckets, False, max_grad_norm, loss_scaler)
-    return _make_hook(step)
+    return _make_hook(_runner(hook, ddp, zero, shard_buckets, False, max_grad_norm, loss_scaler))
 
 
 def hook_with_zero_step_interleaved(
@@ -311,4 +257,4 @@ def hook_with_zero_step_interleaved(
         ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``.
         RuntimeError: if ``zero`` is already driven by another hook.
     """
-    return _make_hook(_OverlappedStep(hook, ddp, zero, shard_buckets, interleaved=True))
+    return _make_hook(_runner(hook, ddp, zero, shard_buckets, interleaved=True))

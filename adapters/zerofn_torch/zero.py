@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
@@ -24,12 +23,6 @@ from zerofn.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_c
 from zerofn.exchange import ExchangeVia, exchange_program, group_slots, pack, unpack
 from zerofn.layout import Slot
 from zerofn.optimizers import check_elementwise
-from zerofn.overlap import (
-    OverlapState,
-    finish_overlap_iteration,
-    observe_bucket,
-    owned_params_per_rank,
-)
 from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
 from zerofn.plan import ShardPlan, plan_shards, with_trainable
@@ -202,8 +195,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             and not defaults.get("fused")
         )
         self._default_device = self._all_params[0].device
-        self._overlap: OverlapState | None = OverlapState() if overlap_with_ddp else None
-        self._overlap_attached = False
+        self._overlap_with_ddp = overlap_with_ddp
+        self._overlap_attached = False  # a hook drives the step
+        self._overlap_sharded = False  # the hook fixed the bucket plan
         if overlap_with_ddp:
             # Until DDP's buckets are final this rank steps every parameter.
             everything = list(range(len(self._all_params)))
@@ -428,7 +422,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 timed out). This rank's shard is stepped; other ranks' shards
                 may be partly received: restart from a checkpoint.
         """
-        if self._overlap is not None:
+        if self._overlap_with_ddp:
             logger.warning(
                 "step() does nothing with overlap_with_ddp=True: the DDP hook steps the "
                 "optimizer during backward"
@@ -459,7 +453,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ----- gradients: clipping and loss scaling ---------------------------------
 
     def _check_stepped_here(self, what: str) -> None:
-        if self._overlap is not None:
+        if self._overlap_with_ddp:
             raise RuntimeError(
                 f"{what} is not available with overlap_with_ddp=True: the DDP hook steps each "
                 "bucket during backward, before the gradients of the whole model are known. "
@@ -582,7 +576,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        if self._overlap is not None:
+        if self._overlap_with_ddp:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param group"
             )
@@ -724,45 +718,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self._masters.master[index].copy_(master)
 
     # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
-    # The overlap hook's interface: it reads the overlap record and asks for
-    # each transition; only the optimizer writes its own attributes.
+    # The overlap hook owns the overlap record (zerofn.overlap_hook); the
+    # optimizer is told three things: a hook drives it, step these gradients,
+    # and, once the bucket plan is fixed, which parameters each rank owns.
 
-    @property
-    def _overlap_state(self) -> OverlapState:
-        assert self._overlap is not None
-        return self._overlap
-
-    def _attach_overlap(self, shard_buckets: bool) -> None:
+    def _attach_overlap_hook(self) -> None:
         """Let one overlap hook drive this optimizer.
 
         Raises:
             ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
             RuntimeError: another hook drives it already.
         """
-        if self._overlap is None:
+        if not self._overlap_with_ddp:
             raise ValueError(
                 "the ZeroRedundancyOptimizer must be built with overlap_with_ddp=True to be "
                 "stepped by this hook"
             )
-        if self._overlap_attached or self._overlap.status != "uninitialized":
+        if self._overlap_attached:
             raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
         self._overlap_attached = True
-        self._overlap = attrs.evolve(self._overlap, shard_buckets=shard_buckets)
-
-    def _observe_bucket(self, index: int, params: Sequence[int], ddp_rebuilt: bool) -> None:
-        """Record that DDP handed over bucket ``index`` (see :func:`observe_bucket`)."""
-        self._overlap = observe_bucket(self._overlap_state, index, params, ddp_rebuilt)
-
-    def _finish_overlap_iteration(self) -> None:
-        """After a non-overlapped iteration: fix the bucket plan once DDP's
-        buckets are known, and keep only this rank's share from then on."""
-        sizes = [p.numel() for p in self._all_params]
-        self._overlap = finish_overlap_iteration(self._overlap_state, sizes, self.world_size)
-        if self._overlap.status == "initialized":
-            self._shard_for_overlap()
 
     def _check_overlap_initialized(self) -> None:
-        if self._overlap is not None and self._overlap.status != "initialized":
+        if self._overlap_with_ddp and not self._overlap_sharded:
             raise RuntimeError(
                 "this ZeroRedundancyOptimizer (overlap_with_ddp=True) is not initialized yet: "
                 "DDP fixes its buckets during the first iterations"
@@ -803,16 +780,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             for p, g in zip(local, saved, strict=True):
                 p.grad = g
 
-    def _shard_for_overlap(self) -> None:
-        """Once the bucket plan is fixed: keep only this rank's parameters and
-        their state (every rank held all of it until now)."""
-        assert self._overlap is not None
+    def _adopt_overlap_plan(self, owned: Sequence[Sequence[int]]) -> None:
+        """Keep only this rank's parameters and their state from now on
+        (every rank held all of it until the bucket plan was fixed).
+
+        Args:
+            owned: global parameter indices each rank owns.
+        """
         full_state = self._local_state_dict()  # global indices: it held every parameter
         params = self._all_params
-        owned = owned_params_per_rank(self._overlap)
         self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned])
         self.optim = self._new_local_optimizer()
         self._load_global_state(full_state)
+        self._overlap_sharded = True
 
     # ----- memory ---------------------------------------------------------------
 
