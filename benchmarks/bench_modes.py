@@ -15,7 +15,9 @@ with them and make the **floor**, the work no implementation can avoid:
 
 A setting's floor is the sum of the two for its kernel, round by round; the
 goal is every zerofn setting within 1.1x its floor, and flat no slower than
-greedy.
+greedy. Every setting passes ``parameters_as_bucket_view`` explicitly; the
+optimizer's default is the ``bucket_view=True`` row under flat and the
+``bucket_view=False`` rows otherwise.
 """
 
 from __future__ import annotations
@@ -176,7 +178,9 @@ def bench_modes(quick: bool) -> Section:
             "The floor is the update alone (Adam with the setting's kernel over one "
             "rank's share, held the fastest way for that kernel) plus the exchange "
             "alone (each rank's segment broadcast from its owner); ratios are taken "
-            "round by round, median [q1, q3].",
+            "round by round, median [q1, q3]. Each setting passes bucket_view "
+            "explicitly; zerofn's defaults are greedy and balanced without bucket views "
+            "(PyTorch's default) and flat with them.",
             table,
         ]
     )

@@ -69,6 +69,11 @@ def test_bucket_view_saves_the_exchange_copy() -> None:
     shapes = [[(64, 32), (32,)]]
     assert plan_footprint(shapes, 2).ranks[0].exchange_buffers == 4 * (64 * 32 + 32)
     assert plan_footprint(shapes, 2, bucket_view=True).ranks[0].exchange_buffers == 0
+    # Like the optimizer, flat defaults to bucket views and every other mode does not.
+    assert plan_footprint(shapes, 2, "flat").ranks[0].exchange_buffers == 0
+    assert plan_footprint(shapes, 2, "balanced").ranks[0].exchange_buffers > 0
+    flat_copy = plan_footprint(shapes, 2, "flat", bucket_view=False)
+    assert flat_copy.ranks[0].exchange_buffers == 4 * (64 * 32 + 32)
 
 
 def test_meta_modules_cost_nothing_and_plan_like_their_shapes() -> None:
@@ -102,16 +107,22 @@ def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixtur
     numel = mixed["numel"]
     assert heaviest["parameters"] == heaviest["gradients"] == 2 * numel
     assert abs(heaviest["master_weights"] - 4 * numel / 8) <= 4
+    assert heaviest["exchange_buffers"] == 0  # flat defaults to bucket views
+    main(["--model", "gpt2-small", "--world-size", "8", "--partition", "flat", "--json",
+          "--no-bucket-view"])  # fmt: skip
+    (copied,) = json.loads(capsys.readouterr().out)
+    assert copied["ranks"][0]["exchange_buffers"] == 4 * copied["numel"]
 
 
 # ----- against live tensors and counted collectives, on 2 gloo ranks -----------------
 
-# (partition, bucket view, hook, bf16 parameters with fp32 masters)
-CASES = [
+# (partition, bucket view (None: the default), hook, bf16 parameters with fp32 masters)
+CASES: list[tuple[str, bool | None, str, bool]] = [
     ("greedy", False, "allreduce", False),
     ("greedy", True, "allreduce", False),
     ("balanced", False, "allreduce", False),
     ("flat", False, "allreduce", False),
+    ("flat", None, "allreduce", False),
     ("flat", True, "powersgd", False),
     ("flat", True, "allreduce", True),
     ("greedy", False, "allreduce", True),
@@ -129,7 +140,9 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _measure(rank: int, mode: str, bucket_view: bool, hook: str, bf16: bool) -> dict[str, Any]:
+def _measure(
+    rank: int, mode: str, bucket_view: bool | None, hook: str, bf16: bool
+) -> dict[str, Any]:
     dtype = torch.bfloat16 if bf16 else torch.float32
     ddp = DDP(_model().to(dtype))
     if hook == "powersgd":
@@ -137,11 +150,12 @@ def _measure(rank: int, mode: str, bucket_view: bool, hook: str, bf16: bool) -> 
         ddp.register_comm_hook(state, hooks.powerSGD_hook)
     else:
         ddp.register_comm_hook(None, hooks.allreduce_hook)
+    view = {} if bucket_view is None else {"parameters_as_bucket_view": bucket_view}
     opt = ZeroRedundancyOptimizer(
         ddp.parameters(),
         torch.optim.Adam,
-        parameters_as_bucket_view=bucket_view,
         partition=mode,
+        **view,
         lr=0.01,
         master_dtype=torch.float32 if bf16 else None,
     )

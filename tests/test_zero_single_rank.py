@@ -176,6 +176,37 @@ def test_matches_plain_optimizer(
     assert isinstance(zero, Joinable)
 
 
+def test_flat_defaults_to_bucket_views_and_steps_the_same() -> None:
+    nbytes = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    # Flat without the argument: the parameters live in the exchange buffer.
+    a = make_model()
+    flat = ZeroRedundancyOptimizer(a.parameters(), torch.optim.Adam, partition="flat", lr=0.01)
+    assert flat.parameters_as_bucket_view is True
+    assert flat.memory_bytes()["exchange_buffers"] == 0
+    # Every other mode keeps PyTorch's default: the buffer is a second copy.
+    for mode in ("greedy", "balanced"):
+        other = ZeroRedundancyOptimizer(
+            make_model().parameters(), torch.optim.Adam, partition=mode, lr=0.01
+        )
+        assert other.parameters_as_bucket_view is False
+        assert other.memory_bytes()["exchange_buffers"] == nbytes
+    overlap = ZeroRedundancyOptimizer(
+        make_model().parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+    )
+    assert overlap.parameters_as_bucket_view is False
+    # The views change where the parameters live, not what the steps compute.
+    b = make_model()
+    copies = ZeroRedundancyOptimizer(
+        b.parameters(), torch.optim.Adam, parameters_as_bucket_view=False, partition="flat", lr=0.01
+    )
+    assert copies.memory_bytes()["exchange_buffers"] == nbytes
+    train(a, flat, 4)
+    train(b, copies, 4)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert flat.memory_bytes()["exchange_buffers"] == 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_lr_scheduler_drives_the_local_optimizer(mode: str) -> None:
     a, b = make_model(), make_model()

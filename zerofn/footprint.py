@@ -17,9 +17,10 @@ What it counts, per rank: **parameters** (every rank holds the whole model),
 **master weights** (with ``master_dtype``, the rank's shard),
 **optimizer state** (only the rank's shard, plus per-tensor scalars such as
 Adam's step), **exchange buffers** (the flat buffers the ZeRO step exchanges
-through; with ``bucket_view`` the parameters live in them, so nothing
-extra). And per step: the payload bytes each kind of collective carries on
-this rank, and how many collectives the ZeRO step issues.
+through; with ``bucket_view``, the default under ``flat``, the parameters
+live in them, so nothing extra). And per step: the payload bytes each kind
+of collective carries on this rank, and how many collectives the ZeRO step
+issues.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def plan_footprint(
     optimizer: str = "adam",
     hook: HookKind = "allreduce",
     powersgd_rank: int = 1,
-    bucket_view: bool = False,
+    bucket_view: bool | None = None,
     backend: Backend = "gloo",
     flat_chunks: bool = True,
 ) -> Footprint:
@@ -237,7 +238,8 @@ def plan_footprint(
         optimizer: a key of :data:`OPTIMIZERS`.
         hook: DDP's communication hook (``"allreduce"`` is DDP's default).
         powersgd_rank: the rank of PowerSGD's factors.
-        bucket_view: ``parameters_as_bucket_view``.
+        bucket_view: ``parameters_as_bucket_view``; ``None`` (the default)
+            follows the optimizer's default: on under ``"flat"``, off otherwise.
         backend: ``"gloo"`` (broadcasts) or ``"nccl"`` (one all-gather).
         flat_chunks: under ``"flat"``, the optimizer steps the shard in
             cache-sized chunks, one scalar state each (what the adapter does
@@ -265,6 +267,8 @@ def plan_footprint(
     masters = resolve_master_dtype(param_dtype, master_dtype)
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     state_itemsize = torch.empty((), dtype=masters or param_dtype).element_size()
+    if bucket_view is None:
+        bucket_view = partition == "flat"
     buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
     model = OPTIMIZERS[optimizer]
     ranks = tuple(
@@ -345,7 +349,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     parser.add_argument("--hook", choices=get_args(HookKind), default="allreduce")
-    parser.add_argument("--bucket-view", action="store_true")
+    parser.add_argument(
+        "--bucket-view",
+        action=argparse.BooleanOptionalAction,
+        help="parameters_as_bucket_view (default: on under flat, off otherwise)",
+    )
     parser.add_argument("--json", action="store_true", help="the records as JSON")
     args = parser.parse_args(argv)
     shapes = _load_shapes(args.model)

@@ -120,7 +120,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         optimizer_class: the ``torch.optim.Optimizer`` class run on the shard.
         process_group: the group to shard across (default: the world).
         parameters_as_bucket_view: make parameters views into the exchange
-            buffers, so updated shards land in place without copies.
+            buffers, so updated shards land in place without copies (their
+            ``.data`` is replaced, as PyTorch's own option does). ``None``
+            (the default): on with ``partition="flat"``, where the local step
+            then writes straight into what the exchange sends and nothing is
+            packed or unpacked; off in every other mode, PyTorch's default.
+            ``True`` or ``False`` is honoured in every mode.
         overlap_with_ddp: step inside DDP's backward, through a hook from
             :func:`zerofn_torch.hooks.hook_with_zero_step` (or its interleaved
             twin); ownership then follows DDP's buckets, ``partition`` and
@@ -157,7 +162,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params: Iterable[Any],
         optimizer_class: type[Optimizer],
         process_group: Any | None = None,
-        parameters_as_bucket_view: bool = False,
+        parameters_as_bucket_view: bool | None = None,
         overlap_with_ddp: bool = False,
         *,
         partition: str | Sequence[Sequence[torch.Tensor]] = "greedy",
@@ -180,6 +185,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # bytes on CPU; NCCL's all-gather is its best path.
         gloo = dist.get_backend(self.process_group) == "gloo"
         self._via: ExchangeVia = "broadcasts" if gloo else "all_gather"
+        if parameters_as_bucket_view is None:
+            parameters_as_bucket_view = partition == "flat"
         self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._optimizer_class = optimizer_class
         self._optim_defaults = defaults
