@@ -19,9 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
-from zerofn.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_chunk_state
-from zerofn.exchange import ExchangeVia, exchange_program, group_slots, pack, unpack
-from zerofn.layout import Slot
+from zerofn.exchange import ExchangeVia
 from zerofn.optimizers import check_elementwise
 from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.partition import FlatPartition
@@ -37,6 +35,13 @@ from zerofn.shard_state import StateDict, consolidate, shard, validate_global
 from zerofn_torch.comm import all_gather_objects, drive, gather_objects
 from zerofn_torch.join import Join, JoinHook
 from zerofn_torch.masters import Masters, make_masters, with_masters, without_masters
+from zerofn_torch.shards import (
+    FlatShards,
+    HookDrivenShards,
+    Shards,
+    WholeTensorShards,
+    build_buffers,
+)
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -190,17 +195,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._optimizer_class = optimizer_class
         self._optim_defaults = defaults
-        # A flat shard is stepped as one local tensor per piece of a
-        # parameter, so gradients are views, never gathered; torch.optim's
-        # per-tensor loop (the CPU default) steps it twice as fast with the
-        # pieces cut into cache-sized chunks; foreach and fused kernels do not
-        # gain from that (see zerofn.chunks).
-        self._chunked = partition == "flat"
-        self._cache_sized = (
-            self._all_params[0].device.type == "cpu"
-            and not defaults.get("foreach")
-            and not defaults.get("fused")
-        )
         self._default_device = self._all_params[0].device
         self._overlap_with_ddp = overlap_with_ddp
         self._overlap_attached = False  # a hook drives the step
@@ -211,9 +205,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             partition = [[] for _ in range(self.world_size)]
             partition[self.rank] = [self._all_params[i] for i in everything]
         self._plan = self._new_plan(partition)
-        self._buffers: list[torch.Tensor] = []
-        if not overlap_with_ddp:
-            self._build_buffers()
+        self._shards = self._new_shards(rebuilt=False)
         self.optim: Optimizer = self._new_local_optimizer()
         _copy_hyperparams(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
@@ -259,80 +251,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             manual.append(indices)
         return plan_shards(group_sizes, keys, self._trainable(), self.world_size, "greedy", manual)
 
-    @property
-    def _flat(self) -> bool:
-        return isinstance(self._plan.partition, FlatPartition)
-
-    # ----- building the shard -------------------------------------------------
-
-    def _build_buffers(self) -> None:
-        """Allocate one exchange buffer per layout; with bucket views, point
-        every trainable parameter that fits in one span at its place."""
+    def _new_shards(self, rebuilt: bool) -> Shards:
+        """How this rank holds its shard under the current plan (see
+        :mod:`zerofn_torch.shards`): the mode, and its exchange buffers."""
         params = self._all_params
-        old = self._buffers
-        self._buffers = [
-            torch.empty(layout.numel, dtype=params[0].dtype, device=params[0].device)
-            for layout in self._plan.layouts
-        ]
-        for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
-            for rank_slots in layout.slots:
-                pack(buffer, rank_slots, params)
-        if old and self.parameters_as_bucket_view:
-            # A parameter that left the buffers must stop aliasing the old ones.
-            for p, trained in zip(params, self._plan.trainable, strict=True):
-                if not trained:
-                    p.data = p.data.detach().clone()
-        if not self.parameters_as_bucket_view:
-            return
-        with torch.no_grad():
-            for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
-                for index in {s.piece.param for rs in layout.slots for s in rs}:
-                    span = layout.span_of(index)
-                    if span is not None:
-                        offset, numel = span
-                        params[index].data = buffer[offset : offset + numel].view_as(params[index])
-
-    def _local_groups(self) -> list[dict[str, Any]]:
-        """Param groups for this rank's local optimizer, one per global group."""
-        params = self._all_params
+        if self._overlap_with_ddp:
+            return HookDrivenShards(self._plan, self.rank, False, [])
+        view = self.parameters_as_bucket_view
+        buffers = build_buffers(self._plan, params, view, rebuilt)
         if not isinstance(self._plan.partition, FlatPartition):
-            return [
-                {**_hyperparams(g), "params": [params[i] for i in indices]}
-                for g, indices in zip(
-                    self.param_groups, self._plan.partition.assignment[self.rank], strict=True
-                )
-            ]
-        # Flat: each group's part of this rank's buffer segment, cut into its
-        # chunks (views), so the local step writes straight into what the
-        # exchange sends.
-        buffer = self._buffers[0]
-        local = []
-        for group, mine, sources in zip(
-            self.param_groups, self._flat_slots(), self._chunk_sources(), strict=True
-        ):
-            view = buffer[mine[0].offset : mine[-1].stop] if mine else buffer.new_empty(0)
-            sizes = [n for _, _, n in sources] or [0]
-            local.append({**_hyperparams(group), "params": list(torch.split(view, sizes))})
-        return local
-
-    def _chunk_sources(self) -> list[tuple[ChunkSource, ...]]:
-        """Per param group, where each of its local tensors comes from."""
-        dtype = self._master_dtype or self._all_params[0].dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return [chunk_sources(mine, itemsize, self._cache_sized) for mine in self._flat_slots()]
-
-    def _flat_slots(self) -> tuple[tuple[Slot, ...], ...]:
-        """This rank's buffer slots under a flat partition, per param group."""
-        partition = self._plan.partition
-        assert isinstance(partition, FlatPartition)
-        return group_slots(self._plan.layouts[0], partition, self.rank)
+            return WholeTensorShards(self._plan, self.rank, view, buffers)
+        # torch.optim's per-tensor loop (the CPU default) steps a flat shard
+        # twice as fast cut into cache-sized chunks; foreach and fused
+        # kernels do not gain from that (see zerofn.chunks).
+        cache_sized = (
+            params[0].device.type == "cpu"
+            and not self._optim_defaults.get("foreach")
+            and not self._optim_defaults.get("fused")
+        )
+        itemsize = torch.empty((), dtype=self._master_dtype or params[0].dtype).element_size()
+        return FlatShards.build(self._plan, self.rank, view, buffers, itemsize, cache_sized)
 
     def _new_local_optimizer(self) -> Optimizer:
-        if self._flat and len(self._plan.layouts) > 1:
-            raise AssertionError("a flat partition spans a single device/dtype buffer")
-        if self._flat and not self._plan.layouts:
-            raise ValueError("partition='flat' needs at least one parameter that requires grad")
-        local = self._local_groups()
+        local = self._shards.local_groups(self.param_groups, self._all_params)
         if self._master_dtype is not None:
             local, self._masters = make_masters(local, self._master_dtype)
         return self._optimizer_class(local, **self._optim_defaults)
@@ -348,71 +289,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             "rebuilding the exchange buffers"
         )
         self._plan = with_trainable(self._plan, trainable)
-        self._build_buffers()
-
-    def _flat_local_grads(self) -> list[torch.Tensor | None]:
-        """This rank's slices of the gradients, one per local tensor (each
-        group's chunks): views of the parameters' gradients. A group none of
-        whose parameters has a gradient sits the step out; within a group, a
-        parameter without one counts as zeros."""
-        grads = [p.grad for p in self._all_params]
-        out: list[torch.Tensor | None] = []
-        for sources in self._chunk_sources():
-            if not sources or all(grads[param] is None for param, _, _ in sources):
-                out.extend([None] * max(1, len(sources)))
-                continue
-            for param, start, numel in sources:
-                grad = grads[param]
-                if grad is None:
-                    out.append(self._all_params[param].new_zeros(numel))
-                else:
-                    out.append(grad.detach().reshape(-1)[start : start + numel])
-        return out
+        self._shards = self._new_shards(rebuilt=True)
 
     def _load_step_grads(self, unscale: float = 1.0) -> None:
         """Hand the local optimizer this step's gradients: the masters get
         them upcast (times ``unscale``), a flat shard's chunks get views of
-        the flat gradient; owned whole parameters already hold their own."""
+        the parameters' gradients; owned whole parameters hold their own."""
+        params = self._all_params
         if self._masters is not None:
             low = self._masters.low
-            grads = self._flat_local_grads() if self._flat else [t.grad for t in low]
-            self._masters.load_grads(grads, unscale)
-        elif self._flat:
+            self._masters.load_grads(self._shards.local_grads(params, low), unscale)
+        elif not self._shards.grads_in_place:
             local = [t for g in self.optim.param_groups for t in g["params"]]
-            for tensor, grad in zip(local, self._flat_local_grads(), strict=True):
+            for tensor, grad in zip(local, self._shards.local_grads(params, local), strict=True):
                 tensor.grad = grad
 
     def _prepare_step(self) -> None:
         Join.notify_join_context(self)
         self._refresh_trainable()
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
-        if self._flat and not self.parameters_as_bucket_view:
-            # The user may have written the parameters since the last step
-            # (a checkpoint load, say): refresh this rank's slice of them.
-            pack(self._buffers[0], self._plan.layouts[0].slots[self.rank], self._all_params)
-
-    def _send_shards(self) -> torch.futures.Future[None]:
-        """Start sending this rank's updated shard to all ranks, and receiving
-        theirs, in every buffer: the core's exchange program, driven here."""
-        if not self.parameters_as_bucket_view and not self._flat:
-            params = self._all_params
-            for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
-                pack(buffer, layout.slots[self.rank], params)
-        program = exchange_program(self._plan.layouts, self._buffers, self.rank, self._via)
-        return drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
-
-    def _receive(self, exchange: torch.futures.Future[None]) -> None:
-        """Wait for the exchange, then copy what arrived into the parameters
-        (with bucket views it already landed in them)."""
-        exchange.wait()
-        if self.parameters_as_bucket_view:
-            return
-        params = self._all_params
-        for layout, buffer in zip(self._plan.layouts, self._buffers, strict=True):
-            arrived = [
-                s for r, rs in enumerate(layout.slots) for s in rs if self._flat or r != self.rank
-            ]
-            unpack(buffer, arrived, params)
+        self._shards.refresh(self._all_params)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then bring every rank's updated shard here.
@@ -429,7 +325,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 timed out). This rank's shard is stepped; other ranks' shards
                 may be partly received: restart from a checkpoint.
         """
-        if self._overlap_with_ddp:
+        if self._shards.stepped_by_hook:
             logger.warning(
                 "step() does nothing with overlap_with_ddp=True: the DDP hook steps the "
                 "optimizer during backward"
@@ -446,9 +342,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
         if self._masters is not None:
             self._masters.write_back()
-        exchange = self._send_shards()
+        exchange = self._shards.send(self._all_params, self.process_group, self._via)
         _copy_hyperparams(self.optim.param_groups, self.param_groups)
-        self._receive(exchange)
+        self._shards.receive(self._all_params, exchange)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -460,7 +356,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ----- gradients: clipping and loss scaling ---------------------------------
 
     def _check_stepped_here(self, what: str) -> None:
-        if self._overlap_with_ddp:
+        if self._shards.stepped_by_hook:
             raise RuntimeError(
                 f"{what} is not available with overlap_with_ddp=True: the DDP hook steps each "
                 "bucket during backward, before the gradients of the whole model are known. "
@@ -583,7 +479,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        if self._overlap_with_ddp:
+        if self._shards.stepped_by_hook:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param group"
             )
@@ -599,7 +495,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for name, default in self.optim.defaults.items():
             self.param_groups[-1].setdefault(name, default)
         self._plan = self._new_plan(self._plan.mode)
-        self._build_buffers()
+        self._shards = self._new_shards(rebuilt=True)
         if moved:
             assert old_state is not None
             old_state["param_groups"].append(_hyperparams(self.param_groups[-1]))
@@ -607,7 +503,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.optim = self._new_local_optimizer()
             self._load_global_state(self._regroup(old_state))
         else:
-            new_local = self._local_groups()[-1]
+            new_local = self._shards.local_groups(self.param_groups, self._all_params)[-1]
             if self._masters is not None:
                 (new_local,), added = make_masters([new_local], self._masters.dtype)
                 self._masters = self._masters.extended(added)
@@ -633,7 +529,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         sd: StateDict = self.optim.state_dict()
         if self._masters is not None:
             sd = with_masters(sd, self._masters)
-        return merge_chunk_state(sd) if self._chunked else sd
+        return self._shards.saved_state(sd)
 
     def _local_state_cpu(self) -> StateDict:
         _copy_hyperparams(self.param_groups, self.optim.param_groups)
@@ -700,9 +596,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _load_global_state(self, state_dict: StateDict) -> None:
         # Copy, so that stepping never writes into the caller's tensors.
         local = _cpu_copy(shard(self._plan.partition, state_dict, self.rank))
-        if self._chunked:
-            chunks = [[p.numel() for p in g["params"]] for g in self.optim.param_groups]
-            local = split_chunk_state(local, chunks)
+        local = self._shards.loaded_state(local, self.optim.param_groups)
         local, masters = without_masters(local)
         self.optim.load_state_dict(local)
         self._load_masters(masters)
@@ -716,8 +610,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         up from its parameter."""
         if self._masters is None:
             return
-        if self._flat and not self.parameters_as_bucket_view:
-            pack(self._buffers[0], self._plan.layouts[0].slots[self.rank], self._all_params)
+        self._shards.refresh(self._all_params)
         missing = [i for i in range(len(self._masters.master)) if i not in saved]
         self._masters.reseed(missing)
         with torch.no_grad():
@@ -797,6 +690,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         full_state = self._local_state_dict()  # global indices: it held every parameter
         params = self._all_params
         self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned])
+        self._shards = self._new_shards(rebuilt=False)
         self.optim = self._new_local_optimizer()
         self._load_global_state(full_state)
         self._overlap_sharded = True
@@ -816,7 +710,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         params = self._all_params
         aliased = 0
-        for buffer in self._buffers:
+        for buffer in self._shards.buffers:
             lo = buffer.data_ptr()
             hi = lo + buffer.numel() * buffer.element_size()
             aliased += sum(_nbytes(p) for p in params if lo <= p.data_ptr() < hi)
@@ -830,7 +724,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 for v in state.values()
                 if isinstance(v, torch.Tensor)
             ),
-            "exchange_buffers": sum(_nbytes(b) for b in self._buffers) - aliased,
+            "exchange_buffers": sum(_nbytes(b) for b in self._shards.buffers) - aliased,
         }
 
     # ----- Join ---------------------------------------------------------------
