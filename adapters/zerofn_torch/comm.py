@@ -615,10 +615,16 @@ class HookCell(Generic[G, B]):
         it fails with the :class:`zerofn.errors.CollectiveError` itself."""
         with self.lock:
             before = self.state
-            state, program = core.begin_bucket(hook, before, bucket.buffer(), info)
-            if info.is_last:
-                state = core.finish_iteration(hook, state)
-            self.state = state
+        # Not under the lock: starting a hook may start another (a DDP hook
+        # wrapped by foreign_hook) that blocks on collectives whose callbacks
+        # take this lock. Only this thread advances the global state, and
+        # callbacks only the buckets' states, so assigning the global part
+        # afterwards loses nothing.
+        state, program = core.begin_bucket(hook, before, bucket.buffer(), info)
+        if info.is_last:
+            state = core.finish_iteration(hook, state)
+        with self.lock:
+            self.state = attrs.evolve(self.state, global_state=state.global_state)
 
         def record(result: tuple[torch.Tensor, B]) -> torch.Tensor:
             grad, bucket_state = result
