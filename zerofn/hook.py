@@ -101,7 +101,9 @@ class CommHook(Generic[G, B]):
         start: ``(grad, bucket, global_state, bucket_state_or_None) ->
             (new_global_state, program)``; the program returns ``(averaged
             flat gradient, new bucket state)``. ``grad`` is the bucket's flat
-            gradient; the hook must not write into it.
+            gradient; the hook must not write into it (unless it says it
+            takes the buffer over, as the overlapped step's reduce-to-owner
+            does: DDP's bucket buffer is then the result).
         end_iteration: advances the global state after an iteration's last bucket.
         name: a label for reports.
     """

@@ -20,7 +20,7 @@ with :func:`~zerofn.overlap_step.broadcast_from_owners`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
 import attrs
@@ -48,6 +48,10 @@ G = TypeVar("G")
 B = TypeVar("B")
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
 @attrs.frozen
 class OverlapConfig:
     """What the overlapped step knows besides its state.
@@ -64,7 +68,7 @@ class OverlapConfig:
             all-reduce's bytes per step, not one and a half).
     """
 
-    sizes: tuple[int, ...] = attrs.field(converter=tuple)
+    sizes: tuple[int, ...] = attrs.field(converter=_int_tuple)
     world_size: int
     rank: int
     shard_buckets: bool = False

@@ -432,8 +432,7 @@ def simulate_overlapped_step(
     world_size = _checked_world(buckets, len(params), grads_per_iteration_per_rank)
     sizes = tuple(p.numel() for p in params)
     config = OverlapConfig(
-        # mypy's attrs plugin types a bare ``converter=tuple`` as Iterable[_T_co].
-        sizes=sizes,  # type: ignore[arg-type]
+        sizes=sizes,
         world_size=world_size,
         rank=0,
         shard_buckets=shard_buckets,
