@@ -33,7 +33,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.launch import run_local_world
 
-from zerofn.chunks import chunk_sizes
+from zerofn.zero.chunks import chunk_sizes
 
 KERNELS: dict[str, dict[str, Any]] = {"default": {}, "fused": {"fused": True}}
 SETTINGS = [

@@ -64,8 +64,8 @@ from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.launch import run_local_world
 from zerofn_torch.traffic import collective_traffic
 
-from zerofn.ddp_buckets import assign_buckets
-from zerofn.partition import balanced_partition, flat_partition, greedy_partition, rank_loads
+from zerofn.overlap.ddp_buckets import assign_buckets
+from zerofn.zero.partition import balanced_partition, flat_partition, greedy_partition, rank_loads
 
 # ----------------------------------------------------------------------------
 # 1. ZeRO step on 2 gloo ranks

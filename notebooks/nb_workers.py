@@ -48,9 +48,9 @@ def custom_hook_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     ``with_stats(cast(error_feedback(top_k(k)), float16))``."""
     from zerofn_torch.hooks import HookRunner, run_hook
 
-    from zerofn.error_feedback import error_feedback
-    from zerofn.hook import cast
-    from zerofn.sparsify import top_k
+    from zerofn.hooks.error_feedback import error_feedback
+    from zerofn.hooks.hook import cast
+    from zerofn.hooks.sparsify import top_k
     from zerofn.stats import comm_stats, with_stats
 
     # The same teacher and the same initial weights on every rank.

@@ -1,6 +1,6 @@
 """Integrity of sharded optimizer checkpoints.
 
-The manifest's pure checks (:mod:`zerofn.checkpoint_manifest`) as hypothesis
+The manifest's pure checks (:mod:`zerofn.zero.checkpoint_manifest`) as hypothesis
 properties, then, on 2 real gloo ranks, every way a saved checkpoint can be
 damaged: each must be refused by every rank with the same CheckpointError,
 naming the file and its defect, with the optimizer unchanged. Spawning is
@@ -29,7 +29,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.checkpoint import load_sharded, save_sharded
 
-from zerofn.checkpoint_manifest import (
+from zerofn.errors import CheckpointError
+from zerofn.testing import strategies as zst
+from zerofn.zero.checkpoint_manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,
@@ -37,8 +39,6 @@ from zerofn.checkpoint_manifest import (
     check_model,
     refusal,
 )
-from zerofn.errors import CheckpointError
-from zerofn.testing import strategies as zst
 
 SETTINGS = settings(max_examples=100, deadline=None)
 

@@ -1,4 +1,4 @@
-"""Cache-sized chunks of a flat shard (zerofn.chunks): the cut covers the
+"""Cache-sized chunks of a flat shard (zerofn.zero.chunks): the cut covers the
 tensor as torch.split does, and the state-dict conversions are inverses."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.chunks import (
+from zerofn.zero.chunks import (
     FLAT_CHUNK_BYTES,
     chunk_sizes,
     chunk_sources,
     merge_chunk_state,
     split_chunk_state,
 )
-from zerofn.layout import Slot
-from zerofn.partition import Piece
+from zerofn.zero.layout import Slot
+from zerofn.zero.partition import Piece
 
 
 @settings(max_examples=100, deadline=None)

@@ -19,9 +19,9 @@ from zerofn_torch import ZeroRedundancyOptimizer, hooks
 from zerofn_torch.averaging import PeriodicModelAverager, PostLocalSGDOptimizer
 from zerofn_torch.join import Join
 
-from zerofn.error_feedback import error_feedback
-from zerofn.hook import cast
-from zerofn.sparsify import top_k
+from zerofn.hooks.error_feedback import error_feedback
+from zerofn.hooks.hook import cast
+from zerofn.hooks.sparsify import top_k
 
 TIMEOUT_S = 2.0
 MARGIN_S = 5.0  # slack for a loaded 2-core CI machine

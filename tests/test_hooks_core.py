@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as torch_quant
 
 from zerofn.comm import AllGather, AllReduce, Program
-from zerofn.error_feedback import ErrorFeedbackState, error_feedback
-from zerofn.gather import pack_bytes, unpack_bytes
-from zerofn.hook import (
+from zerofn.hooks.error_feedback import ErrorFeedbackState, error_feedback
+from zerofn.hooks.gather import pack_bytes, unpack_bytes
+from zerofn.hooks.hook import (
     BucketInfo,
     CommHook,
     HookState,
@@ -29,14 +29,14 @@ from zerofn.hook import (
     init_hook_state,
     noop,
 )
-from zerofn.quantization import (
+from zerofn.hooks.quantization import (
     channel_qparams,
     quantize_per_channel,
     quantize_per_tensor,
     tensor_qparams,
     to_channels,
 )
-from zerofn.sparsify import kept_count, top_k
+from zerofn.hooks.sparsify import kept_count, top_k
 from zerofn.stats import comm_stats, with_stats
 from zerofn.testing.world import CollectiveMismatch, run_programs, simulate_iteration
 

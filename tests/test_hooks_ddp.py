@@ -32,9 +32,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as to
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import hooks
 
-from zerofn.error_feedback import error_feedback
-from zerofn.hook import cast
-from zerofn.sparsify import top_k
+from zerofn.hooks.error_feedback import error_feedback
+from zerofn.hooks.hook import cast
+from zerofn.hooks.sparsify import top_k
 from zerofn.stats import comm_stats, with_stats
 
 pytestmark = pytest.mark.timeout(120)

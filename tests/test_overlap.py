@@ -22,7 +22,7 @@ from zerofn_torch import hooks as zhooks
 from zerofn_torch.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
 from zerofn_torch.traffic import collective_traffic
 
-from zerofn.overlap import (
+from zerofn.overlap.state import (
     OverlapState,
     finish_overlap_iteration,
     observe_bucket,

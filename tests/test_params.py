@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from zerofn.optimizers import ELEMENTWISE_OPTIMIZERS, check_elementwise
-from zerofn.params import check_same_dense_type, normalize_params
 from zerofn.testing import strategies as zst
+from zerofn.zero.optimizers import ELEMENTWISE_OPTIMIZERS, check_elementwise
+from zerofn.zero.params import check_same_dense_type, normalize_params
 
 
 def _all_tensors(groups: list[dict[str, Any]]) -> list[torch.Tensor]:

@@ -20,10 +20,15 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     _orthogonalize as torch_orthogonalize,
 )
 
-from zerofn import powersgd
 from zerofn.comm import AllReduce, Program, Request, Response
-from zerofn.hook import BucketInfo, HookState, begin_bucket, init_hook_state
-from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
+from zerofn.hooks import powersgd
+from zerofn.hooks.hook import BucketInfo, HookState, begin_bucket, init_hook_state
+from zerofn.hooks.powersgd import (
+    PowerSGDBucketState,
+    PowerSGDConfig,
+    PowerSGDGlobalState,
+    PowerSGDHook,
+)
 from zerofn.testing import strategies as zst
 from zerofn.testing.world import run_programs, simulate_iteration
 
@@ -404,7 +409,7 @@ def first_key(sd: dict[str, Any]) -> Any:
     ("damage", "match"),
     [
         (lambda sd: sd.pop("format"), "not a PowerSGD state dict"),
-        (lambda sd: sd.update(format="zerofn.powersgd/1"), r"upgrade_v1\(state_dict\)"),
+        (lambda sd: sd.update(format="zerofn.hooks.powersgd/1"), r"upgrade_v1\(state_dict\)"),
         (lambda sd: sd.pop("seeds"), "lacks 'seeds'"),
         (lambda sd: sd.pop("parameters"), "lacks 'parameters'"),
         (lambda sd: sd["config"].update(matrix_approximation_rank=0), "matrix_approximation_rank"),
@@ -444,12 +449,12 @@ def test_upgrade_v1_keeps_the_run_but_not_the_bucket_memories() -> None:
     )
     current = powersgd.to_state_dict(cfg, state)
     old = {k: v for k, v in current.items() if k not in ("parameters", "squares")}
-    old.update(format="zerofn.powersgd/1", buckets={0: {"error": torch.zeros(64)}})
+    old.update(format="zerofn.hooks.powersgd/1", buckets={0: {"error": torch.zeros(64)}})
     loaded_cfg, loaded = powersgd.from_state_dict(powersgd.upgrade_v1(old))
     assert loaded_cfg == cfg
     assert loaded.global_state.iteration == state.global_state.iteration
     assert powersgd.memories(loaded) == {}
-    with pytest.raises(ValueError, match="format 'zerofn.powersgd/1'"):
+    with pytest.raises(ValueError, match="format 'zerofn.hooks.powersgd/1'"):
         powersgd.upgrade_v1(current)
 
 
@@ -568,7 +573,7 @@ def test_restored_state_compresses_provisional_buckets_with_its_memories(
 
 
 def test_keys_are_looked_up_when_tracked_and_learned_from_the_provisional_buckets() -> None:
-    from zerofn.powersgd.keys import KeyFinder, bucket_keys, finish_iteration, tracked
+    from zerofn.hooks.powersgd.keys import KeyFinder, bucket_keys, finish_iteration, tracked
 
     finder, keys = bucket_keys(tracked([10, 11, 12, 13]), [13, 11], None)
     assert keys == (3, 1)

@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
-from zerofn import powersgd as core
+from zerofn.hooks import powersgd as core
 
 START = 2
 STEPS = 5

@@ -24,10 +24,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn import powersgd
 from zerofn.comm import AllReduce, Program, Request
-from zerofn.hook import BucketInfo, HookState, begin_bucket, finish_bucket, finish_iteration
-from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
+from zerofn.hooks import powersgd
+from zerofn.hooks.hook import BucketInfo, HookState, begin_bucket, finish_bucket, finish_iteration
+from zerofn.hooks.powersgd import (
+    PowerSGDBucketState,
+    PowerSGDConfig,
+    PowerSGDGlobalState,
+    PowerSGDHook,
+)
 from zerofn.testing import strategies as zst
 from zerofn.testing.world import run_programs
 

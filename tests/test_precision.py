@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.precision import (
+from zerofn.testing.world import run_programs
+from zerofn.zero.precision import (
     LossScaleConfig,
     LossScaleState,
     clip_coefficient,
@@ -22,7 +23,6 @@ from zerofn.precision import (
     resolve_master_dtype,
     update_loss_scale,
 )
-from zerofn.testing.world import run_programs
 
 
 def test_master_dtype_resolution() -> None:

@@ -11,13 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn import powersgd
 from zerofn.comm import Broadcast, GatherSegments, Program, Reduce, Request, describe
-from zerofn.error_feedback import error_feedback
 from zerofn.errors import CollectiveError, PeerLost
-from zerofn.hook import CommHook, allreduce_mean, cast
-from zerofn.quantization import quantize_per_channel, quantize_per_tensor
-from zerofn.sparsify import top_k
+from zerofn.hooks import powersgd
+from zerofn.hooks.error_feedback import error_feedback
+from zerofn.hooks.hook import CommHook, allreduce_mean, cast
+from zerofn.hooks.quantization import quantize_per_channel, quantize_per_tensor
+from zerofn.hooks.sparsify import top_k
 from zerofn.testing.world import (
     CollectiveMismatch,
     Dropout,

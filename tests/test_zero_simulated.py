@@ -1,15 +1,14 @@
 """The ZeRO step on N simulated ranks (no processes): the exchange program of
-zerofn.exchange, driven by the simulated world, gives every rank the
+zerofn.zero.exchange, driven by the simulated world, gives every rank the
 unsharded optimizer's result, for every partition mode, with exactly one
 exchange request per buffer per step carrying the buffer's bytes; the
-overlapped step (the core hook zerofn.overlap_hook.zero_step_hook, obeyed
+overlapped step (the core hook zerofn.overlap.hook.zero_step_hook, obeyed
 over several iterations as the adapter obeys it) gives DDP-then-optimizer's
 result before and after DDP's buckets are final, with the collectives and
 bytes its bucket plan accounts for."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
@@ -18,14 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerofn.comm import AllReduce, Broadcast, GatherSegments, Reduce, request_bytes
-from zerofn.ddp_buckets import assign_buckets
-from zerofn.exchange import exchange_program, flat_grad, group_slots
-from zerofn.hook import allreduce_mean, cast
-from zerofn.overlap import OverlapState, owned_params_per_rank
-from zerofn.partition import FlatPartition
-from zerofn.plan import ShardPlan, plan_shards
+from zerofn.hooks.hook import allreduce_mean, cast
+from zerofn.overlap.ddp_buckets import assign_buckets
+from zerofn.overlap.state import OverlapState, owned_params_per_rank
 from zerofn.testing import strategies as zst
 from zerofn.testing.zero import simulate_overlapped_step, simulate_zero_steps
+from zerofn.zero.exchange import exchange_program, flat_grad, group_slots
+from zerofn.zero.partition import FlatPartition
+from zerofn.zero.plan import ShardPlan, plan_shards
 
 SETTINGS = settings(max_examples=200, deadline=None)
 pytestmark = pytest.mark.timeout(120)
@@ -177,24 +176,10 @@ ITERATIONS = 3
 
 
 @st.composite
-def bucketed_models(draw: st.DrawFn) -> tuple[list[list[int]], list[tuple[int, ...]]]:
-    """DDP buckets (global indices, in the order DDP hands them over) over
-    parameters of drawn shapes (some may be empty)."""
-    sizes = draw(st.lists(st.integers(0, 40), min_size=1, max_size=9))
-    shapes = [draw(zst.shapes(max_dims=3, numel=n)) for n in sizes]
-    cuts = (
-        sorted(draw(st.sets(st.integers(1, len(sizes) - 1), max_size=3))) if len(sizes) > 1 else []
-    )
-    bounds = [0, *cuts, len(sizes)]
-    order = list(reversed(range(len(sizes))))  # DDP buckets run in reverse order
-    return [order[a:b] for a, b in itertools.pairwise(bounds)], shapes
-
-
-@st.composite
 def overlapped_runs(draw: st.DrawFn) -> dict[str, Any]:
     """A model, a world, every rank's gradients for ITERATIONS iterations,
     and the overlap's options."""
-    buckets, shapes = draw(bucketed_models())
+    buckets, shapes = draw(zst.bucketed_models())
     world_size = draw(zst.world_sizes(1, 6))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     params = [torch.randn(s, generator=g) for s in shapes]

@@ -4,9 +4,10 @@ Nothing in this package talks to ``torch.distributed``; the adapter package
 ``zerofn_torch`` binds these functions to process groups, DDP and ``torch.optim``.
 """
 
-from zerofn.ddp_buckets import BucketPlan, BucketShard, assign_buckets
-from zerofn.layout import BufferLayout, Segment, Slot, buffer_layouts
-from zerofn.partition import (
+from zerofn import _moved
+from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard, assign_buckets
+from zerofn.zero.layout import BufferLayout, Segment, Slot, buffer_layouts
+from zerofn.zero.partition import (
     FlatPartition,
     Partition,
     PartitionMode,
@@ -17,7 +18,9 @@ from zerofn.partition import (
     manual_partition,
     rank_loads,
 )
-from zerofn.shard_state import consolidate, shard
+from zerofn.zero.shard_state import consolidate, shard
+
+_moved.install()  # the old flat import paths (zerofn.partition, ...) keep working
 
 __all__ = [
     "BucketPlan",

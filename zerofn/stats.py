@@ -5,7 +5,7 @@ hook asks for and the bytes of this rank's tensors in it (the payload this rank
 hands to the collective; what travels on the wire depends on the collective's
 algorithm: a ring all-reduce sends about ``2 (N - 1) / N`` times its payload, an
 all-gather ``N - 1`` times). :func:`comm_stats` sums the records of a
-:class:`zerofn.hook.HookState` into bytes per iteration.
+:class:`zerofn.hooks.hook.HookState` into bytes per iteration.
 
 Why the counts live in the bucket states, not the global state: a request is
 known only when the bucket's program makes it, and a program can change only its
@@ -30,7 +30,7 @@ from zerofn.comm import (
     kind_of,
     request_bytes,
 )
-from zerofn.hook import BucketInfo, CommHook, HookState
+from zerofn.hooks.hook import BucketInfo, CommHook, HookState
 
 __all__ = [
     "CollectiveRecord",
@@ -107,7 +107,7 @@ def with_stats(inner: CommHook[G, B]) -> CommHook[G, StatsState[B]]:
 
     The requests pass through unchanged (same tensors, same ``last`` flags),
     so wrapping changes no number. Put ``with_stats`` outermost (or only
-    inside :func:`zerofn.hook.cast`, which keeps bucket states as they are)
+    inside :func:`zerofn.hooks.hook.cast`, which keeps bucket states as they are)
     for :func:`comm_stats` to find the records.
     """
 

@@ -3,9 +3,9 @@
 :func:`save_sharded` has every rank write only the state it owns, with no
 gather to one rank; :func:`load_sharded` lets every rank read only what it now
 owns, at any world size and under any partition mode. Keys and reassembly
-come from :mod:`zerofn.sharded_checkpoint`.
+come from :mod:`zerofn.zero.sharded_checkpoint`.
 
-Every save ends with a manifest (:mod:`zerofn.checkpoint_manifest`) holding
+Every save ends with a manifest (:mod:`zerofn.zero.checkpoint_manifest`) holding
 the size and SHA-256 of each file written; every load checks the directory
 against it, on every rank and before anything is unpickled or changed, and
 all ranks refuse together with :class:`zerofn.errors.CheckpointError`.
@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from zerofn.checkpoint_manifest import (
+from zerofn.errors import CheckpointError
+from zerofn.zero.checkpoint_manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,
@@ -38,9 +39,8 @@ from zerofn.checkpoint_manifest import (
     is_checkpoint_file,
     refusal,
 )
-from zerofn.errors import CheckpointError
-from zerofn.partition import Piece
-from zerofn.sharded_checkpoint import PREFIX, Copy, cover, parse_key, piece_key
+from zerofn.zero.partition import Piece
+from zerofn.zero.sharded_checkpoint import PREFIX, Copy, cover, parse_key, piece_key
 from zerofn_torch.comm import all_gather_objects, broadcast_object, gather_objects, guarded
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 

@@ -33,7 +33,6 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from zerofn import hook as core
 from zerofn.comm import (
     AllGather,
     AllReduce,
@@ -47,7 +46,8 @@ from zerofn.comm import (
     split_like,
 )
 from zerofn.errors import CollectiveError
-from zerofn.hook import BucketInfo, CommHook, HookState
+from zerofn.hooks import hook as core
+from zerofn.hooks.hook import BucketInfo, CommHook, HookState
 
 __all__ = [
     "Await",
@@ -553,7 +553,7 @@ def foreign_hook(
     """A DDP hook the core cannot see into, ``fn(state, bucket)``, as a core
     hook, so combinators (the overlapped ZeRO step) can wrap it.
 
-    The bucket's :attr:`~zerofn.hook.BucketInfo.handle` must be the pair
+    The bucket's :attr:`~zerofn.hooks.hook.BucketInfo.handle` must be the pair
     ``(state, bucket)`` DDP passed; ``fn`` starts when the hook starts (in
     bucket order) and its program awaits ``fn``'s future (:class:`Await`).
     Only this module's driver runs such a program.

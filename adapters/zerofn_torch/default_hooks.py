@@ -1,6 +1,6 @@
 """The stateless DDP communication hooks and the runner for your own.
 
-Every hook here is a :class:`zerofn.hook.CommHook` from the core, run by
+Every hook here is a :class:`zerofn.hooks.hook.CommHook` from the core, run by
 :func:`zerofn_torch.comm.drive`. The PyTorch-named functions take the process
 group as DDP's hook state, exactly like PyTorch's, so registering them is an
 import change::
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
-from zerofn import hook as core
-from zerofn import quantization
-from zerofn.hook import CommHook, HookState
+from zerofn.hooks import hook as core
+from zerofn.hooks import quantization
+from zerofn.hooks.hook import CommHook, HookState
 from zerofn_torch.comm import HookCell, for_ddp, run_stateless, then
 
 __all__ = [
@@ -50,9 +50,9 @@ DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class HookRunner(Generic[G, B]):
-    """The stateful shell around a :class:`zerofn.hook.CommHook`.
+    """The stateful shell around a :class:`zerofn.hooks.hook.CommHook`.
 
-    It holds the hook's :class:`zerofn.hook.HookState` (in a
+    It holds the hook's :class:`zerofn.hooks.hook.HookState` (in a
     :class:`zerofn_torch.comm.HookCell`) and the process group; each call reads
     the state, asks the core for the bucket's program, runs it and assigns the
     new state.
@@ -121,7 +121,7 @@ def quantization_pertensor_hook(
     rank: PyTorch's numbers, in one all-gather instead of two.
 
     PyTorch 2.13's own hook of this name fails on every call; this one gives
-    the numbers it was written to give (see :mod:`zerofn.quantization`).
+    the numbers it was written to give (see :mod:`zerofn.hooks.quantization`).
     """
     return run_stateless(quantization.quantize_per_tensor(), process_group, bucket)
 

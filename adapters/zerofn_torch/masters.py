@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from zerofn.precision import MASTER_KEY
+from zerofn.zero.precision import MASTER_KEY
 
 __all__ = ["Masters", "make_masters", "with_masters", "without_masters"]
 

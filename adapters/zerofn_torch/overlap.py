@@ -38,10 +38,10 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
 from zerofn.comm import split_like
-from zerofn.hook import init_hook_state
-from zerofn.overlap_hook import OverlapConfig, StepOrder, gradients_to_step, zero_step_hook
-from zerofn.overlap_step import broadcast_from_owners
-from zerofn.precision import clip_coefficient, step_factor_program
+from zerofn.hooks.hook import init_hook_state
+from zerofn.overlap.hook import OverlapConfig, StepOrder, gradients_to_step, zero_step_hook
+from zerofn.overlap.step import broadcast_from_owners
+from zerofn.zero.precision import clip_coefficient, step_factor_program
 from zerofn_torch.comm import HookCell, bucket_info, drive, for_ddp, foreign_hook
 from zerofn_torch.default_hooks import allreduce_hook
 from zerofn_torch.loss_scaling import LossScaler
@@ -60,7 +60,7 @@ def _is_averaging_hook(hook: DDPHook) -> bool:
 
 class _OverlapRunner:
     """The stateful shell behind one overlapped hook registration: it runs
-    the core's :func:`zerofn.overlap_hook.zero_step_hook` in a
+    the core's :func:`zerofn.overlap.hook.zero_step_hook` in a
     :class:`~zerofn_torch.comm.HookCell`, like every other hook, and obeys
     the step orders its state carries."""
 

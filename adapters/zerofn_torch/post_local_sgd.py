@@ -12,7 +12,7 @@ rank's subgroup (or not at all), and a model averager (see
 
 Which group a bucket is averaged in is the pure
 :func:`zerofn.averaging.take_bucket`; the averaging itself is the core's
-``zerofn.hook.allreduce_mean`` program, run on that group by
+``zerofn.hooks.hook.allreduce_mean`` program, run on that group by
 ``zerofn_torch.comm.drive``. The counter lives in a
 :class:`zerofn.averaging.LocalSGDState` and checkpoints as a plain dict.
 
@@ -36,7 +36,7 @@ from zerofn.averaging import (
     local_sgd_state_from_dict,
     take_bucket,
 )
-from zerofn.hook import allreduce_mean
+from zerofn.hooks.hook import allreduce_mean
 from zerofn_torch.comm import run_stateless
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]

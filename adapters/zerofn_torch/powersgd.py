@@ -10,12 +10,12 @@ Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``::
 
 :class:`PowerSGDState` is a shell: it holds the process group, the
 configuration record and a :class:`zerofn_torch.comm.HookCell` with the hook's
-state records (see :mod:`zerofn.powersgd`). Each hook call reads the state,
+state records (see :mod:`zerofn.hooks.powersgd`). Each hook call reads the state,
 asks the core for the bucket's program, runs it in the cell's
 :class:`zerofn_torch.comm.ProgramPipeline` and assigns the new state, exactly
 as :class:`zerofn_torch.hooks.HookRunner` does for any hook; PowerSGD adds
 only the parameters' keys (each bucket claims its parameters' memories, see
-:func:`zerofn.powersgd.claim`) and its statistics log. The pipeline
+:func:`zerofn.hooks.powersgd.claim`) and its statistics log. The pipeline
 issues every collective from the thread that calls the hook, in bucket-and-
 round order, so all ranks issue them in one order however many buckets there
 are; and a bucket's second all-reduce goes out in the next bucket's hook call,
@@ -33,10 +33,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
-from zerofn import powersgd
-from zerofn.hook import HookState
-from zerofn.powersgd import PowerSGDBucketState, PowerSGDConfig, PowerSGDGlobalState, PowerSGDHook
-from zerofn.powersgd.keys import KeyFinder, bucket_keys, finish_iteration, parameter_count, tracked
+from zerofn.hooks import powersgd
+from zerofn.hooks.hook import HookState
+from zerofn.hooks.powersgd import (
+    PowerSGDBucketState,
+    PowerSGDConfig,
+    PowerSGDGlobalState,
+    PowerSGDHook,
+)
+from zerofn.hooks.powersgd.keys import (
+    KeyFinder,
+    bucket_keys,
+    finish_iteration,
+    parameter_count,
+    tracked,
+)
 from zerofn_torch.comm import HookCell
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
@@ -50,7 +61,7 @@ class PowerSGDState:
     """PowerSGD's configuration and state, shared by all buckets of one model.
 
     The constructor takes PyTorch's ``PowerSGDState`` arguments, with the same
-    defaults and meanings (see :class:`zerofn.powersgd.PowerSGDConfig`).
+    defaults and meanings (see :class:`zerofn.hooks.powersgd.PowerSGDConfig`).
 
     Args:
         process_group: the group to average over (``None``: the world).
@@ -109,7 +120,7 @@ class PowerSGDState:
         """Key the state by these parameters' positions (e.g. ``model.parameters()``).
 
         Optional: without it, the keys are learned from DDP's first iteration
-        (see :mod:`zerofn.powersgd.keys`); give them when the state is attached to a DDP
+        (see :mod:`zerofn.hooks.powersgd.keys`); give them when the state is attached to a DDP
         model that has already run, or whose parameters mix dtypes.
 
         Args:
@@ -191,7 +202,7 @@ class PowerSGDState:
         with the live state, which never modifies them in place.
 
         Returns:
-            The state dict (see :func:`zerofn.powersgd.to_state_dict`).
+            The state dict (see :func:`zerofn.hooks.powersgd.to_state_dict`).
         """
         with self._cell.lock:
             return powersgd.to_state_dict(self.config, self.hook_state)
@@ -308,7 +319,7 @@ def batched_powerSGD_hook(
 
     Faster than :func:`powerSGD_hook`, usually less accurate beyond rank 1.
     The numbers PyTorch's hook was written to give (PyTorch 2.13's fails on
-    every call; see :func:`zerofn.powersgd.batched`).
+    every call; see :func:`zerofn.hooks.powersgd.batched`).
 
     Args:
         state: the model's :class:`PowerSGDState`.

@@ -13,7 +13,7 @@ parameters, and each mode is one class here:
 * :class:`FlatShards` (the flat partition): the local optimizer steps views
   of this rank's segment of the single buffer, one per piece of a parameter
   (cut into cache-sized chunks for ``torch.optim``'s per-tensor CPU loop,
-  see :mod:`zerofn.chunks`), whose gradients are views of the parameters'
+  see :mod:`zerofn.zero.chunks`), whose gradients are views of the parameters'
   ``.grad``: nothing is gathered; the local step writes straight into
   what the exchange sends.
 * :class:`HookDrivenShards` (``overlap_with_ddp=True``): whole tensors and
@@ -32,10 +32,10 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from zerofn.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_chunk_state
-from zerofn.exchange import ExchangeVia, exchange_program, group_slots, pack, unpack
-from zerofn.partition import FlatPartition
-from zerofn.plan import ShardPlan
+from zerofn.zero.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_chunk_state
+from zerofn.zero.exchange import ExchangeVia, exchange_program, group_slots, pack, unpack
+from zerofn.zero.partition import FlatPartition
+from zerofn.zero.plan import ShardPlan
 from zerofn_torch.comm import drive
 
 __all__ = ["FlatShards", "HookDrivenShards", "Shards", "WholeTensorShards", "build_buffers"]

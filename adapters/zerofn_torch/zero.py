@@ -2,7 +2,7 @@
 
 The shell holds three things: the live parameters (in ``param_groups``), the
 local optimizer over this rank's shard (``optim``), and a
-:class:`zerofn.plan.ShardPlan` saying who owns what and how shards travel.
+:class:`zerofn.zero.plan.ShardPlan` saying who owns what and how shards travel.
 Every decision is made by the pure core; this class reads live state, calls
 the core, runs the collectives it asks for and writes the result back.
 """
@@ -19,19 +19,19 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
-from zerofn.exchange import ExchangeVia
-from zerofn.optimizers import check_elementwise
-from zerofn.params import check_same_dense_type, normalize_params
-from zerofn.partition import FlatPartition
-from zerofn.plan import ShardPlan, plan_shards, with_trainable
-from zerofn.precision import (
+from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.optimizers import check_elementwise
+from zerofn.zero.params import check_same_dense_type, normalize_params
+from zerofn.zero.partition import FlatPartition
+from zerofn.zero.plan import ShardPlan, plan_shards, with_trainable
+from zerofn.zero.precision import (
     clip_coefficient,
     global_norm_program,
     local_norm_power,
     nonfinite_program,
     resolve_master_dtype,
 )
-from zerofn.shard_state import StateDict, consolidate, shard, validate_global
+from zerofn.zero.shard_state import StateDict, consolidate, shard, validate_global
 from zerofn_torch.comm import all_gather_objects, drive, gather_objects
 from zerofn_torch.join import Join, JoinHook
 from zerofn_torch.masters import Masters, make_masters, with_masters, without_masters
@@ -263,7 +263,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return WholeTensorShards(self._plan, self.rank, view, buffers)
         # torch.optim's per-tensor loop (the CPU default) steps a flat shard
         # twice as fast cut into cache-sized chunks; foreach and fused
-        # kernels do not gain from that (see zerofn.chunks).
+        # kernels do not gain from that (see zerofn.zero.chunks).
         cache_sized = (
             params[0].device.type == "cpu"
             and not self._optim_defaults.get("foreach")
@@ -618,7 +618,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self._masters.master[index].copy_(master)
 
     # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
-    # The overlap hook owns the overlap record (zerofn.overlap_hook); the
+    # The overlap hook owns the overlap record (zerofn.overlap.hook); the
     # optimizer is told three things: a hook drives it, step these gradients,
     # and, once the bucket plan is fixed, which parameters each rank owns.
 

@@ -23,6 +23,7 @@ Importing this module requires hypothesis (the ``test`` extra).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from hypothesis import strategies as st
 __all__ = [
     "TIE_PRONE_SIZES",
     "bucket_layouts",
+    "bucketed_models",
     "element_counts",
     "group_sizes",
     "optimizer_states",
@@ -405,3 +407,43 @@ def optimizer_states(
     if max_step < 1:
         raise ValueError(f"max_step must be at least 1, got {max_step}")
     return _optimizer_states(frozen, dtype, partial, max_step, zero_numel_state)
+
+
+@st.composite
+def _bucketed_models(
+    draw: st.DrawFn, max_params: int, max_numel: int, max_buckets: int
+) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+    sizes = draw(st.lists(st.integers(0, max_numel), min_size=1, max_size=max_params))
+    model_shapes = [draw(shapes(max_dims=3, numel=n)) for n in sizes]
+    cuts: list[int] = []
+    if len(sizes) > 1:
+        drawn = st.sets(st.integers(1, len(sizes) - 1), max_size=max_buckets - 1)
+        cuts = sorted(draw(drawn))
+    bounds = [0, *cuts, len(sizes)]
+    order = list(reversed(range(len(sizes))))  # DDP hands buckets over last layer first
+    buckets = [order[a:b] for a, b in itertools.pairwise(bounds)]
+    return buckets, model_shapes
+
+
+def bucketed_models(
+    max_params: int = 9, max_numel: int = 40, max_buckets: int = 4
+) -> st.SearchStrategy[tuple[list[list[int]], list[tuple[int, ...]]]]:
+    """A model's parameter shapes and DDP's buckets over them, for the
+    overlapped step (:func:`zerofn.testing.zero.simulate_overlapped_step`).
+
+    Args:
+        max_params: most parameters; at least 1.
+        max_numel: largest parameter (zero-element ones are drawn too).
+        max_buckets: most buckets; at least 1.
+
+    Returns:
+        A strategy drawing ``(buckets, shapes)``: each bucket the global
+        indices of its parameters, in the order DDP hands them over (the
+        last parameters first), every parameter in exactly one bucket.
+
+    Raises:
+        ValueError: for inconsistent bounds.
+    """
+    _check_range("params", 1, max_params, floor=1)
+    _check_range("buckets", 1, max_buckets, floor=1)
+    return _bucketed_models(max_params, max_numel, max_buckets)

@@ -4,7 +4,7 @@ Each collective is a pure reduction over the ranks' payloads, so a hook's
 logic (including multi-round ones such as PowerSGD) is testable without
 processes, sockets or a process group::
 
-    from zerofn.hook import allreduce_mean
+    from zerofn.hooks.hook import allreduce_mean
     from zerofn.testing.world import simulate_iteration
 
     grads = [[torch.ones(4)], [3 * torch.ones(4)]]      # [rank][bucket]
@@ -33,7 +33,7 @@ from zerofn.comm import (
     tensors_of,
 )
 from zerofn.errors import CollectiveError, PeerLost
-from zerofn.hook import (
+from zerofn.hooks.hook import (
     BucketInfo,
     CommHook,
     HookState,

@@ -3,12 +3,12 @@
 :func:`simulate_zero_steps` runs the same sequence as
 ``zerofn_torch.ZeroRedundancyOptimizer.step`` on every rank: step the shard
 this rank owns with a local ``torch.optim`` optimizer, pack it into the
-exchange buffers, run :func:`zerofn.exchange.exchange_program` (in the
+exchange buffers, run :func:`zerofn.zero.exchange.exchange_program` (in the
 simulated world, :mod:`zerofn.testing.world`), unpack what the other ranks
 sent. Ownership, layouts and the exchange all come from the core, so a
 property test of your own partition runs here without processes::
 
-    from zerofn.plan import plan_shards
+    from zerofn.zero.plan import plan_shards
     from zerofn.testing.zero import simulate_zero_steps
 
     plan = plan_shards([[6, 4, 9]], ["cpu"] * 3, [True] * 3, world_size=2, mode="flat")
@@ -18,7 +18,7 @@ property test of your own partition runs here without processes::
 
 :func:`simulate_overlapped_step` runs the overlapped step
 (``hook_with_zero_step``) over several iterations: the core hook
-:func:`zerofn.overlap_hook.zero_step_hook` on every rank, bucket by bucket,
+:func:`zerofn.overlap.hook.zero_step_hook` on every rank, bucket by bucket,
 with each rank obeying the step orders it gives, as the adapter does::
 
     from zerofn.testing.zero import simulate_overlapped_step
@@ -40,9 +40,7 @@ import attrs
 import torch
 
 from zerofn.comm import Program, Request, Response, split_like
-from zerofn.ddp_buckets import BucketPlan, BucketShard
-from zerofn.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
-from zerofn.hook import (
+from zerofn.hooks.hook import (
     BucketInfo,
     CommHook,
     allreduce_mean,
@@ -51,17 +49,19 @@ from zerofn.hook import (
     finish_iteration,
     init_hook_state,
 )
-from zerofn.overlap_hook import (
+from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
+from zerofn.overlap.hook import (
     OverlapConfig,
     OverlapHookState,
     StepOrder,
     gradients_to_step,
     zero_step_hook,
 )
-from zerofn.overlap_step import broadcast_from_owners
-from zerofn.partition import FlatPartition
-from zerofn.plan import ShardPlan
+from zerofn.overlap.step import broadcast_from_owners
 from zerofn.testing.world import run_programs
+from zerofn.zero.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
+from zerofn.zero.partition import FlatPartition
+from zerofn.zero.plan import ShardPlan
 
 __all__ = ["OverlappedRun", "simulate_overlapped_step", "simulate_zero_steps"]
 
@@ -386,13 +386,13 @@ def simulate_overlapped_step(
     **defaults: Any,
 ) -> OverlappedRun:
     """Iterations of the overlapped ZeRO step (``hook_with_zero_step``) on
-    simulated ranks: the core hook :func:`zerofn.overlap_hook.zero_step_hook`
+    simulated ranks: the core hook :func:`zerofn.overlap.hook.zero_step_hook`
     wrapping ``inner``, obeyed as the adapter's runner obeys it.
 
     Per iteration, per bucket in order, every rank hands the bucket's flat
     gradient to the hook (``final`` from iteration ``final_from`` on), all
     ranks' programs run together, and each rank obeys the hook's
-    :class:`~zerofn.overlap_hook.StepOrder`: it steps the named buckets'
+    :class:`~zerofn.overlap.hook.StepOrder`: it steps the named buckets'
     averaged gradients (all of them while DDP's buckets are not final, then
     the shards it owns) and sends the owners' updates, which every rank writes
     into its parameters after the last bucket.
@@ -406,7 +406,7 @@ def simulate_overlapped_step(
         optimizer_class: the ``torch.optim`` optimizer every rank runs (one
             param group of all parameters; see :class:`_OverlapRank`).
         inner: the hook that averages gradients; plain averaging
-            (:func:`zerofn.hook.allreduce_mean`) when omitted.
+            (:func:`zerofn.hooks.hook.allreduce_mean`) when omitted.
         reduce_to_owner: reduce each shard onto its owner once the plan is
             fixed; only right for plain averaging, which the hook then
             replaces. Default: whether ``inner`` was omitted (as the adapter

@@ -6,7 +6,7 @@ the model, or a name), so the state means the same thing whatever DDP's
 bucket layout is this iteration (its provisional first iteration, a rebuild,
 another ``bucket_cap_mb``).
 
-The memories are stored in a :class:`zerofn.hook.HookState` as usual, each
+The memories are stored in a :class:`zerofn.hooks.hook.HookState` as usual, each
 in the state of the bucket that last used it (:class:`PowerSGDBucketState`);
 before a bucket runs, a driver that knows the bucket's parameter keys calls
 :func:`claim`, which moves the memories of those keys (wherever they are) to
@@ -27,9 +27,9 @@ from typing import TypeAlias
 import attrs
 import torch
 
-from zerofn.hook import BucketInfo, HookState
-from zerofn.powersgd.config import PowerSGDConfig
-from zerofn.powersgd.seeds import SeedStream
+from zerofn.hooks.hook import BucketInfo, HookState
+from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.seeds import SeedStream
 
 __all__ = [
     "UNCLAIMED",

@@ -1,12 +1,12 @@
 """The overlapped ZeRO step as a communication hook: :func:`zero_step_hook`.
 
-``zero_step_hook(inner, config)`` wraps any :class:`~zerofn.hook.CommHook`
+``zero_step_hook(inner, config)`` wraps any :class:`~zerofn.hooks.hook.CommHook`
 so that the ZeRO step happens during DDP's backward. It is an ordinary hook:
 its global state (:class:`OverlapHookState`) holds the overlap record
-(:class:`~zerofn.overlap.OverlapState`: status, bucket ownership), the inner
+(:class:`~zerofn.overlap.state.OverlapState`: status, bucket ownership), the inner
 hook's state and the buckets handed over but not yet stepped; each bucket's
 program is the inner hook's, or, once the bucket plan is fixed and the inner
-hook is plain averaging, :func:`~zerofn.overlap_step.reduce_to_owners`.
+hook is plain averaging, :func:`~zerofn.overlap.step.reduce_to_owners`.
 
 After each bucket the state carries a :class:`StepOrder`: which buckets'
 gradients to step now, whether this rank steps all of their parameters
@@ -15,7 +15,7 @@ plan is fixed, every rank's parameters from then on. Whoever runs the hook
 (the adapter's ``hook_with_zero_step``, or :mod:`zerofn.testing.zero` on the
 simulated world) obeys the order: it reads the averaged gradients the order
 names (:func:`gradients_to_step`), steps them, and sends the owners' updates
-with :func:`~zerofn.overlap_step.broadcast_from_owners`.
+with :func:`~zerofn.overlap.step.broadcast_from_owners`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import attrs
 import torch
 
 from zerofn.comm import Program
-from zerofn.hook import BucketInfo, CommHook
-from zerofn.overlap import (
+from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.overlap.state import (
     OverlapState,
     finish_overlap_iteration,
     observe_bucket,
     owned_params_per_rank,
 )
-from zerofn.overlap_step import owned_gradients, reduce_to_owners
+from zerofn.overlap.step import owned_gradients, reduce_to_owners
 
 __all__ = [
     "OverlapConfig",
@@ -133,8 +133,8 @@ def zero_step_hook(
 ) -> CommHook[OverlapHookState[G], B | None]:
     """Wrap ``inner`` so the ZeRO step rides on DDP's buckets.
 
-    The hook needs each bucket's :attr:`~zerofn.hook.BucketInfo.params`
-    (global parameter indices) and :attr:`~zerofn.hook.BucketInfo.final`
+    The hook needs each bucket's :attr:`~zerofn.hooks.hook.BucketInfo.params`
+    (global parameter indices) and :attr:`~zerofn.hooks.hook.BucketInfo.final`
     (DDP has fixed its buckets). A bucket reduced to its owners returns the
     gradient it was given, written in place: on each shard's owner that
     shard holds the average, elsewhere the elements are unspecified (the

@@ -9,7 +9,7 @@ The program reads as the paper's algorithm, one power iteration per step::
     grad' <- P Q^T;  error <- M - grad';  Q is kept (warm start, per parameter)
 
 Each parameter's error and ``Q`` are kept under its key (see
-:mod:`zerofn.powersgd.state`), so they mean the same in any bucket layout.
+:mod:`zerofn.hooks.powersgd.state`), so they mean the same in any bucket layout.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import attrs
 import torch
 
 from zerofn.comm import AllReduce, Program
-from zerofn.error_feedback import compensate, split_residual
-from zerofn.hook import BucketInfo, CommHook
-from zerofn.powersgd import codec
-from zerofn.powersgd.common import (
+from zerofn.hooks.error_feedback import compensate, split_residual
+from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.hooks.powersgd import codec
+from zerofn.hooks.powersgd.common import (
     BucketResult,
     PowerSGDHook,
     averaging,
@@ -32,9 +32,9 @@ from zerofn.powersgd.common import (
     errors_of,
     fresh_start_due,
 )
-from zerofn.powersgd.config import PowerSGDConfig
-from zerofn.powersgd.layout import BucketLayout, bucket_layout
-from zerofn.powersgd.state import (
+from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.layout import BucketLayout, bucket_layout
+from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,
     PowerSGDBucketState,
@@ -83,7 +83,7 @@ def _draw_ahead(
     state: PowerSGDGlobalState, index: int, like: torch.Tensor, config: PowerSGDConfig
 ) -> PowerSGDGlobalState:
     """Draw this iteration's remaining random starts by the reference layout
-    (see :func:`zerofn.powersgd.end_iteration`), keyed by parameter."""
+    (see :func:`zerofn.hooks.powersgd.end_iteration`), keyed by parameter."""
     table: Factors = {}
     if fresh_start_due(state, config):
         for keys, shapes in state.reference[index:]:
@@ -197,7 +197,7 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
 
     Before ``config.start_powerSGD_iter`` iterations have completed, a bucket
     is averaged plainly (one all-reduce). After, its gradients worth
-    compressing (see :func:`zerofn.powersgd.should_compress`) travel as
+    compressing (see :func:`zerofn.hooks.powersgd.should_compress`) travel as
     factors and the rest as they are: two all-reduces per bucket, the first
     carrying the uncompressed gradients with the ``P`` factors, the second
     the ``Q`` factors (one, if nothing in the bucket is worth compressing).
@@ -208,7 +208,7 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
     Error and ``Q`` are kept per parameter, so a bucket with another set of
     parameters (DDP's provisional first iteration, a rebuild) continues with
     the same state; such an iteration draws its random starts by the layout
-    before it (see :func:`zerofn.powersgd.end_iteration`).
+    before it (see :func:`zerofn.hooks.powersgd.end_iteration`).
 
     Args:
         config: the hyperparameters.

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from zerofn.powersgd.layout import BucketLayout, ShapeGroup
+from zerofn.hooks.powersgd.layout import BucketLayout, ShapeGroup
 
 __all__ = [
     "assemble",

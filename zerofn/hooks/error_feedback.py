@@ -21,8 +21,8 @@ its error before and after, and ``d`` for the hook's result:
   ``e' = (g + e) - d`` (exact when ``d`` and ``g + e`` are within a factor of
   two of each other, or either is zero).
 * **Any number of ranks, for hooks that average independently decoded
-  contributions** (every :func:`zerofn.gather.gather_hook`:
-  :mod:`zerofn.quantization`, :func:`zerofn.sparsify.top_k`):
+  contributions** (every :func:`zerofn.hooks.gather.gather_hook`:
+  :mod:`zerofn.hooks.quantization`, :func:`zerofn.hooks.sparsify.top_k`):
   ``d + mean(e') == mean(g + e)`` over the ranks, up to rounding: the average
   of what was sent plus what is still owed is the true average.
 * **Other hooks** (a low-precision all-reduce, whose sum rounds again; hooks
@@ -51,7 +51,7 @@ import attrs
 import torch
 
 from zerofn.comm import AllGather, AllReduce, Program, Request, Response
-from zerofn.hook import BucketInfo, CommHook
+from zerofn.hooks.hook import BucketInfo, CommHook
 
 __all__ = ["ErrorFeedbackState", "compensate", "error_feedback", "split_residual"]
 

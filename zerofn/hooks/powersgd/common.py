@@ -9,10 +9,10 @@ import attrs
 import torch
 
 from zerofn.comm import AllReduce, Program
-from zerofn.hook import BucketInfo, CommHook
-from zerofn.powersgd.config import PowerSGDConfig
-from zerofn.powersgd.seeds import draw_seed
-from zerofn.powersgd.state import (
+from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.seeds import draw_seed
+from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,
     PowerSGDBucketState,
@@ -33,8 +33,8 @@ __all__ = [
 ]
 
 PowerSGDHook: TypeAlias = CommHook[PowerSGDGlobalState, PowerSGDBucketState | None]
-"""The type of the hooks :func:`zerofn.powersgd.layerwise` and
-:func:`zerofn.powersgd.batched` make."""
+"""The type of the hooks :func:`zerofn.hooks.powersgd.layerwise` and
+:func:`zerofn.hooks.powersgd.batched` make."""
 
 BucketResult: TypeAlias = tuple[torch.Tensor, PowerSGDBucketState | None]
 """What a PowerSGD bucket program returns: the averaged flat gradient and the
@@ -46,8 +46,8 @@ def begin(
 ) -> tuple[PowerSGDGlobalState, tuple[Key, ...], tuple[ParamMemory | None, ...]]:
     """The bucket's parameter keys and memories; the layout noted.
 
-    Without a driver's :func:`zerofn.powersgd.claim`, the keys are the
-    bucket's positions (:func:`zerofn.powersgd.state.default_keys`).
+    Without a driver's :func:`zerofn.hooks.powersgd.claim`, the keys are the
+    bucket's positions (:func:`zerofn.hooks.powersgd.state.default_keys`).
 
     Raises:
         ValueError: if ``bucket_state`` was made for other gradient shapes.
@@ -58,7 +58,7 @@ def begin(
             f"PowerSGD state for bucket {bucket.index} was made for gradients of shapes "
             f"{list(bucket_state.shapes)}, but this bucket holds {list(bucket.shapes)}: is one "
             "PowerSGDState shared by models with different buckets? Give each model its own "
-            "(or let the driver claim the bucket's parameters, see zerofn.powersgd.claim)"
+            "(or let the driver claim the bucket's parameters, see zerofn.hooks.powersgd.claim)"
         )
     params: tuple[ParamMemory | None, ...]
     if bucket_state is None:

@@ -22,7 +22,7 @@ from typing import Literal
 
 import attrs
 
-from zerofn.ddp_buckets import BucketPlan, BucketShard, assign_buckets
+from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard, assign_buckets
 
 __all__ = [
     "OverlapState",

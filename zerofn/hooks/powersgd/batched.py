@@ -2,7 +2,7 @@
 
 The bucket's factors are bucket-shaped by nature: its ``Q`` (``side x
 rank``) and the error of the padding that squares it are kept in a
-:class:`zerofn.powersgd.SquareMemory` for exactly the bucket's parameters,
+:class:`zerofn.hooks.powersgd.SquareMemory` for exactly the bucket's parameters,
 in the order they had. The error of the parameters themselves is kept per
 parameter. So:
 
@@ -23,13 +23,20 @@ import attrs
 import torch
 
 from zerofn.comm import AllReduce, Program
-from zerofn.error_feedback import compensate, split_residual
-from zerofn.hook import BucketInfo, CommHook
-from zerofn.powersgd import codec
-from zerofn.powersgd.common import BucketResult, PowerSGDHook, averaging, begin, draw, errors_of
-from zerofn.powersgd.config import PowerSGDConfig
-from zerofn.powersgd.layout import square_side
-from zerofn.powersgd.state import (
+from zerofn.hooks.error_feedback import compensate, split_residual
+from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.hooks.powersgd import codec
+from zerofn.hooks.powersgd.common import (
+    BucketResult,
+    PowerSGDHook,
+    averaging,
+    begin,
+    draw,
+    errors_of,
+)
+from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.layout import square_side
+from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,
     PowerSGDBucketState,
@@ -188,7 +195,7 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
 
     The flat bucket, padded with zeros to ``side * side`` elements (``side =
     ceil(sqrt(numel))``), is compressed as one square matrix: faster than
-    :func:`zerofn.powersgd.layerwise`, usually less accurate beyond rank 1.
+    :func:`zerofn.hooks.powersgd.layerwise`, usually less accurate beyond rank 1.
     Two all-reduces per bucket (``P``, then ``Q``). The rank is clipped to
     ``side`` for tiny buckets, where PyTorch's would fail.
 
@@ -202,7 +209,7 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
         config: the hyperparameters.
 
     Returns:
-        A hook like :func:`zerofn.powersgd.layerwise`'s.
+        A hook like :func:`zerofn.hooks.powersgd.layerwise`'s.
 
     Raises:
         ValueError: (from ``start``) if the bucket's state was made for other

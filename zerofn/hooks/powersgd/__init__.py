@@ -10,27 +10,32 @@ start*), so the approximation tracks the gradients' dominant subspace.
 
 The package is a composition of small modules, one idea each:
 
-* :mod:`~zerofn.powersgd.config`: :class:`PowerSGDConfig`, validated once;
-* :mod:`~zerofn.powersgd.seeds`: :class:`SeedStream`, PyTorch's seed sequence;
-* :mod:`~zerofn.powersgd.layout`: which matrices are compressed, grouped by shape;
-* :mod:`~zerofn.powersgd.codec`: the low-rank codec (orthogonalisation, ``P``/``Q``);
-* :mod:`~zerofn.powersgd.state`: state keyed by parameter, :func:`claim`;
-* :mod:`~zerofn.powersgd.keys`: which parameter is which (its index in the model);
-* :mod:`~zerofn.powersgd.layerwise` and :mod:`~zerofn.powersgd.batched`: the hooks,
-  with :mod:`zerofn.error_feedback`'s per-parameter primitives;
-* :mod:`~zerofn.powersgd.checkpoint`: versioned, weights-only state dicts.
+* :mod:`~zerofn.hooks.powersgd.config`: :class:`PowerSGDConfig`, validated once;
+* :mod:`~zerofn.hooks.powersgd.seeds`: :class:`SeedStream`, PyTorch's seed sequence;
+* :mod:`~zerofn.hooks.powersgd.layout`: which matrices are compressed, grouped by shape;
+* :mod:`~zerofn.hooks.powersgd.codec`: the low-rank codec (orthogonalisation, ``P``/``Q``);
+* :mod:`~zerofn.hooks.powersgd.state`: state keyed by parameter, :func:`claim`;
+* :mod:`~zerofn.hooks.powersgd.keys`: which parameter is which (its index in the model);
+* :mod:`~zerofn.hooks.powersgd.layerwise` and :mod:`~zerofn.hooks.powersgd.batched`: the hooks,
+  with :mod:`zerofn.hooks.error_feedback`'s per-parameter primitives;
+* :mod:`~zerofn.hooks.powersgd.checkpoint`: versioned, weights-only state dicts.
 
 A compressing bucket costs two collectives, not PyTorch's three: the
 uncompressed gradients travel in the same all-reduce as the ``P`` factors.
 """
 
-from zerofn.powersgd.batched import batched
-from zerofn.powersgd.checkpoint import STATE_DICT_FORMAT, from_state_dict, to_state_dict, upgrade_v1
-from zerofn.powersgd.codec import orthogonalize, random_factors
-from zerofn.powersgd.common import BucketResult, PowerSGDHook
-from zerofn.powersgd.config import PowerSGDConfig
-from zerofn.powersgd.layerwise import layerwise
-from zerofn.powersgd.layout import (
+from zerofn.hooks.powersgd.batched import batched
+from zerofn.hooks.powersgd.checkpoint import (
+    STATE_DICT_FORMAT,
+    from_state_dict,
+    to_state_dict,
+    upgrade_v1,
+)
+from zerofn.hooks.powersgd.codec import orthogonalize, random_factors
+from zerofn.hooks.powersgd.common import BucketResult, PowerSGDHook
+from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.layerwise import layerwise
+from zerofn.hooks.powersgd.layout import (
     BucketLayout,
     MatrixPlan,
     ShapeGroup,
@@ -39,8 +44,8 @@ from zerofn.powersgd.layout import (
     should_compress,
     square_side,
 )
-from zerofn.powersgd.seeds import SeedStream, draw_seed
-from zerofn.powersgd.state import (
+from zerofn.hooks.powersgd.seeds import SeedStream, draw_seed
+from zerofn.hooks.powersgd.state import (
     UNCLAIMED,
     Key,
     ParamMemory,

@@ -2,15 +2,15 @@
 
 :func:`top_k` keeps, on each rank, the ``k_fraction`` of the bucket's entries
 with the largest magnitudes, and all-gathers their values and positions (one
-``uint8`` payload, see :mod:`zerofn.gather`); every rank adds up the ranks'
+``uint8`` payload, see :mod:`zerofn.hooks.gather`); every rank adds up the ranks'
 sparse contributions and divides by the world size. The entries a rank drops
 are lost unless the hook is wrapped in
-:func:`zerofn.error_feedback.error_feedback`, which sends them once they
+:func:`zerofn.hooks.error_feedback.error_feedback`, which sends them once they
 have grown large enough. The usual composition, in half precision::
 
-    from zerofn.error_feedback import error_feedback
-    from zerofn.hook import cast
-    from zerofn.sparsify import top_k
+    from zerofn.hooks.error_feedback import error_feedback
+    from zerofn.hooks.hook import cast
+    from zerofn.hooks.sparsify import top_k
 
     hook = cast(error_feedback(top_k(0.01)), torch.float16)
 """
@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from zerofn.gather import GatherCodec, gather_hook, pack_bytes, unpack_bytes
-from zerofn.hook import CommHook
+from zerofn.hooks.gather import GatherCodec, gather_hook, pack_bytes, unpack_bytes
+from zerofn.hooks.hook import CommHook
 
 __all__ = ["kept_count", "top_k", "top_k_codec"]
 

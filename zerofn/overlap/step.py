@@ -1,6 +1,6 @@
 """The overlapped ZeRO step's communication, as programs over a fixed bucket plan.
 
-Once the overlap's :class:`~zerofn.ddp_buckets.BucketPlan` is fixed (see
+Once the overlap's :class:`~zerofn.overlap.ddp_buckets.BucketPlan` is fixed (see
 :mod:`zerofn.overlap`), each DDP bucket is split into shards, each owned by
 one rank. Per bucket:
 
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from zerofn.comm import Broadcast, Program, Reduce, adopt
-from zerofn.ddp_buckets import BucketPlan, BucketShard
-from zerofn.overlap import shard_element_range
+from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
+from zerofn.overlap.state import shard_element_range
 
 __all__ = [
     "broadcast_from_owners",

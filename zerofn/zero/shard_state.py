@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from zerofn.partition import FlatPartition, Partition, Piece
+from zerofn.zero.partition import FlatPartition, Partition, Piece
 
 __all__ = ["StateDict", "consolidate", "shard", "validate_global"]
 

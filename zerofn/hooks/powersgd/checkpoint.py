@@ -1,9 +1,9 @@
 """PowerSGD state dicts: versioned, ``torch.load(weights_only=True)``-loadable.
 
-Format ``"zerofn.powersgd/2"`` keeps each parameter's memory under its key
+Format ``"zerofn.hooks.powersgd/2"`` keeps each parameter's memory under its key
 (``"parameters"``), the batched hook's bucket-shaped memories with their
 parameters' keys (``"squares"``, by bucket index), and the layouts the random
-draws follow. Format ``"zerofn.powersgd/1"`` (bucket-keyed) cannot be assigned
+draws follow. Format ``"zerofn.hooks.powersgd/1"`` (bucket-keyed) cannot be assigned
 to parameters: :func:`from_state_dict` refuses it, and :func:`upgrade_v1`
 converts it by dropping the bucket memories.
 """
@@ -17,11 +17,11 @@ from typing import Any
 import attrs
 import torch
 
-from zerofn.hook import HookState
-from zerofn.powersgd.config import PowerSGDConfig
-from zerofn.powersgd.layout import matrix_view
-from zerofn.powersgd.seeds import SeedStream
-from zerofn.powersgd.state import (
+from zerofn.hooks.hook import HookState
+from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.layout import matrix_view
+from zerofn.hooks.powersgd.seeds import SeedStream
+from zerofn.hooks.powersgd.state import (
     UNCLAIMED,
     BucketKeys,
     ParamMemory,
@@ -34,10 +34,10 @@ from zerofn.powersgd.state import (
 
 __all__ = ["STATE_DICT_FORMAT", "from_state_dict", "to_state_dict", "upgrade_v1"]
 
-STATE_DICT_FORMAT = "zerofn.powersgd/2"
+STATE_DICT_FORMAT = "zerofn.hooks.powersgd/2"
 """The ``"format"`` entry of a PowerSGD state dict (bumped on incompatible changes)."""
 
-_V1 = "zerofn.powersgd/1"
+_V1 = "zerofn.hooks.powersgd/1"
 _CONFIG_FIELDS = tuple(f.name for f in attrs.fields(PowerSGDConfig))
 _State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
 
@@ -207,9 +207,9 @@ def _check_format(state_dict: Mapping[str, Any]) -> None:
     found = state_dict.get("format") if isinstance(state_dict, Mapping) else None
     if found == _V1:
         raise ValueError(
-            "this PowerSGD state dict has format 'zerofn.powersgd/1', which keeps error "
+            "this PowerSGD state dict has format 'zerofn.hooks.powersgd/1', which keeps error "
             "feedback and warm-start factors per DDP bucket; they cannot be assigned to "
-            "parameters. Convert it with zerofn.powersgd.upgrade_v1(state_dict) (keeps "
+            "parameters. Convert it with zerofn.hooks.powersgd.upgrade_v1(state_dict) (keeps "
             "iteration, seeds, statistics and config; error and factors restart from zero "
             "and random), or resume from a state dict saved by this version"
         )
@@ -272,6 +272,8 @@ def upgrade_v1(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: if ``state_dict`` is not of format 1.
     """
     if not isinstance(state_dict, Mapping) or state_dict.get("format") != _V1:
-        raise ValueError("upgrade_v1 takes a PowerSGD state dict of format 'zerofn.powersgd/1'")
+        raise ValueError(
+            "upgrade_v1 takes a PowerSGD state dict of format 'zerofn.hooks.powersgd/1'"
+        )
     kept = {k: v for k, v in state_dict.items() if k not in ("format", "buckets")}
     return {**kept, "format": STATE_DICT_FORMAT, "parameters": {}, "squares": {}}

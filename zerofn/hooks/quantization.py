@@ -13,13 +13,13 @@ same arithmetic in the same order.
 Two differences, neither of which changes a number:
 
 * one all-gather per bucket, not two: the parameters travel in the same
-  ``uint8`` payload as the values (see :func:`zerofn.gather.pack_bytes`),
+  ``uint8`` payload as the values (see :func:`zerofn.hooks.gather.pack_bytes`),
   where PyTorch's hooks gather them first, in a collective of their own;
 * the per-channel hook pads the gradient only up to a whole number of
   channels, where PyTorch's adds a whole channel of zeros when the length
   is already a multiple of ``bucket_size``.
 
-Quantization is lossy: compose with :func:`zerofn.error_feedback.error_feedback`
+Quantization is lossy: compose with :func:`zerofn.hooks.error_feedback.error_feedback`
 to carry each rank's rounding error into its next iteration.
 """
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from zerofn.gather import GatherCodec, gather_hook, pack_bytes, unpack_bytes
-from zerofn.hook import CommHook
+from zerofn.hooks.gather import GatherCodec, gather_hook, pack_bytes, unpack_bytes
+from zerofn.hooks.hook import CommHook
 
 __all__ = [
     "QUANT_MAX",

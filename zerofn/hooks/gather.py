@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from zerofn.comm import AllGather, Program
-from zerofn.hook import BucketInfo, CommHook
+from zerofn.hooks.hook import BucketInfo, CommHook
 
 __all__ = ["GatherCodec", "gather_hook", "pack_bytes", "unpack_bytes"]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from zerofn.partition import Piece
+from zerofn.zero.partition import Piece
 
 __all__ = ["BufferLayout", "Segment", "Slot", "buffer_layouts"]
 

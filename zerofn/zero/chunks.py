@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zerofn.layout import Slot
+from zerofn.zero.layout import Slot
 
 __all__ = [
     "FLAT_CHUNK_BYTES",

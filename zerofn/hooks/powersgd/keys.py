@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from zerofn.powersgd.state import PowerSGDGlobalState
+from zerofn.hooks.powersgd.state import PowerSGDGlobalState
 
 __all__ = ["KeyFinder", "bucket_keys", "finish_iteration", "parameter_count", "tracked"]
 

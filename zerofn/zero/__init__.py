@@ -1,0 +1,15 @@
+"""ZeRO: sharding optimizer state across ranks, as pure functions.
+
+- :mod:`~zerofn.zero.partition`: who owns which parameters (greedy,
+  balanced, flat, manual), and the pieces each rank holds;
+- :mod:`~zerofn.zero.layout`, :mod:`~zerofn.zero.plan`: the flat buffers
+  shards travel in, and the plan tying partition and layouts together;
+- :mod:`~zerofn.zero.exchange`: packing shards and the exchange program;
+- :mod:`~zerofn.zero.chunks`: stepping a flat shard in cache-sized views;
+- :mod:`~zerofn.zero.precision`: master weights, clipping, loss scaling;
+- :mod:`~zerofn.zero.shard_state`, :mod:`~zerofn.zero.sharded_checkpoint`,
+  :mod:`~zerofn.zero.checkpoint_manifest`: optimizer state across ranks and
+  on disk;
+- :mod:`~zerofn.zero.params`, :mod:`~zerofn.zero.optimizers`: checks on
+  what a user passes.
+"""
