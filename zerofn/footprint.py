@@ -36,12 +36,12 @@ from typing import Any, Literal, get_args
 import attrs
 import torch
 
-from zerofn.chunks import chunk_sizes
+from zerofn.hooks.powersgd import PowerSGDConfig, bucket_layout
 from zerofn.model_shapes import MODELS
-from zerofn.partition import FlatPartition, PartitionMode
-from zerofn.plan import ShardPlan, plan_shards
-from zerofn.powersgd import PowerSGDConfig, bucket_layout
-from zerofn.precision import resolve_master_dtype
+from zerofn.zero.chunks import chunk_sizes
+from zerofn.zero.partition import FlatPartition, PartitionMode
+from zerofn.zero.plan import ShardPlan, plan_shards
+from zerofn.zero.precision import resolve_master_dtype
 
 __all__ = [
     "OPTIMIZERS",
@@ -175,7 +175,7 @@ def _state_bytes(
 ) -> int:
     """The local optimizer's state on ``rank``: one stepped tensor per owned
     parameter, or (flat) per owned piece of a parameter, or per cache-sized
-    chunk of it (see :func:`zerofn.chunks.chunk_sources`)."""
+    chunk of it (see :func:`zerofn.zero.chunks.chunk_sources`)."""
     partition = plan.partition
     if isinstance(partition, FlatPartition):
         pieces = [p.numel for g in partition.group_pieces_of(rank) for p in g if p.numel]
@@ -208,6 +208,42 @@ def _zero_traffic(
     broadcasts = sum(1 for ly in plan.layouts for s in ly.segments if s.length)
     buffered = sum(ly.numel for ly in plan.layouts) * itemsize
     return {"broadcast": broadcasts}, {"broadcast": buffered}
+
+
+def _checked_groups(shapes: Shapes | torch.nn.Module, optimizer: str, hook: str) -> Shapes:
+    """The shapes per param group, once the arguments are known good."""
+    groups = shapes_of(shapes) if isinstance(shapes, torch.nn.Module) else shapes
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}")
+    if hook not in get_args(HookKind):
+        raise ValueError(f"unknown hook {hook!r}; choose from {get_args(HookKind)}")
+    if not any(groups):
+        raise ValueError("the model has no trainable parameters")
+    return groups
+
+
+def _rank_bytes(
+    plan: ShardPlan,
+    itemsize: int,
+    masters: torch.dtype | None,
+    model: OptimizerModel,
+    bucket_view: bool,
+    flat_chunks: bool,
+) -> tuple[RankBytes, ...]:
+    """Every rank's bytes by kind under ``plan``."""
+    numel = sum(plan.partition.loads())
+    state_itemsize = itemsize if masters is None else torch.empty((), dtype=masters).element_size()
+    buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
+    return tuple(
+        RankBytes(
+            parameters=numel * itemsize,
+            gradients=numel * itemsize,
+            master_weights=plan.partition.loads()[r] * state_itemsize if masters else 0,
+            optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
+            exchange_buffers=buffers,
+        )
+        for r in range(plan.world_size)
+    )
 
 
 def plan_footprint(
@@ -251,40 +287,21 @@ def plan_footprint(
     Raises:
         ValueError: an unknown optimizer, hook or partition; no parameters.
     """
-    groups = shapes_of(shapes) if isinstance(shapes, torch.nn.Module) else shapes
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}")
-    if hook not in get_args(HookKind):
-        raise ValueError(f"unknown hook {hook!r}; choose from {get_args(HookKind)}")
+    groups = _checked_groups(shapes, optimizer, hook)
     flat_shapes = [s for g in groups for s in g]
-    if not flat_shapes:
-        raise ValueError("the model has no trainable parameters")
     sizes = [[math.prod(s) for s in g] for g in groups]
-    numel = sum(sum(g) for g in sizes)
     plan = plan_shards(
         sizes, ["p"] * len(flat_shapes), [True] * len(flat_shapes), world_size, partition
     )
     masters = resolve_master_dtype(param_dtype, master_dtype)
     itemsize = torch.empty((), dtype=param_dtype).element_size()
-    state_itemsize = torch.empty((), dtype=masters or param_dtype).element_size()
     if bucket_view is None:
         bucket_view = partition == "flat"
-    buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
-    model = OPTIMIZERS[optimizer]
-    ranks = tuple(
-        RankBytes(
-            parameters=numel * itemsize,
-            gradients=numel * itemsize,
-            master_weights=plan.partition.loads()[r] * state_itemsize if masters else 0,
-            optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
-            exchange_buffers=buffers,
-        )
-        for r in range(world_size)
-    )
+    ranks = _rank_bytes(plan, itemsize, masters, OPTIMIZERS[optimizer], bucket_view, flat_chunks)
     collectives, payload = _zero_traffic(plan, backend, itemsize)
     payload["all_reduce"] = _hook_payload(flat_shapes, hook, powersgd_rank, itemsize)
     return Footprint(
-        numel=numel,
+        numel=sum(sum(g) for g in sizes),
         world_size=world_size,
         partition=partition,
         param_dtype=str(param_dtype).removeprefix("torch."),
