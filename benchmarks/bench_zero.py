@@ -104,7 +104,9 @@ def state_bytes(optim: torch.optim.Optimizer) -> int:
 def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
     """The implementation's shard exchange without the update (private APIs)."""
     if isinstance(opt, ZeroRedundancyOptimizer):
-        return lambda: opt._receive(opt._send_shards())
+        params = [p for group in opt.param_groups for p in group["params"]]
+        shards = opt._shards
+        return lambda: shards.receive(params, shards.send(params, opt.process_group, opt._via))
     return opt._sync_params  # type: ignore[attr-defined,no-any-return]
 
 

@@ -24,8 +24,11 @@ What differs from PyTorch's version:
 * Any ``torch.optim`` optimizer; gloo works (every collective is issued from
   the hook call, in bucket order, the same on every rank).
 
-The decisions (when the plan is fixed, who owns what, which element range of
-a bucket a shard is) come from :mod:`zerofn.overlap`.
+The hook is the core's :func:`zerofn.overlap.hook.zero_step_hook`, run in a
+:class:`~zerofn_torch.comm.HookCell` like every other hook; its state decides
+when the plan is fixed, who owns what and what to step after each bucket
+(a :class:`~zerofn.overlap.hook.StepOrder`). This module only obeys: it
+steps the optimizer and drives the programs the core gives it.
 """
 
 import weakref
