@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _faults import FAULT_STEP, SHORT_FROM, STEPS, Case, Outcome, Tick, run_family
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer, hooks
 from zerofn_torch.averaging import PeriodicModelAverager, PostLocalSGDOptimizer
@@ -124,14 +125,16 @@ def zero_flat_bucket_view(rank: int, tick: Tick) -> None:
     zero_loop(rank, tick, partition="flat", parameters_as_bucket_view=True)
 
 
-def overlap_loop(rank: int, tick: Tick, wrap: Callable[[Any, DDP, Any], Any], state: Any) -> None:
+def overlap_loop(
+    rank: int, tick: Tick, wrap: Callable[[Any, DDP, Any], Any], state: Any, inner: Any = None
+) -> None:
     ddp = DDP(make_model(), bucket_cap_mb=0.004)
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
     )
-    ddp.register_comm_hook(
-        state, wrap(hooks.allreduce_hook if state is None else hooks.powerSGD_hook, ddp, zero)
-    )
+    if inner is None:
+        inner = hooks.allreduce_hook if state is None else hooks.powerSGD_hook
+    ddp.register_comm_hook(state, wrap(inner, ddp, zero))
     for step in range(STEPS):
         tick(step)
         ddp(batch(rank, step)).square().mean().backward()
@@ -144,6 +147,12 @@ def overlap(rank: int, tick: Tick) -> None:
 def overlap_interleaved_powersgd(rank: int, tick: Tick) -> None:
     state = hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
     overlap_loop(rank, tick, hooks.hook_with_zero_step_interleaved, state)
+
+
+def overlap_around_pytorchs_hook(rank: int, tick: Tick) -> None:
+    # PyTorch's own hook is opaque to the core: its failure must still come
+    # out as a CollectiveError naming it.
+    overlap_loop(rank, tick, hooks.hook_with_zero_step, None, torch_hooks.fp16_compress_hook)
 
 
 def join_shadowing(rank: int, tick: Tick) -> None:
@@ -186,6 +195,7 @@ STEP_CASES: dict[str, Case] = {
     "ZeroRedundancyOptimizer.step (flat, bucket view)": zero_flat_bucket_view,
     "hook_with_zero_step(allreduce_hook)": overlap,
     "hook_with_zero_step_interleaved(powerSGD_hook)": overlap_interleaved_powersgd,
+    "hook_with_zero_step(PyTorch's fp16_compress_hook)": overlap_around_pytorchs_hook,
     "Join (survivor shadowing)": join_shadowing,
     "PeriodicModelAverager.average_parameters": averager,
     "PostLocalSGDOptimizer.step": post_local_sgd_optimizer,
@@ -198,6 +208,7 @@ PURPOSES = {
     "ZeroRedundancyOptimizer.step (flat, bucket view)": "exchange of updated shards",
     "hook_with_zero_step(allreduce_hook)": "overlapped ZeRO step",
     "hook_with_zero_step_interleaved(powerSGD_hook)": "DDP bucket",
+    "hook_with_zero_step(PyTorch's fp16_compress_hook)": "the DDP hook 'fp16_compress_hook'",
     "Join (survivor shadowing)": "Join",
     "PeriodicModelAverager.average_parameters": "averaging",
     "PostLocalSGDOptimizer.step": "averaging",

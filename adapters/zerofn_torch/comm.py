@@ -78,15 +78,18 @@ B = TypeVar("B")
 class Await:
     """A request the core does not know: the result of a DDP hook the core
     cannot see into (PyTorch's own, or yours), already started. The driver
-    answers with the future's value; a failure passes through as raised
-    (the hook's own error, already naming what failed).
+    answers with the future's value; a failure fails the request with a
+    :class:`~zerofn.errors.CollectiveError` naming the hook (one the hook
+    raised itself passes through as it is).
 
     Attributes:
         future: the running hook's future of the reduced flat gradient.
+        hook: the hook's name, for the error.
         last: always the program's final request.
     """
 
     future: torch.futures.Future[torch.Tensor]
+    hook: str = "a DDP hook"
     last: bool = True
 
 
@@ -356,7 +359,7 @@ def issue(
         this rank (raised by ``wait()``; never a partial result).
     """
     if isinstance(request, Await):
-        return then(request.future, lambda value: (value,))
+        return _awaited(request, group, purpose)
     try:
         started = _start(request, group)
     except Exception as e:  # a transport that fails at once, when posting
@@ -372,6 +375,26 @@ def issue(
             out.set_result(response)
 
     started.add_done_callback(done)
+    return out
+
+
+def _awaited(request: Await, group: Any, purpose: str) -> torch.futures.Future[Response]:
+    """The response to an :class:`Await`: its future's value, or a
+    :class:`~zerofn.errors.CollectiveError` naming the hook that failed."""
+    out: torch.futures.Future[Response] = torch.futures.Future()
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> None:
+        try:
+            value = fut.value()
+        except CollectiveError as e:
+            out.set_exception(e)  # type: ignore[arg-type]
+        except Exception as e:
+            error = _collective_error(f"the DDP hook {request.hook!r}", purpose, group, e)
+            out.set_exception(error)  # type: ignore[arg-type]
+        else:
+            out.set_result((value,))
+
+    request.future.add_done_callback(done)
     return out
 
 
@@ -559,18 +582,20 @@ def foreign_hook(
     Only this module's driver runs such a program.
     """
 
+    name = getattr(fn, "__name__", "hook")
+
     def start(
         grad: torch.Tensor, bucket: BucketInfo, g: None, b: None
     ) -> tuple[None, Program[tuple[torch.Tensor, None]]]:
         running = fn(*bucket.handle)
 
         def program() -> Program[tuple[torch.Tensor, None]]:
-            (reduced,) = yield Await(running)  # type: ignore[misc]
+            (reduced,) = yield Await(running, name)  # type: ignore[misc]
             return reduced, None
 
         return None, program()
 
-    return CommHook(init=lambda: None, start=start, name=getattr(fn, "__name__", "hook"))
+    return CommHook(init=lambda: None, start=start, name=name)
 
 
 class HookCell(Generic[G, B]):
