@@ -602,7 +602,8 @@ class HookCell(Generic[G, B]):
     """A hook's state between calls, and what it takes to advance it safely.
 
     The adapter's shells (:class:`zerofn_torch.hooks.HookRunner`,
-    :class:`zerofn_torch.powersgd.PowerSGDState`) keep one cell each: every
+    :class:`zerofn_torch.powersgd.PowerSGDState`, and the overlapped step's
+    runner in :mod:`zerofn_torch.overlap`) keep one cell each: every
     bucket call reads :attr:`state`, asks the core for the bucket's program,
     runs it in the cell's :class:`ProgramPipeline` and assigns the new state.
     The lock guards the assignments, because programs finish in future
