@@ -321,7 +321,9 @@ def _gather_segments(request: GatherSegments, group: Any) -> torch.futures.Futur
     return then(_all(futures), lambda _: segments)
 
 
-def _start(request: Request, group: Any) -> torch.futures.Future[Response]:
+def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
+    if isinstance(request, Await):
+        return then(request.future, lambda value: (value,))
     if isinstance(request, AllReduce):
         return _all_reduce(request, group)
     if isinstance(request, AllGather):
@@ -349,7 +351,7 @@ def issue(
     message per dtype.
 
     Args:
-        request: the collective.
+        request: the collective, or an :class:`Await` of a running hook.
         group: the process group.
         purpose: what the collective is for, for the error message.
 
@@ -358,43 +360,24 @@ def issue(
         :class:`zerofn.errors.CollectiveError` if the collective failed on
         this rank (raised by ``wait()``; never a partial result).
     """
-    if isinstance(request, Await):
-        return _awaited(request, group, purpose)
+    what = f"the DDP hook {request.hook!r}" if isinstance(request, Await) else describe(request)
     try:
         started = _start(request, group)
     except Exception as e:  # a transport that fails at once, when posting
-        return failed(_collective_error(describe(request), purpose, group, e))
+        return failed(_collective_error(what, purpose, group, e))
     out: torch.futures.Future[Response] = torch.futures.Future()
 
     def done(fut: torch.futures.Future[Response]) -> None:
         try:
             response = fut.value()
+        except CollectiveError as e:  # an awaited hook's own: it names what failed
+            out.set_exception(e)  # type: ignore[arg-type]
         except Exception as e:
-            out.set_exception(_collective_error(describe(request), purpose, group, e))  # type: ignore[arg-type]
+            out.set_exception(_collective_error(what, purpose, group, e))  # type: ignore[arg-type]
         else:
             out.set_result(response)
 
     started.add_done_callback(done)
-    return out
-
-
-def _awaited(request: Await, group: Any, purpose: str) -> torch.futures.Future[Response]:
-    """The response to an :class:`Await`: its future's value, or a
-    :class:`~zerofn.errors.CollectiveError` naming the hook that failed."""
-    out: torch.futures.Future[Response] = torch.futures.Future()
-
-    def done(fut: torch.futures.Future[torch.Tensor]) -> None:
-        try:
-            value = fut.value()
-        except CollectiveError as e:
-            out.set_exception(e)  # type: ignore[arg-type]
-        except Exception as e:
-            error = _collective_error(f"the DDP hook {request.hook!r}", purpose, group, e)
-            out.set_exception(error)  # type: ignore[arg-type]
-        else:
-            out.set_result((value,))
-
-    request.future.add_done_callback(done)
     return out
 
 
