@@ -42,7 +42,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 
 from zerofn.comm import split_like
 from zerofn.hooks.hook import init_hook_state
-from zerofn.overlap.hook import OverlapConfig, StepOrder, gradients_to_step, zero_step_hook
+from zerofn.overlap.hook import (
+    OverlapConfig,
+    OverlapHookState,
+    StepOrder,
+    gradients_to_step,
+    zero_step_hook,
+)
 from zerofn.overlap.step import broadcast_from_owners
 from zerofn.zero.precision import clip_coefficient, step_factor_program
 from zerofn_torch.comm import HookCell, bucket_info, drive, for_ddp, foreign_hook
@@ -72,21 +78,29 @@ class _OverlapRunner:
         hook: DDPHook,
         ddp: torch.nn.parallel.DistributedDataParallel,
         zero: ZeroRedundancyOptimizer,
-        config: OverlapConfig,
+        shard_buckets: bool,
+        interleaved: bool,
         max_grad_norm: float | None = None,
         loss_scaler: LossScaler | None = None,
     ) -> None:
         if max_grad_norm is not None:
             clip_coefficient(0.0, max_grad_norm)  # refuse a bad one now, not mid-backward
         zero._attach_overlap_hook()
-        self.config = config
-        self.hook = zero_step_hook(foreign_hook(hook), config)
+        params = [p for group in zero.param_groups for p in group["params"]]
+        self.config = OverlapConfig(
+            sizes=tuple(p.numel() for p in params),
+            world_size=zero.world_size,
+            rank=zero.rank,
+            shard_buckets=shard_buckets,
+            interleaved=interleaved,
+            reduce_to_owner=_is_averaging_hook(hook),
+        )
+        self.hook = zero_step_hook(foreign_hook(hook), self.config)
         self.cell = HookCell(init_hook_state(self.hook))
         self.ddp = weakref.ref(ddp)
         self.zero = zero
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = loss_scaler
-        params = [p for group in zero.param_groups for p in group["params"]]
         self.index_of = {id(p): i for i, p in enumerate(params)}
         # Buckets handed over and not stepped yet: their parameters, and the
         # future of their averaged flat gradient.
@@ -104,14 +118,14 @@ class _OverlapRunner:
         )
         _, _, reduced = self.cell.start(self.hook, bucket, group, info)
         self.handed[info.index] = (params, reduced)
-        order = self.cell.state.global_state.order
-        if order is not None:
-            self._obey(order)
+        state = self.cell.state.global_state
+        if state.order is not None:
+            self._obey(state, state.order)
         if info.is_last:
             self._receive()
         return for_ddp(reduced)
 
-    def _obey(self, order: StepOrder) -> None:
+    def _obey(self, state: OverlapHookState[Any], order: StepOrder) -> None:
         """Step what ``order`` names, start sending the owners' updates, and
         keep only this rank's share once the plan is fixed.
 
@@ -119,7 +133,6 @@ class _OverlapRunner:
             zerofn.errors.CollectiveError: a reduction, or a check before the
                 step, failed.
         """
-        state = self.cell.state.global_state
         self.cell.pipeline.drain()  # the buckets to step must be fully issued
         taken = [(index, *self.handed.pop(index)) for index in order.buckets]
         grads: dict[int, torch.Tensor] = {}
@@ -156,9 +169,10 @@ class _OverlapRunner:
             self.zero._step_with_grads(grads, factor)
         return True
 
-    def _send(self, state: Any, index: int, params: list[torch.Tensor]) -> None:
+    def _send(self, state: OverlapHookState[Any], index: int, params: list[torch.Tensor]) -> None:
         """Start sending bucket ``index``'s shards from their owners."""
         plan = state.overlap.plan
+        assert plan is not None  # the order sends only once the plan is fixed
         program = broadcast_from_owners(plan, self.config.rank, index, params)
         purpose = (
             f"the overlapped ZeRO step: sending DDP bucket {index}'s updated parameters "
@@ -182,27 +196,6 @@ def _make_hook(runner: _OverlapRunner) -> DDPHook:
         return runner(state, bucket)
 
     return hook_with_zero_fn
-
-
-def _runner(
-    hook: DDPHook,
-    ddp: torch.nn.parallel.DistributedDataParallel,
-    zero: ZeroRedundancyOptimizer,
-    shard_buckets: bool,
-    interleaved: bool,
-    max_grad_norm: float | None = None,
-    loss_scaler: LossScaler | None = None,
-) -> _OverlapRunner:
-    params = [p for group in zero.param_groups for p in group["params"]]
-    config = OverlapConfig(
-        sizes=tuple(p.numel() for p in params),
-        world_size=zero.world_size,
-        rank=zero.rank,
-        shard_buckets=shard_buckets,
-        interleaved=interleaved,
-        reduce_to_owner=_is_averaging_hook(hook),
-    )
-    return _OverlapRunner(hook, ddp, zero, config, max_grad_norm, loss_scaler)
 
 
 def hook_with_zero_step(
@@ -240,7 +233,8 @@ def hook_with_zero_step(
             a negative or non-finite ``max_grad_norm``.
         RuntimeError: if ``zero`` is already driven by another hook.
     """
-    return _make_hook(_runner(hook, ddp, zero, shard_buckets, False, max_grad_norm, loss_scaler))
+    runner = _OverlapRunner(hook, ddp, zero, shard_buckets, False, max_grad_norm, loss_scaler)
+    return _make_hook(runner)
 
 
 def hook_with_zero_step_interleaved(
@@ -260,4 +254,4 @@ def hook_with_zero_step_interleaved(
         ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``.
         RuntimeError: if ``zero`` is already driven by another hook.
     """
-    return _make_hook(_runner(hook, ddp, zero, shard_buckets, interleaved=True))
+    return _make_hook(_OverlapRunner(hook, ddp, zero, shard_buckets, interleaved=True))
