@@ -629,7 +629,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
             RuntimeError: another hook drives it already.
         """
-        if not self._overlap_with_ddp:
+        if not self._shards.stepped_by_hook:
             raise ValueError(
                 "the ZeroRedundancyOptimizer must be built with overlap_with_ddp=True to be "
                 "stepped by this hook"
@@ -639,7 +639,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_attached = True
 
     def _check_overlap_initialized(self) -> None:
-        if self._overlap_with_ddp and not self._overlap_sharded:
+        if self._shards.stepped_by_hook and not self._overlap_sharded:
             raise RuntimeError(
                 "this ZeroRedundancyOptimizer (overlap_with_ddp=True) is not initialized yet: "
                 "DDP fixes its buckets during the first iterations"
