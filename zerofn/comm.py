@@ -11,7 +11,7 @@ order by construction.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Literal, TypeAlias, TypeVar
 
 import attrs
@@ -34,6 +34,7 @@ __all__ = [
     "request_bytes",
     "split_like",
     "tensors_of",
+    "watched",
 ]
 
 Reduction: TypeAlias = Literal["sum", "avg", "max"]
@@ -220,3 +221,16 @@ Response: TypeAlias = tuple[torch.Tensor, ...]
 R = TypeVar("R")
 Program: TypeAlias = Generator[Request, Response, R]
 """A communication program: yields requests, receives responses, returns ``R``."""
+
+
+def watched(program: Program[R], see: Callable[[Request], object]) -> Program[R]:
+    """``program`` unchanged, calling ``see`` on each request it makes (to
+    count or record them), before the request goes out."""
+    try:
+        request = next(program)
+        while True:
+            see(request)
+            request = program.send((yield request))
+    except StopIteration as stop:
+        result: R = stop.value
+        return result

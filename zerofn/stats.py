@@ -16,7 +16,6 @@ the buckets, as :func:`comm_stats` does, gives the iteration's totals.
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -26,9 +25,9 @@ from zerofn.comm import (
     CollectiveKind,
     Program,
     Request,
-    Response,
     kind_of,
     request_bytes,
+    watched,
 )
 from zerofn.hooks.hook import BucketInfo, CommHook, HookState
 
@@ -43,7 +42,6 @@ __all__ = [
 
 G = TypeVar("G")
 B = TypeVar("B")
-R = TypeVar("R")
 
 
 @attrs.frozen
@@ -118,7 +116,8 @@ def with_stats(inner: CommHook[G, B]) -> CommHook[G, StatsState[B]]:
 
         def program() -> Program[tuple[torch.Tensor, StatsState[B]]]:
             records: list[CollectiveRecord] = []
-            result, inner_state = yield from _recording(inner_program, records)
+            seen = watched(inner_program, lambda request: records.append(_record(request)))
+            result, inner_state = yield from seen
             runs, total = (b.runs, b.total_bytes) if b is not None else (0, 0)
             nbytes = sum(r.nbytes for r in records)
             return result, StatsState(tuple(records), runs + 1, total + nbytes, inner_state)
@@ -131,20 +130,6 @@ def with_stats(inner: CommHook[G, B]) -> CommHook[G, StatsState[B]]:
         end_iteration=inner.end_iteration,
         name=f"with_stats({inner.name})",
     )
-
-
-def _recording(
-    program: Program[R], records: list[CollectiveRecord]
-) -> Generator[Request, Response, R]:
-    """Pass ``program``'s requests through, appending a record of each to ``records``."""
-    try:
-        request = next(program)
-        while True:
-            records.append(_record(request))
-            request = program.send((yield request))
-    except StopIteration as stop:
-        result: R = stop.value
-        return result
 
 
 def comm_stats(state: HookState[Any, StatsState[Any]]) -> CommStats:

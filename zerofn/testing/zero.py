@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
-from zerofn.comm import Program, Request, Response, split_like
+from zerofn.comm import Program, Request, split_like, watched
 from zerofn.hooks.hook import (
     BucketInfo,
     CommHook,
@@ -83,23 +83,6 @@ def _local_params(
         buffer = buffers[0]
         views.append([buffer[slots[0].offset : slots[-1].stop] if slots else buffer[:0]])
     return views
-
-
-def _counted(program: Program[R], seen: list[Request]) -> Program[R]:
-    """``program``, recording each request it makes."""
-    try:
-        request = next(program)
-    except StopIteration as stop:
-        done: R = stop.value
-        return done
-    while True:
-        seen.append(request)
-        response: Response = yield request
-        try:
-            request = program.send(response)
-        except StopIteration as stop:
-            result: R = stop.value
-            return result
 
 
 class _Rank:
@@ -187,7 +170,9 @@ def simulate_zero_steps(
             simulated.step(grads)
         run_programs(
             [
-                _counted(exchange_program(plan.layouts, sim.buffers, sim.rank, via), requests[r])
+                watched(
+                    exchange_program(plan.layouts, sim.buffers, sim.rank, via), requests[r].append
+                )
                 for r, sim in enumerate(ranks)
             ],
             purpose="the simulated ZeRO step's exchange",
@@ -336,7 +321,7 @@ def _hand_over(
     """One bucket on every rank: the hook's programs, then each rank's order
     (its step, its broadcasts), and at the last bucket the received updates."""
     programs = [
-        _counted(rank.begin(grads, info), seen)
+        watched(rank.begin(grads, info), seen.append)
         for rank, grads, seen in zip(ranks, grads_per_rank, made, strict=True)
     ]
     purpose = f"DDP bucket {info.index} (the overlapped ZeRO step's hook)"
@@ -345,7 +330,7 @@ def _hand_over(
     sends = [[] if o is None else r.obey(o) for r, o in zip(ranks, orders, strict=True)]
     if any(sends):
         run_programs(
-            [_counted(_in_turn(s), seen) for s, seen in zip(sends, made, strict=True)],
+            [watched(_in_turn(s), seen.append) for s, seen in zip(sends, made, strict=True)],
             purpose=f"after DDP bucket {info.index}: the owners' updated parameters",
         )
     if info.is_last:
