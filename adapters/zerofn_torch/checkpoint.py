@@ -5,24 +5,31 @@ gather to one rank; :func:`load_sharded` lets every rank read only what it now
 owns, at any world size and under any partition mode. Keys and reassembly
 come from :mod:`zerofn.zero.sharded_checkpoint`.
 
-Every save ends with a manifest (:mod:`zerofn.zero.checkpoint_manifest`) holding
-the size and SHA-256 of each file written; every load checks the directory
-against it, on every rank and before anything is unpickled or changed, and
-all ranks refuse together with :class:`zerofn.errors.CheckpointError`.
+A save never writes into the checkpoint it replaces: it writes into a hidden
+staging directory beside it, ends with a manifest
+(:mod:`zerofn.zero.checkpoint_manifest`) holding the size and SHA-256 of each
+file, verifies it on every rank, and only then swaps it for the target in one
+rename (:mod:`zerofn_torch.checkpoint_files`). Every load checks the directory
+against its manifest, on every rank and before anything is unpickled or
+changed, and all ranks refuse together with :class:`zerofn.errors.CheckpointError`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import atexit
 import importlib.metadata
 import itertools
-import json
+import logging
 import os
-import re
-from collections.abc import Callable
-from typing import Any
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
+import attrs
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -31,7 +38,6 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zerofn.errors import CheckpointError
 from zerofn.zero.checkpoint_manifest import (
-    MANIFEST_NAME,
     FileRecord,
     Manifest,
     check_files,
@@ -39,17 +45,20 @@ from zerofn.zero.checkpoint_manifest import (
     is_checkpoint_file,
     refusal,
 )
+from zerofn.zero.checkpoint_run import is_temporary, newest, staging_name, to_prune, trash_name
 from zerofn.zero.partition import Piece
 from zerofn.zero.sharded_checkpoint import PREFIX, Copy, cover, parse_key, piece_key
+from zerofn_torch import checkpoint_files as files
 from zerofn_torch.comm import all_gather_objects, broadcast_object, gather_objects, guarded
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]
 
 _GROUPS = f"{PREFIX}/param_groups"
 _SIZES = f"{PREFIX}/group_sizes"
-_METADATA = ".metadata"  # torch.distributed.checkpoint's metadata file
-_BLOCK = 1 << 20
+_EXTRA = "zerofn_extra"
+_LOG = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _Plans = dict[Piece, dict[str, list[Copy]]]
 
@@ -74,14 +83,6 @@ def _group_sizes(optimizer: ZeroRedundancyOptimizer) -> list[list[int]]:
     return [[p.numel() for p in g["params"]] for g in optimizer.param_groups]
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _zerofn_version() -> str:
     try:
         return importlib.metadata.version("zerofn")
@@ -89,11 +90,12 @@ def _zerofn_version() -> str:
         return "unknown"
 
 
-# ----- saving ----------------------------------------------------------------------
+# ----- what a rank saves -----------------------------------------------------------
 
 
-def _entries(optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
-    """This rank's state as checkpoint entries: its pieces, and the groups."""
+def _optimizer_entries(optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    """This rank's state as checkpoint entries: its pieces, and the groups.
+    Every tensor is a copy, so training may go on while they are written."""
     entries: dict[str, Any] = {
         _GROUPS: [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         _SIZES: [list(g) for g in optimizer._plan.partition.group_sizes],
@@ -107,59 +109,92 @@ def _entries(optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
                     key = piece_key(piece.param, name, piece.start, piece.stop)
                     entries[key] = flat.clone()
                 else:
-                    entries[piece_key(piece.param, name, 0, 0)] = value
+                    scalar = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    entries[piece_key(piece.param, name, 0, 0)] = scalar
     return entries
 
 
-def _on_first_rank(
-    optimizer: ZeroRedundancyOptimizer, action: Callable[[], None], what: str
-) -> None:
-    """Run ``action`` on rank 0, then tell every rank how it went: a failure
-    raises ``RuntimeError`` on every rank, so none goes on alone."""
-    outcome: str | None = None
+def _extra_entries(extra: Mapping[str, Any], prefix: str = _EXTRA) -> dict[str, Any]:
+    """``extra`` as flat checkpoint entries (nested mappings become key paths),
+    tensors copied.
+
+    Raises:
+        ValueError: a key is not a non-empty str without ``/``.
+    """
+    entries: dict[str, Any] = {}
+    for key, value in extra.items():
+        if not isinstance(key, str) or not key or "/" in key:
+            raise ValueError(
+                f"extra's keys must be non-empty strs without '/', got {key!r} (in {prefix!r})"
+            )
+        path = f"{prefix}/{key}"
+        if isinstance(value, Mapping):
+            entries.update(_extra_entries(value, path))
+        elif isinstance(value, torch.Tensor):
+            entries[path] = value.detach().clone()
+        else:
+            entries[path] = value
+    return entries
+
+
+def _nested_extra(loaded: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved ``extra`` back as nested dicts."""
+    out: dict[str, Any] = {}
+    for key, value in loaded.items():
+        parts = key.split("/")
+        if parts[0] != _EXTRA:
+            continue
+        node = out
+        for part in parts[1:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+@attrs.frozen(eq=False)
+class _Snapshot:
+    """What one rank writes, copied when the save was asked for."""
+
+    entries: dict[str, Any]
+    partition: str
+    world_size: int
+    shapes: list[tuple[int, ...]]
+    group_sizes: list[list[int]]
+
+
+def _snapshot(optimizer: ZeroRedundancyOptimizer, extra: Mapping[str, Any]) -> _Snapshot:
+    return _Snapshot(
+        entries={**_optimizer_entries(optimizer), **_extra_entries(extra)},
+        partition=optimizer._plan.mode,
+        world_size=optimizer.world_size,
+        shapes=_shapes(optimizer),
+        group_sizes=_group_sizes(optimizer),
+    )
+
+
+# ----- the save, all or nothing ----------------------------------------------------
+
+
+def _decided_by_first_rank(group: Any, action: Callable[[], T], what: str) -> T:
+    """Run ``action`` on rank 0 and hand its result to every rank; a failure
+    raises on every rank (``ValueError`` for a refused argument, else
+    ``RuntimeError``), so none goes on alone."""
+    outcome: tuple[Any, str | None, bool] = (None, None, False)
     cause: Exception | None = None
-    if optimizer.rank == 0:
+    if dist.get_rank(group) == 0:
         try:
-            action()
+            outcome = (action(), None, False)
         except Exception as e:
-            outcome, cause = f"{type(e).__name__}: {e}", e
-    purpose = f"save_sharded ({what})"
-    outcome = broadcast_object(outcome, 0, optimizer.process_group, purpose)
-    if outcome is not None:
-        raise RuntimeError(f"save_sharded: {what} failed on rank 0: {outcome}") from cause
+            outcome, cause = (None, f"{type(e).__name__}: {e}", isinstance(e, ValueError)), e
+    value, error, refused = broadcast_object(outcome, 0, group, f"save_sharded ({what})")
+    if error is not None:
+        kind = ValueError if refused else RuntimeError
+        raise kind(f"save_sharded: {what} failed on rank 0: {error}") from cause
+    return value  # type: ignore[no-any-return]
 
 
-def _clear(path: str) -> None:
-    """Remove a previous checkpoint's manifest, then its files."""
-    if not os.path.isdir(path):
-        return
-    # The manifest goes first: from here until the new one is written, the
-    # directory is refused as "no manifest". Stale data files of a larger
-    # world would otherwise stay and be refused as extra files.
-    names = sorted(os.listdir(path), key=lambda n: n != MANIFEST_NAME)
-    for name in names:
-        if name == MANIFEST_NAME or is_checkpoint_file(name):
-            os.remove(os.path.join(path, name))
-
-
-def _own_files(path: str, rank: int) -> list[FileRecord]:
-    """The files this rank wrote: ``torch.distributed.checkpoint`` names data
-    files ``__<rank>_<n>.distcp``; rank 0, its coordinator, writes the metadata."""
-    mine = re.compile(rf"^__{rank}_\d+\.distcp$")
-    names = [n for n in os.listdir(path) if mine.match(n)]
-    if rank == 0:
-        names.append(_METADATA)
-    return [_record(path, name) for name in names]
-
-
-def _record(path: str, name: str) -> FileRecord:
-    full = os.path.join(path, name)
-    return FileRecord(name, os.path.getsize(full), _sha256(full))
-
-
-def _write_manifest(optimizer: ZeroRedundancyOptimizer, path: str, gathered: list[Any]) -> None:
-    """On rank 0: every rank's records (or errors) into the manifest, written
-    atomically so that no reader ever sees half of one."""
+def _manifest(snapshot: _Snapshot, staging: str, gathered: list[Any]) -> Manifest:
+    """On rank 0: the manifest of every rank's files (or their errors)."""
     errors = [error for _, error in gathered if error is not None]
     if errors:
         raise OSError("; ".join(errors))
@@ -167,92 +202,309 @@ def _write_manifest(optimizer: ZeroRedundancyOptimizer, path: str, gathered: lis
     claimed = {r.name for r in records}
     # A file no rank claimed (should DCP ever name files otherwise) is hashed
     # here, so the manifest still lists everything DCP wrote.
-    for name in sorted(os.listdir(path)):
+    for name in sorted(os.listdir(staging)):
         if is_checkpoint_file(name) and name not in claimed:
-            records.append(_record(path, name))
-    manifest = Manifest(
+            records.append(files.record(staging, name))
+    return Manifest(
         zerofn_version=_zerofn_version(),
-        partition=optimizer._plan.mode,
-        world_size=optimizer.world_size,
-        shapes=_shapes(optimizer),
-        group_sizes=_group_sizes(optimizer),
+        partition=snapshot.partition,
+        world_size=snapshot.world_size,
+        shapes=snapshot.shapes,
+        group_sizes=snapshot.group_sizes,
         files=records,
+        saved_at=time.time(),
     )
-    temporary = os.path.join(path, f"{MANIFEST_NAME}.tmp")
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(manifest.to_dict(), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, os.path.join(path, MANIFEST_NAME))
 
 
-def save_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.PathLike[str]) -> None:
-    """Write each rank's optimizer shard to ``checkpoint_id`` (a directory),
-    then the manifest :func:`load_sharded` checks it against.
+def _staged_problems(staging: str, mine: list[FileRecord]) -> list[str]:
+    """What this rank finds wrong with the staged checkpoint: the manifest
+    must parse, list every file present at its size, and hold this rank's
+    files with the hashes it read back from disk."""
+    manifest, problem = files.read_manifest(staging)
+    if manifest is None:
+        return [problem or "no manifest"]
+    sizes = {e.name: e.stat().st_size for e in os.scandir(staging) if e.is_file()}
+    hashes = {r.name: r.sha256 for r in mine}
+    hashes[files.METADATA] = files.sha256(os.path.join(staging, files.METADATA))
+    return check_files(manifest, sizes, hashes)
 
-    Collective: call on every rank of the optimizer's group. No rank gathers
-    another's state; each hashes the files it wrote, and rank 0 gathers the
-    hashes and writes the manifest last, so an interrupted save leaves no
-    manifest (and :func:`load_sharded` refuses it). A checkpoint already in
-    the directory is replaced: its manifest and data files are removed first.
 
-    Args:
-        optimizer: the optimizer whose state to save.
-        checkpoint_id: the checkpoint directory (created if missing).
+def _verify_staged(group: Any, staging: str, mine: list[FileRecord]) -> None:
+    try:
+        problems = _staged_problems(staging, mine)
+    except OSError as e:
+        problems = [f"it could not be checked: {e}"]
+    everyone = all_gather_objects(problems, group, "save_sharded (verifying the new checkpoint)")
+    message = refusal(everyone)
+    if message is None:
+        return
+    if dist.get_rank(group) == 0:
+        files.discard(staging)
+    raise RuntimeError(f"save_sharded: the new checkpoint failed verification: {message}")
 
-    Raises:
-        RuntimeError: on every rank, if clearing the directory, hashing or
-            writing the manifest failed on some rank.
-        zerofn.errors.CollectiveError: if the ranks could not agree on it.
+
+def _commit(staging: str, target: str, token: str, keep_last: int | None) -> None:
+    """On rank 0: swap the staged checkpoint in, then drop the run's oldest."""
+    run, name = os.path.split(target)
+    files.commit(staging, target, os.path.join(run, trash_name(name, token)))
+    if keep_last is None:
+        return
+    dropped = to_prune(files.run_checkpoints(run), keep_last, current=name)
+    files.prune(run, dropped, {n: trash_name(n, token) for n in dropped})
+
+
+def _prepare(target: str, keep_last: int | None) -> tuple[str, str]:
+    """On rank 0: a fresh staging directory beside ``target`` and the save's token."""
+    token = secrets.token_hex(8)
+    run, name = os.path.split(target)
+    staging = os.path.join(run, staging_name(name, token))
+    files.prepare_staging(target, staging, whole_run=keep_last is not None)
+    return staging, token
+
+
+def _save(snapshot: _Snapshot, target: str, group: Any, keep_last: int | None) -> None:
+    """The whole save on ``group``: stage, write, hash, manifest, verify, commit.
+
+    The previous checkpoint at ``target`` is untouched until the commit, a
+    single rename; a save that fails or is cut short at any earlier point
+    leaves only a staging directory, which the next save removes.
     """
-    path = os.fspath(checkpoint_id)
-    group = optimizer.process_group
-    # The broadcast that ends the clearing also orders it before any rank writes.
-    _on_first_rank(optimizer, lambda: _clear(path), "clearing the directory")
-    with guarded("torch.distributed.checkpoint.save", f"save_sharded to {path!r}", group):
+    staging, token = _decided_by_first_rank(
+        group, lambda: _prepare(target, keep_last), "preparing a staging directory"
+    )
+    rank = dist.get_rank(group)
+    with guarded("torch.distributed.checkpoint.save", f"save_sharded to {target!r}", group):
         dcp_save(
-            _entries(optimizer),
-            checkpoint_id=checkpoint_id,
+            snapshot.entries,
+            checkpoint_id=staging,
             process_group=group,
             planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
         )
     mine: tuple[list[FileRecord], str | None]
     try:
-        mine = (_own_files(path, optimizer.rank), None)
+        mine = (files.own_files(staging, rank), None)
     except OSError as e:
-        mine = ([], f"rank {optimizer.rank} could not hash its files: {e}")
+        mine = ([], f"rank {rank} could not hash its files: {e}")
     gathered = gather_objects(mine, 0, group, "save_sharded (hashes for the manifest)")
-    _on_first_rank(
-        optimizer,
-        lambda: _write_manifest(optimizer, path, gathered or []),
+    _decided_by_first_rank(
+        group,
+        lambda: files.write_manifest(staging, _manifest(snapshot, staging, gathered or [])),
         "writing the manifest",
+    )
+    _verify_staged(group, staging, mine[0])
+    _decided_by_first_rank(
+        group, lambda: _commit(staging, target, token, keep_last), "committing the checkpoint"
     )
 
 
-# ----- loading ---------------------------------------------------------------------
+# ----- saves in the background -----------------------------------------------------
 
 
-def _read_manifest(path: str) -> tuple[Manifest | None, str | None]:
-    """The manifest, or why there is none (a problem for :func:`refusal`)."""
+class SaveHandle:
+    """A save under way (``save_sharded(..., blocking=False)``) or finished.
+
+    :meth:`wait` returns once the checkpoint is committed, or raises what
+    failed; a failure nobody waited for raises at the next
+    :func:`save_sharded` or :func:`load_sharded` on the same ranks instead.
+    """
+
+    def __init__(self, path: str, work: Callable[[], None] | None) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread: threading.Thread | None = None
+        if work is not None:
+            self._thread = threading.Thread(
+                target=self._run, args=(work,), name=f"save_sharded {path}", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # kept for wait(): a thread has no caller to raise to
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether the save has ended (committed or failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save has ended.
+
+        Args:
+            timeout: seconds to wait at most (``None``: until it ends).
+
+        Raises:
+            TimeoutError: it is still running after ``timeout`` seconds.
+            zerofn.errors.CollectiveError, RuntimeError, ValueError: what the
+                save raised (on every rank: the save ends with an agreement).
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"save_sharded to {self.path!r} still running")
+        self._reported = True
+        if self._error is not None:
+            raise self._error
+
+    def _settle(self) -> None:
+        """Wait; raise a failure only if :meth:`wait` has not reported it yet."""
+        if self._thread is not None:
+            self._thread.join()
+        if not self._reported:
+            self.wait()
+
+
+_IN_FLIGHT: dict[tuple[int, ...], SaveHandle] = {}
+_SAVE_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def _settle_in_flight(group: Any) -> None:
+    handle = _IN_FLIGHT.pop(_ranks(group), None)
+    if handle is not None:
+        handle._settle()
+
+
+def _save_group(group: Any) -> Any:
+    """The gloo group background saves of ``group``'s ranks run their
+    collectives on, so that they never interleave with training's.
+
+    Created by the first background save (``dist.new_group``: every rank of
+    the default group must enter it) with ``group``'s timeout, then reused.
+    """
+    ranks = _ranks(group)
+    known = _SAVE_GROUPS.get(ranks)
+    if known is not None and _alive(known):
+        return known
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        timeout = backend.options._timeout
+    except (AttributeError, RuntimeError):  # no CPU backend (NCCL alone): gloo's default
+        timeout = None
+    created = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+    _SAVE_GROUPS[ranks] = created
+    return created
+
+
+def _alive(group: Any) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):  # destroyed with its world
+        return False
+    return True
+
+
+@atexit.register
+def _finish_saves_at_exit() -> None:
+    # A background save still writing when the program ends would otherwise
+    # be cut off, leaving the previous checkpoint as the last.
+    for handle in list(_IN_FLIGHT.values()):
+        try:
+            handle._settle()
+        except BaseException as e:
+            _LOG.error("save_sharded to %r failed at exit: %s", handle.path, e)
+    _IN_FLIGHT.clear()
+
+
+# ----- the public API --------------------------------------------------------------
+
+
+def save_sharded(
+    optimizer: ZeroRedundancyOptimizer,
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+    blocking: bool = True,
+) -> SaveHandle:
+    """Write each rank's optimizer shard (and ``extra``) as the checkpoint
+    directory ``checkpoint_id``, replacing any checkpoint there all at once.
+
+    Collective: call on every rank of the optimizer's group. No rank gathers
+    another's state. The files are written into a hidden staging directory
+    beside ``checkpoint_id``; each rank hashes what it wrote, rank 0 writes
+    the manifest, every rank verifies the staged checkpoint, and only then
+    does rank 0 swap it for the old one in one rename. Until that rename the
+    previous checkpoint stays whole and loadable; a save that fails or is cut
+    short (a rank killed) leaves it exactly as it was.
+
+    Args:
+        optimizer: the optimizer whose state to save.
+        checkpoint_id: the checkpoint directory (its parent is created if
+            missing). An existing one may hold only an earlier checkpoint.
+        extra: more state to save in the same checkpoint, the same on every
+            rank (e.g. ``{"model": model.state_dict(), "step": step}``):
+            tensors, picklable values and nested mappings with ``str`` keys
+            without ``/``. :func:`load_sharded` returns it.
+        keep_last: keep only this many of the newest checkpoints in
+            ``checkpoint_id``'s parent directory (the run's directory), this
+            one included; ``None`` removes none.
+        blocking: ``False`` copies the state now and writes it in the
+            background (collectives on a gloo group of the same ranks, made
+            by the first such save), so training goes on; wait with the
+            handle, or the next save or load waits for it.
+
+    Returns:
+        The save's handle (already finished when ``blocking``).
+
+    Raises:
+        ValueError: on every rank, for a bad ``keep_last`` or ``extra`` key,
+            or a ``checkpoint_id`` holding files that are not a checkpoint's;
+            nothing was written.
+        RuntimeError: on every rank, if writing, hashing, verifying or
+            committing failed on some rank: the previous checkpoint is intact.
+        zerofn.errors.CollectiveError: if the ranks could not agree on it
+            (a peer died or hung); the previous checkpoint is intact, or
+            the new one was committed whole.
+    """
+    if keep_last is not None:
+        to_prune({}, keep_last, current="")  # checks it before anything is written
+    target = os.path.abspath(os.fspath(checkpoint_id))
+    group = optimizer.process_group
+    _settle_in_flight(group)
+    snapshot = _snapshot(optimizer, extra or {})
+    if blocking:
+        _save(snapshot, target, group, keep_last)
+        return SaveHandle(target, None)
+    save_group = _save_group(group)
+    handle = SaveHandle(target, lambda: _save(snapshot, target, save_group, keep_last))
+    _IN_FLIGHT[_ranks(group)] = handle
+    return handle
+
+
+def latest_checkpoint(run: str | os.PathLike[str]) -> str | None:
+    """The newest whole checkpoint directly inside the directory ``run``
+    (by the save time its manifest records), or ``None`` if there is none.
+
+    Staging directories of saves in progress or cut short, and directories
+    without a valid manifest, are never returned. It reads no data file: a
+    damaged checkpoint is still refused by :func:`load_sharded`.
+    """
+    path = os.fspath(run)
     if not os.path.isdir(path):
-        return None, "not a zerofn checkpoint (no manifest): the directory does not exist"
-    try:
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None, f"not a zerofn checkpoint (no manifest {MANIFEST_NAME!r})"
-    try:
-        return Manifest.from_dict(json.loads(raw.decode("utf-8"))), None
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None, f"manifest {MANIFEST_NAME} is corrupt: {e}"
+        return None
+    name = newest(files.run_checkpoints(path))
+    return None if name is None else os.path.join(path, name)
+
+
+# ----- loading ---------------------------------------------------------------------
 
 
 def _listing(path: str) -> dict[str, int]:
     return {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file()}
 
 
-def _needed_keys(plans: _Plans) -> set[str]:
-    keys = {_GROUPS, _SIZES}
+def _extra_keys(metadata: Any) -> set[str]:
+    return {k for k in metadata.state_dict_metadata if k.startswith(f"{_EXTRA}/")}
+
+
+def _needed_keys(plans: _Plans, metadata: Any) -> set[str]:
+    keys = {_GROUPS, _SIZES} | _extra_keys(metadata)
     for plan in plans.values():
         for copies in plan.values():
             keys.update(c.source.key for c in copies)
@@ -284,25 +536,41 @@ def _verify(optimizer: ZeroRedundancyOptimizer, path: str) -> tuple[list[str], A
         The problems (empty if none), the DCP metadata and this rank's plans
         (``None`` and empty when there were problems).
     """
-    manifest, problem = _read_manifest(path)
+    if is_temporary(os.path.basename(os.path.normpath(path))):
+        return (
+            ["not a checkpoint: a temporary directory of a save in progress or cut short"],
+            None,
+            {},
+        )
+    manifest, problem = files.read_manifest(path)
     if manifest is None:
         return [problem or "no manifest"], None, {}
     sizes = _listing(path)
-    hashes = {_METADATA: _sha256(os.path.join(path, _METADATA))} if _METADATA in sizes else {}
+    hashes = {files.METADATA: files.sha256(os.path.join(path, files.METADATA))}
+    hashes = hashes if files.METADATA in sizes else {}
     problems = check_model(manifest, _shapes(optimizer), _group_sizes(optimizer))
-    problems += check_files(manifest, sizes, hashes)
     if problems:
         return problems, None, {}
+    problems = check_files(manifest, sizes, hashes)
+    if problems:
+        # Only on a defect: every file's hash tells damage from swapped files
+        # or another save's manifest.
+        everything = {
+            n: files.sha256(os.path.join(path, n))
+            for n in sizes
+            if n in hashes or is_checkpoint_file(n)
+        }
+        return check_files(manifest, sizes, everything), None, {}
     metadata = FileSystemReader(path).read_metadata()
     try:
         plans = _plans(optimizer, metadata)
     except ValueError as e:
         return [str(e)], None, {}
-    keys = _needed_keys(plans)
+    keys = _needed_keys(plans, metadata)
     to_read = {
         info.relative_path for index, info in metadata.storage_data.items() if index.fqn in keys
     }
-    hashes = {name: _sha256(os.path.join(path, name)) for name in sorted(to_read)}
+    hashes = {name: files.sha256(os.path.join(path, name)) for name in sorted(to_read)}
     return check_files(manifest, sizes, hashes), metadata, plans
 
 
@@ -319,7 +587,7 @@ def _agree(optimizer: ZeroRedundancyOptimizer, path: str, problems: list[str]) -
 def _request(plans: _Plans, metadata: Any) -> dict[str, Any]:
     """Empty tensors (or ``None`` for other values) for DCP to load into."""
     request: dict[str, Any] = {_GROUPS: None, _SIZES: None}
-    for key in _needed_keys(plans) - {_GROUPS, _SIZES}:
+    for key in _needed_keys(plans, metadata) - {_GROUPS, _SIZES}:
         md = metadata.state_dict_metadata[key]
         if isinstance(md, TensorStorageMetadata):
             request[key] = torch.empty(md.size, dtype=md.properties.dtype)
@@ -358,9 +626,11 @@ def _global_state(
     return {"state": owned_state, "param_groups": groups}
 
 
-def load_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.PathLike[str]) -> None:
+def load_sharded(
+    optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.PathLike[str]
+) -> dict[str, Any]:
     """Load this rank's part of a checkpoint written by :func:`save_sharded`,
-    whatever world size or partition mode wrote it.
+    whatever world size or partition mode wrote it, and return its ``extra``.
 
     Collective: call on every rank of the optimizer's group. Each rank first
     checks the manifest, the model, every file's presence and size, and the
@@ -371,6 +641,10 @@ def load_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.Pat
         optimizer: the optimizer to load into.
         checkpoint_id: the checkpoint directory.
 
+    Returns:
+        The ``extra`` it was saved with, as nested dicts (tensors on the
+        CPU); empty if none.
+
     Raises:
         zerofn.errors.CheckpointError: on every rank, with the same message
             naming each defective file, its defect and the rank(s) that found
@@ -380,6 +654,7 @@ def load_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.Pat
         zerofn.errors.CollectiveError: if the ranks could not agree.
     """
     path = os.fspath(checkpoint_id)
+    _settle_in_flight(optimizer.process_group)
     try:
         problems, metadata, plans = _verify(optimizer, path)
     except Exception as e:  # every rank must reach the agreement, or the others wait in it
@@ -400,3 +675,4 @@ def load_sharded(optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.Pat
             f"{request[_SIZES]}, not this optimizer's: it belongs to another model"
         )
     optimizer.load_state_dict(_global_state(optimizer, plans, request))
+    return _nested_extra(request)

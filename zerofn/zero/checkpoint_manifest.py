@@ -23,6 +23,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "PARTITION_MODES",
+    "READABLE_VERSIONS",
     "FileRecord",
     "Manifest",
     "check_files",
@@ -34,14 +35,17 @@ __all__ = [
 MANIFEST_NAME = "zerofn_manifest.json"
 """The manifest's file name inside a checkpoint directory."""
 
-FORMAT_VERSION = 1
-"""The manifest format this version of zerofn writes and reads."""
+FORMAT_VERSION = 2
+"""The manifest format this version of zerofn writes (2 added ``saved_at``)."""
+
+READABLE_VERSIONS = (1, 2)
+"""Every manifest format this version of zerofn reads."""
 
 PARTITION_MODES = ("greedy", "balanced", "flat", "manual")
 """The partition modes a manifest may name (``"manual"``: a given partition)."""
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_FIELDS = (
+_FIELDS_V1 = (
     "format_version",
     "zerofn_version",
     "partition",
@@ -50,6 +54,7 @@ _FIELDS = (
     "group_sizes",
     "files",
 )
+_FIELDS = {1: _FIELDS_V1, 2: (*_FIELDS_V1, "saved_at")}
 
 
 def is_checkpoint_file(name: str) -> bool:
@@ -125,7 +130,9 @@ class Manifest:
         shapes: every parameter's shape, in global order.
         group_sizes: every parameter's element count, per param group.
         files: every file ``torch.distributed.checkpoint`` wrote, by name.
-        format_version: the manifest format (:data:`FORMAT_VERSION`).
+        saved_at: when the save was committed (rank 0's clock, seconds since
+            the epoch); orders a run's checkpoints (0.0 in format 1).
+        format_version: the manifest format (one of :data:`READABLE_VERSIONS`).
 
     Raises:
         ValueError: at construction, for a field of the wrong type or range,
@@ -138,14 +145,19 @@ class Manifest:
     shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_tuples)
     group_sizes: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_tuples)
     files: tuple[FileRecord, ...] = attrs.field(converter=_sorted_files)
+    saved_at: float = 0.0
     format_version: int = FORMAT_VERSION
 
     def __attrs_post_init__(self) -> None:
-        if not _is_int(self.format_version) or self.format_version != FORMAT_VERSION:
+        if not _is_int(self.format_version) or self.format_version not in READABLE_VERSIONS:
             raise ValueError(
                 f"manifest format version {self.format_version!r}; "
-                f"this zerofn reads version {FORMAT_VERSION}"
+                f"this zerofn reads versions {list(READABLE_VERSIONS)}"
             )
+        if isinstance(self.saved_at, bool) or not isinstance(self.saved_at, (int, float)):
+            raise ValueError(f"saved_at must be a number of seconds, got {self.saved_at!r}")
+        if self.format_version == 1 and self.saved_at != 0.0:
+            raise ValueError("a format 1 manifest has no saved_at: leave it 0.0")
         if not isinstance(self.zerofn_version, str):
             raise ValueError(f"zerofn_version must be a str, got {self.zerofn_version!r}")
         if self.partition not in PARTITION_MODES:
@@ -163,6 +175,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as plain JSON-able data (:meth:`from_dict` inverts it)."""
+        saved_at = {"saved_at": self.saved_at} if self.format_version >= 2 else {}
         return {
             "format_version": self.format_version,
             "zerofn_version": self.zerofn_version,
@@ -171,6 +184,7 @@ class Manifest:
             "shapes": [list(s) for s in self.shapes],
             "group_sizes": [list(g) for g in self.group_sizes],
             "files": {f.name: {"size": f.size, "sha256": f.sha256} for f in self.files},
+            **saved_at,
         }
 
     @classmethod
@@ -183,8 +197,10 @@ class Manifest:
         """
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-        missing = [k for k in _FIELDS if k not in data]
-        extra = sorted(str(k) for k in data if k not in _FIELDS)
+        version = data.get("format_version")
+        fields = _FIELDS[version if version in READABLE_VERSIONS and _is_int(version) else 2]
+        missing = [k for k in fields if k not in data]
+        extra = sorted(str(k) for k in data if k not in fields)
         if missing or extra:
             raise ValueError(f"fields missing: {missing}, unexpected: {extra}")
         files = data["files"]
@@ -193,8 +209,8 @@ class Manifest:
         ):
             raise ValueError("'files' must map each name to {'size': ..., 'sha256': ...}")
         records = [FileRecord(name, v["size"], v["sha256"]) for name, v in files.items()]
-        fields = {k: data[k] for k in _FIELDS if k != "files"}
-        return cls(files=records, **fields)
+        values = {k: data[k] for k in fields if k != "files"}
+        return cls(files=records, **values)
 
 
 def check_files(
@@ -212,29 +228,62 @@ def check_files(
         One problem per defective file, sorted by name, each naming the file
         and its defect: missing, extra (a checkpoint file the manifest does
         not list, see :func:`is_checkpoint_file`), of another size, or of
-        another hash (checked only where the size matches). Empty when every
-        file is as written.
+        another hash (checked only where the size matches); a file holding
+        what the manifest lists under another name is named as swapped. When
+        two or more files were compared and none matches, the one problem is
+        that the manifest belongs to another save. Empty when every file is
+        as written.
     """
     expected = {f.name: f for f in manifest.files}
     names = set(expected) | {n for n in sizes if is_checkpoint_file(n)}
-    problems = []
-    for name in sorted(names):
-        record = expected.get(name)
-        if record is None:
-            problems.append(f"{name} is an extra file: the manifest does not list it")
-        elif name not in sizes:
-            problems.append(f"{name} is missing (the manifest lists it, {record.size} bytes)")
-        elif sizes[name] != record.size:
-            how = "truncated" if sizes[name] < record.size else "of the wrong size"
-            problems.append(
-                f"{name} is {how}: {sizes[name]} bytes, the manifest says {record.size}"
-            )
-        elif name in hashes and hashes[name] != record.sha256:
-            problems.append(
-                f"{name} is corrupt: its sha256 is {hashes[name][:12]}..., "
-                f"the manifest says {record.sha256[:12]}..."
-            )
+    problems = [
+        p
+        for name in sorted(names)
+        if (p := _file_problem(manifest, name, sizes, hashes)) is not None
+    ]
+    compared = [n for n in expected if n in sizes]
+    matched = [n for n in compared if _file_problem(manifest, n, sizes, hashes) is None]
+    if len(compared) >= 2 and not matched:
+        return [
+            f"none of the {len(compared)} files the manifest lists matches it: "
+            "the manifest belongs to another save (or the files do)"
+        ]
     return problems
+
+
+def _file_problem(
+    manifest: Manifest, name: str, sizes: Mapping[str, int], hashes: Mapping[str, str]
+) -> str | None:
+    record = next((f for f in manifest.files if f.name == name), None)
+    if record is None:
+        return f"{name} is an extra file: the manifest does not list it"
+    if name not in sizes:
+        return f"{name} is missing (the manifest lists it, {record.size} bytes)"
+    if name in hashes and sizes[name] == record.size and hashes[name] == record.sha256:
+        return None
+    twin = _twin(manifest, name, sizes[name], hashes.get(name))
+    if twin is not None and hashes.get(name) != record.sha256:
+        return f"{name} holds what the manifest lists for {twin}: files swapped or renamed"
+    if sizes[name] != record.size:
+        how = "truncated" if sizes[name] < record.size else "of the wrong size"
+        return f"{name} is {how}: {sizes[name]} bytes, the manifest says {record.size}"
+    if name in hashes:
+        return (
+            f"{name} is corrupt: its sha256 is {hashes[name][:12]}..., "
+            f"the manifest says {record.sha256[:12]}..."
+        )
+    return None
+
+
+def _twin(manifest: Manifest, name: str, size: int, digest: str | None) -> str | None:
+    """Another file the manifest lists with exactly the content ``name`` has
+    (size and hash; unknown without a hash)."""
+    if digest is None:
+        return None
+    return next(
+        (f.name for f in manifest.files if f.name != name and (f.size, f.sha256) == (size, digest)),
+        None,
+    )
 
 
 def check_model(
