@@ -4,19 +4,35 @@ In a sharded checkpoint every rank writes only the state it owns, as pieces:
 elements ``[start, stop)`` of one state tensor of one parameter, under a key
 that says so. Loading at another world size (or under another partition
 mode), a rank asks for the pieces it now owns; :func:`cover` says which saved
-pieces, and which of their elements, make each one up.
+pieces, and which of their elements, make each one up. State saved beside the
+optimizer's (the model's, a step count) travels under keys of its own:
+:func:`extra_entries` and :func:`nested_extra`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
-__all__ = ["PREFIX", "Copy", "SavedPiece", "cover", "parse_key", "piece_key"]
+__all__ = [
+    "EXTRA_PREFIX",
+    "PREFIX",
+    "Copy",
+    "SavedPiece",
+    "cover",
+    "extra_entries",
+    "is_extra_key",
+    "nested_extra",
+    "parse_key",
+    "piece_key",
+]
 
 PREFIX = "zerofn_optim"
+EXTRA_PREFIX = "zerofn_extra"
+"""The key prefix of the state saved with ``save_sharded(..., extra=...)``."""
 _KEY = re.compile(rf"^{PREFIX}/state/(\d+)/([^/]+)/(\d+)-(\d+)$")
 
 
@@ -113,3 +129,45 @@ def cover(saved: Iterable[SavedPiece], param: int, start: int, stop: int) -> dic
             )
         plans[name] = copies
     return plans
+
+
+def extra_entries(extra: Mapping[str, Any], prefix: str = EXTRA_PREFIX) -> dict[str, Any]:
+    """``extra`` as flat checkpoint entries: nested mappings become key paths
+    (``{"model": {"w": t}}`` is ``{"zerofn_extra/model/w": t}``); values are
+    kept as they are (the caller copies tensors it will go on changing).
+
+    Raises:
+        ValueError: a key is not a non-empty str without ``/``.
+    """
+    entries: dict[str, Any] = {}
+    for key, value in extra.items():
+        if not isinstance(key, str) or not key or "/" in key:
+            raise ValueError(
+                f"extra's keys must be non-empty strs without '/', got {key!r} (in {prefix!r})"
+            )
+        path = f"{prefix}/{key}"
+        if isinstance(value, Mapping):
+            entries.update(extra_entries(value, path))
+        else:
+            entries[path] = value
+    return entries
+
+
+def is_extra_key(key: str) -> bool:
+    """Whether ``key`` holds state saved as ``extra``."""
+    return key.startswith(f"{EXTRA_PREFIX}/")
+
+
+def nested_extra(entries: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``extra`` among ``entries`` back as nested dicts (inverts
+    :func:`extra_entries`, except that an empty mapping saved nothing)."""
+    out: dict[str, Any] = {}
+    for key, value in entries.items():
+        if not is_extra_key(key):
+            continue
+        *path, last = key.split("/")[1:]
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
