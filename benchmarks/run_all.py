@@ -3,11 +3,12 @@
 Runs the ZeRO step, the ZeRO step by partition mode against its floor, DDP +
 PowerSGD, overlap, mixed precision (bytes per parameter, exchange bytes and
 step time of bf16 + fp32 masters against PyTorch's ZeRO on fp32), partition
-imbalance and core scaling benchmarks, then the soak (2,000 steps of DDP +
+imbalance and core scaling benchmarks, saving while training (a background
+sharded save against a blocking one), then the soak (2,000 steps of DDP +
 PowerSGD + the overlapped ZeRO step: replicas bitwise equal, memory flat),
 each also runnable alone (``bench_zero.py``, ``bench_modes.py``,
 ``bench_hooks.py``, ``bench_overlap.py``, ``bench_precision.py``,
-``bench_soak.py``); prints each section as it ends, and writes:
+``bench_checkpoint.py``, ``bench_soak.py``); prints each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
   its target), the figure, then each benchmark's own tables. It is the docs
@@ -27,6 +28,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
+import bench_checkpoint
 import bench_hooks
 import bench_modes
 import bench_overlap
@@ -52,6 +54,7 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     "precision": bench_precision.bench_precision,
     "imbalance": bench_zero.bench_imbalance,
     "scaling": bench_zero.bench_scaling,
+    "checkpoint": bench_checkpoint.bench_checkpoint,
     "soak": bench_soak.bench_soak,
 }
 

@@ -17,6 +17,7 @@ changed, and all ranks refuse together with :class:`zerofn.errors.CheckpointErro
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -109,12 +110,16 @@ def save_sharded(
     target = os.path.abspath(os.fspath(checkpoint_id))
     group = optimizer.process_group
     settle_in_flight(group)
+    started = time.perf_counter()
     snap = snapshot(optimizer, extra or {})
     if blocking:
-        save(snap, target, group, keep_last)
-        return SaveHandle(target, None)
-    background = save_group(group)
-    handle = SaveHandle(target, lambda: save(snap, target, background, keep_last))
+        return SaveHandle(
+            target, lambda: save(snap, target, group, keep_last), background=False, started=started
+        )
+    on = save_group(group)
+    handle = SaveHandle(
+        target, lambda: save(snap, target, on, keep_last), background=True, started=started
+    )
     in_flight(group, handle)
     return handle
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,22 +32,40 @@ class SaveHandle:
     :func:`save_sharded` or :func:`load_sharded` on the same ranks instead.
     """
 
-    def __init__(self, path: str, work: Callable[[], None] | None) -> None:
+    def __init__(
+        self, path: str, work: Callable[[], None], *, background: bool, started: float
+    ) -> None:
+        """Run ``work`` (the save) in a thread, or now when not ``background``
+        (then its failure raises here); ``started`` is the ``perf_counter()``
+        of the call that asked for it."""
         self.path = path
+        self._started = started
+        self._seconds: float | None = None
         self._error: BaseException | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
-        if work is not None:
+        if background:
             self._thread = threading.Thread(
                 target=self._run, args=(work,), name=f"save_sharded {path}", daemon=True
             )
             self._thread.start()
+        else:
+            self._run(work)
+            self.wait()
 
     def _run(self, work: Callable[[], None]) -> None:
         try:
             work()
         except BaseException as e:  # kept for wait(): a thread has no caller to raise to
             self._error = e
+        finally:
+            self._seconds = time.perf_counter() - self._started
+
+    @property
+    def seconds(self) -> float | None:
+        """How long the save took, from the call to its commit (or failure);
+        ``None`` while it runs."""
+        return self._seconds
 
     def done(self) -> bool:
         """Whether the save has ended (committed or failed)."""
