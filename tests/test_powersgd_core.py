@@ -409,7 +409,9 @@ def first_key(sd: dict[str, Any]) -> Any:
     ("damage", "match"),
     [
         (lambda sd: sd.pop("format"), "not a PowerSGD state dict"),
-        (lambda sd: sd.update(format="zerofn.hooks.powersgd/1"), r"upgrade_v1\(state_dict\)"),
+        (lambda sd: sd.update(format="zerofn.powersgd/1"), r"upgrade_v1\(state_dict\)"),
+        (lambda sd: sd.update(format="zerofn.hooks.powersgd/1"), "not a PowerSGD state dict"),
+        (lambda sd: sd.update(format="zerofn.powersgd/3"), "not a PowerSGD state dict"),
         (lambda sd: sd.pop("seeds"), "lacks 'seeds'"),
         (lambda sd: sd.pop("parameters"), "lacks 'parameters'"),
         (lambda sd: sd["config"].update(matrix_approximation_rank=0), "matrix_approximation_rank"),
@@ -449,13 +451,69 @@ def test_upgrade_v1_keeps_the_run_but_not_the_bucket_memories() -> None:
     )
     current = powersgd.to_state_dict(cfg, state)
     old = {k: v for k, v in current.items() if k not in ("parameters", "squares")}
-    old.update(format="zerofn.hooks.powersgd/1", buckets={0: {"error": torch.zeros(64)}})
+    old.update(format="zerofn.powersgd/1", buckets={0: {"error": torch.zeros(64)}})
     loaded_cfg, loaded = powersgd.from_state_dict(powersgd.upgrade_v1(old))
     assert loaded_cfg == cfg
     assert loaded.global_state.iteration == state.global_state.iteration
     assert powersgd.memories(loaded) == {}
-    with pytest.raises(ValueError, match="format 'zerofn.hooks.powersgd/1'"):
+    with pytest.raises(ValueError, match="format 'zerofn.powersgd/1'"):
         powersgd.upgrade_v1(current)
+
+
+# Format 1 exactly as zerofn wrote it: bucket-keyed memories, no layouts.
+V1_STATE_DICT: dict[str, Any] = {
+    "format": "zerofn.powersgd/1",
+    "config": {
+        "matrix_approximation_rank": 1,
+        "start_powerSGD_iter": 2,
+        "min_compression_rate": 2.0,
+        "use_error_feedback": True,
+        "warm_start": True,
+        "orthogonalization_epsilon": 0.0,
+        "random_seed": 0,
+        "compression_stats_logging_frequency": 10000,
+        "batch_tensors_with_same_shape": False,
+    },
+    "iteration": 7,
+    "seeds": {
+        "keys": torch.arange(624, dtype=torch.int64),
+        "pos": 624,
+        "has_gauss": 0,
+        "cached_gaussian": 0.0,
+    },
+    "numel_before_compression": 640,
+    "numel_after_compression": 160,
+    "next_stats_report": 10000,
+    "buckets": {
+        0: {"shapes": [[8, 8]], "batched": False, "error": torch.zeros(64), "p": torch.ones(8, 1)}
+    },
+}
+
+
+@pytest.mark.parametrize("tag", ["zerofn.powersgd/2", "zerofn.hooks.powersgd/2"])
+def test_every_tag_format_2_was_saved_under_loads(tag: str) -> None:
+    cfg = config(1)
+    hook = powersgd.layerwise(cfg)
+    _, (state,) = simulate_iteration(
+        hook, random_grads([[(8, 8)]], 1, 0), [compressing(hook, cfg)], [[(8, 8)]]
+    )
+    saved = {**powersgd.to_state_dict(cfg, state), "format": tag}
+    loaded_cfg, loaded = powersgd.from_state_dict(saved)
+    assert loaded_cfg == cfg
+    assert loaded.global_state.iteration == state.global_state.iteration
+    assert set(powersgd.memories(loaded)) == set(powersgd.memories(state))
+
+
+def test_a_literal_format_1_dict_is_refused_then_upgraded() -> None:
+    with pytest.raises(ValueError, match=r"format 'zerofn.powersgd/1'.*upgrade_v1"):
+        powersgd.from_state_dict(V1_STATE_DICT)
+    upgraded = powersgd.upgrade_v1(V1_STATE_DICT)
+    assert upgraded["format"] == "zerofn.powersgd/2"
+    loaded_cfg, loaded = powersgd.from_state_dict(upgraded)
+    assert loaded_cfg.matrix_approximation_rank == 1
+    assert loaded.global_state.iteration == 7
+    assert loaded.global_state.numel_after_compression == 160
+    assert powersgd.memories(loaded) == {}
 
 
 def test_memory_for_another_shape_is_refused() -> None:

@@ -1,11 +1,15 @@
 """PowerSGD state dicts: versioned, ``torch.load(weights_only=True)``-loadable.
 
-Format ``"zerofn.hooks.powersgd/2"`` keeps each parameter's memory under its key
-(``"parameters"``), the batched hook's bucket-shaped memories with their
-parameters' keys (``"squares"``, by bucket index), and the layouts the random
-draws follow. Format ``"zerofn.hooks.powersgd/1"`` (bucket-keyed) cannot be assigned
-to parameters: :func:`from_state_dict` refuses it, and :func:`upgrade_v1`
-converts it by dropping the bucket memories.
+Format 2 (tag ``"zerofn.powersgd/2"``) keeps each parameter's memory under
+its key (``"parameters"``), the batched hook's bucket-shaped memories with
+their parameters' keys (``"squares"``, by bucket index), and the layouts the
+random draws follow. Format 1 (tag ``"zerofn.powersgd/1"``, bucket-keyed)
+cannot be assigned to parameters: :func:`from_state_dict` refuses it, and
+:func:`upgrade_v1` converts it by dropping the bucket memories.
+
+Tags are constants of the format, never derived from where the code lives:
+a saved state dict outlives any module layout. Every tag a version of zerofn
+wrote is read (:data:`READABLE_FORMATS`).
 """
 
 from __future__ import annotations
@@ -32,12 +36,21 @@ from zerofn.hooks.powersgd.state import (
     memories,
 )
 
-__all__ = ["STATE_DICT_FORMAT", "from_state_dict", "to_state_dict", "upgrade_v1"]
+__all__ = [
+    "READABLE_FORMATS",
+    "STATE_DICT_FORMAT",
+    "from_state_dict",
+    "to_state_dict",
+    "upgrade_v1",
+]
 
-STATE_DICT_FORMAT = "zerofn.hooks.powersgd/2"
+STATE_DICT_FORMAT = "zerofn.powersgd/2"
 """The ``"format"`` entry of a PowerSGD state dict (bumped on incompatible changes)."""
 
-_V1 = "zerofn.hooks.powersgd/1"
+READABLE_FORMATS = (STATE_DICT_FORMAT, "zerofn.hooks.powersgd/2")
+"""Every tag of format 2 that zerofn has written; all load the same way."""
+
+_V1 = "zerofn.powersgd/1"
 _CONFIG_FIELDS = tuple(f.name for f in attrs.fields(PowerSGDConfig))
 _State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
 
@@ -207,13 +220,13 @@ def _check_format(state_dict: Mapping[str, Any]) -> None:
     found = state_dict.get("format") if isinstance(state_dict, Mapping) else None
     if found == _V1:
         raise ValueError(
-            "this PowerSGD state dict has format 'zerofn.hooks.powersgd/1', which keeps error "
+            f"this PowerSGD state dict has format {_V1!r}, which keeps error "
             "feedback and warm-start factors per DDP bucket; they cannot be assigned to "
             "parameters. Convert it with zerofn.hooks.powersgd.upgrade_v1(state_dict) (keeps "
             "iteration, seeds, statistics and config; error and factors restart from zero "
             "and random), or resume from a state dict saved by this version"
         )
-    if found != STATE_DICT_FORMAT:
+    if found not in READABLE_FORMATS:
         raise ValueError(
             f"not a PowerSGD state dict: format {found!r}, expected {STATE_DICT_FORMAT!r}"
         )
@@ -272,8 +285,6 @@ def upgrade_v1(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: if ``state_dict`` is not of format 1.
     """
     if not isinstance(state_dict, Mapping) or state_dict.get("format") != _V1:
-        raise ValueError(
-            "upgrade_v1 takes a PowerSGD state dict of format 'zerofn.hooks.powersgd/1'"
-        )
+        raise ValueError(f"upgrade_v1 takes a PowerSGD state dict of format {_V1!r}")
     kept = {k: v for k, v in state_dict.items() if k not in ("format", "buckets")}
     return {**kept, "format": STATE_DICT_FORMAT, "parameters": {}, "squares": {}}
