@@ -482,6 +482,42 @@ def test_one_rank_several_buckets_match_pytorch(rank: int) -> None:
         assert ours.iter == theirs.iter == STEPS
         assert ours.compression_stats() == pytest.approx(theirs.compression_stats())
         assert ours.hook_state.global_state.seeds.pos == theirs.rng.get_state()[2]
+        assert_same_views(ours, theirs, str(kwargs))
+
+
+def assert_same_views(ours: PowerSGDState, theirs: Any, label: str) -> None:
+    """Our read-only views under PyTorch's names equal PyTorch's attributes."""
+    for name in ("total_numel_before_compression", "total_numel_after_compression"):
+        assert getattr(ours, name) == getattr(theirs, name), (name, label)
+    assert ours.next_stats_report == theirs.next_stats_report, label
+    mine, its = ours.rng.get_state(), theirs.rng.get_state()
+    assert mine[0] == its[0] and (mine[1] == its[1]).all() and mine[2:] == its[2:], label
+    for name in ("error_dict", "q_memory_dict"):
+        view, reference = getattr(ours, name), getattr(theirs, name)
+        # PyTorch keeps an empty tensor for a bucket with nothing to compress.
+        assert set(view) == {i for i, t in reference.items() if t.numel()}, (name, label)
+        for index in view:
+            torch.testing.assert_close(
+                view[index], reference[index].reshape(view[index].shape), rtol=1e-5, atol=1e-5
+            )
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_pytorchs_attribute_names_are_read_only_views() -> None:
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    assert state.__slots__ == torch_psgd.PowerSGDState.__slots__ or list(state.__slots__) == list(
+        torch_psgd.PowerSGDState.__slots__
+    )
+    for name in state.__slots__:
+        getattr(state, name)  # every name PyTorch lists can be read
+    for name in ("rng", "error_dict", "p_memory_dict", "q_memory_dict", "next_stats_report"):
+        with pytest.raises(
+            AttributeError, match=f"PowerSGDState.{name} is a read-only view.*load_state_dict"
+        ):
+            setattr(state, name, None)
+    with pytest.raises(TypeError, match="read-only view.*load_state_dict"):
+        state.error_dict[0] = torch.zeros(1)
+    assert state.p_memory_dict == {}
 
 
 def test_constructor_takes_pytorchs_arguments_and_refuses_bad_ones() -> None:

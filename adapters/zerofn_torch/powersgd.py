@@ -26,9 +26,10 @@ real objects (no postponed evaluation).
 """
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
@@ -55,6 +56,56 @@ __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 logger = logging.getLogger(__name__)
 
 _State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
+
+
+class _ReadOnlyDict(dict[int, torch.Tensor]):
+    """A dict that refuses changes, saying where the state lives."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "this is a read-only view of zerofn's PowerSGD state (kept per parameter); "
+            "change the state with PowerSGDState.load_state_dict instead"
+        )
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse  # type: ignore[assignment]
+
+
+class _View:
+    """A read-only attribute under one of PyTorch's names, computed from
+    zerofn's state records when read."""
+
+    def __init__(self, what: str, read: Callable[[Any], Any]) -> None:
+        self.__doc__ = f"Read-only view: {what}."
+        self._read = read
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        return self if instance is None else self._read(instance)
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        raise AttributeError(
+            f"PowerSGDState.{self._name} is a read-only view of zerofn's PowerSGD state "
+            "(kept per parameter in hook_state); to change the state, load one with "
+            "PowerSGDState.load_state_dict"
+        )
+
+
+def _by_bucket(
+    state: _State, part: Callable[[PowerSGDBucketState], torch.Tensor | None]
+) -> _ReadOnlyDict:
+    found = {i: part(b) for i, b in state.buckets if b is not None}
+    return _ReadOnlyDict({i: t for i, t in found.items() if t is not None})
+
+
+def _random_state(global_state: PowerSGDGlobalState) -> np.random.RandomState:
+    seeds = global_state.seeds
+    rng = np.random.RandomState()
+    keys = seeds.keys.to(torch.int64).numpy().astype(np.uint32)
+    rng.set_state(("MT19937", keys, seeds.pos, seeds.has_gauss, seeds.cached_gaussian))
+    return rng
 
 
 class PowerSGDState:
@@ -185,6 +236,40 @@ class PowerSGDState:
         """Completed training iterations (PyTorch's ``state.iter``)."""
         return self.hook_state.global_state.iteration
 
+    # PyTorch's internal-state attribute names, as read-only views (PyTorch's
+    # code that reads them keeps working; writing one says what to do instead).
+    rng = _View(
+        "a numpy RandomState positioned where the seed stream stands (a copy)",
+        lambda self: _random_state(self.hook_state.global_state),
+    )
+    error_dict = _View(
+        "bucket index -> the bucket's error feedback, flat over the whole bucket "
+        "(zeros for parameters sent uncompressed; padding last for the batched hook)",
+        lambda self: _by_bucket(self.hook_state, lambda b: b.whole_error),
+    )
+    q_memory_dict = _View(
+        "bucket index -> the bucket's Q factors laid out as PyTorch's (flat layer-wise, "
+        "square for the batched hook)",
+        lambda self: _by_bucket(self.hook_state, lambda b: b.q),
+    )
+    p_memory_dict = _View(
+        "always empty: zerofn computes P from Q and the gradient each iteration and "
+        "keeps none between iterations",
+        lambda self: _ReadOnlyDict({}),
+    )
+    total_numel_before_compression = _View(
+        "elements the compressing iterations would have sent uncompressed",
+        lambda self: self.hook_state.global_state.numel_before_compression,
+    )
+    total_numel_after_compression = _View(
+        "elements they sent instead",
+        lambda self: self.hook_state.global_state.numel_after_compression,
+    )
+    next_stats_report = _View(
+        "the iteration from which the next statistics log is due",
+        lambda self: self.hook_state.global_state.next_stats_report,
+    )
+
     def compression_stats(self) -> tuple[float, int, int]:
         """``(rate, numel_before, numel_after)`` over all compressing iterations.
 
@@ -250,6 +335,30 @@ class PowerSGDState:
 
     def __repr__(self) -> str:
         return f"PowerSGDState(iter={self.iter}, config={self.config})"
+
+
+# PyTorch's PowerSGDState lists its attributes in __slots__, and code (PyTorch's
+# own pickling test among it) reads that list. Assigned after the class is made,
+# it creates no slots: every name on it is a property or view above.
+PowerSGDState.__slots__ = (  # type: ignore[attr-defined,misc]
+    "process_group",
+    "matrix_approximation_rank",
+    "start_powerSGD_iter",
+    "min_compression_rate",
+    "orthogonalization_epsilon",
+    "use_error_feedback",
+    "warm_start",
+    "batch_tensors_with_same_shape",
+    "rng",
+    "error_dict",
+    "p_memory_dict",
+    "q_memory_dict",
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+    "compression_stats_logging_frequency",
+    "next_stats_report",
+)
 
 
 def _log_stats_if_due(state: PowerSGDState, before: PowerSGDGlobalState) -> None:

@@ -120,6 +120,23 @@ class PowerSGDBucketState:
         )
 
     @property
+    def whole_error(self) -> torch.Tensor | None:
+        """The bucket's error as PyTorch keeps it: flat over the whole bucket,
+        zeros for parameters without one (sent uncompressed), padding last for
+        the batched hook; ``None`` when no parameter remembers one."""
+        if self.error is None:
+            return None
+        parts = []
+        for j, shape in enumerate(self.shapes):
+            memory = self.memory(j)
+            if memory is not None and memory.error is not None:
+                parts.append(memory.error.reshape(-1))
+            else:
+                parts.append(torch.zeros(math.prod(shape)))
+        padding = self.square.padding if self.square is not None else None
+        return torch.cat(parts + ([padding] if padding is not None else []))
+
+    @property
     def q(self) -> torch.Tensor | None:
         """The bucket's ``Q`` as PyTorch lays it out: the batched hook's
         square one, or the layer-wise factors flat, grouped by 2-D shape."""
