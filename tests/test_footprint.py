@@ -114,6 +114,46 @@ def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixtur
     assert copied["ranks"][0]["exchange_buffers"] == 4 * copied["numel"]
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "gpt3"], "neither one of"),
+        (["--model", "no_such_module_for_zerofn:build"], "cannot import module"),
+        (["--model", "torch.nn:NoSuchModel"], "has no attribute 'NoSuchModel'"),
+        (["--model", "math:pi"], "'pi' is a float, not a function"),
+        (["--model", "torch.nn:Linear"], "callable with no arguments"),
+        (["--model", "builtins:dict"], "returned a dict, not an nn.Module"),
+        (["--model", "gpt2-small", "--world-size", "0"], "--world-size must be at least 1"),
+        (["--model", "gpt2-small", "--world-size", "-4"], "--world-size must be at least 1"),
+        (["--model", "gpt2-small", "--master-dtype", "bf16"], "narrower than the parameters'"),
+    ],
+    ids=[
+        "unknown-name",
+        "not-importable",
+        "no-attribute",
+        "not-callable",
+        "needs-arguments",
+        "not-a-module",
+        "zero-ranks",
+        "negative-ranks",
+        "narrow-masters",
+    ],
+)
+def test_command_line_refuses_bad_arguments_as_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if "--world-size" not in argv:
+        argv = [*argv, "--world-size", "8"]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2  # argparse's status for a usage error
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("usage: python -m zerofn.footprint")
+    assert "Traceback" not in err
+    assert message in err
+
+
 # ----- against live tensors and counted collectives, on 2 gloo ranks -----------------
 
 # (partition, bucket view (None: the default), hook, bf16 parameters with fp32 masters)

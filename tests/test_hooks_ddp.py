@@ -347,3 +347,42 @@ def test_composed_hook_reports_bytes_per_iteration(ranks: list[dict[str, Any]]) 
     assert 0.37 * model_bytes <= stats.bytes_per_iteration <= 0.40 * model_bytes
     assert len(stats.collectives_per_bucket) >= 3
     assert all(count == 1 for _, count in stats.collectives_per_bucket)
+
+
+# ----- one runner, one model (one rank, in process) ---------------------------------------
+
+
+def mse(ddp: DDP) -> torch.Tensor:
+    x, y = batch(0, dist.get_rank())
+    return torch.nn.functional.mse_loss(ddp(x), y)
+
+
+def test_one_hook_runner_serves_one_model(single_rank_group: None) -> None:
+    """A runner's state is kept per bucket of one model, so a second model is
+    refused: by ``register`` before anything is registered on it, and, for a
+    runner registered by hand, at the second model's first bucket, before the
+    runner's state changes."""
+    first, second = (DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB) for _ in range(2))
+    runner = hooks.HookRunner(composed_hook())
+    runner.register(first)
+    with pytest.raises(RuntimeError, match="already serves another DDP model") as refused:
+        runner.register(second)
+    assert "nothing was registered" in str(refused.value)
+    assert second._comm_hooks == []
+    hooks.HookRunner(composed_hook()).register(second)  # a runner of its own is fine
+    for ddp in (first, second):
+        mse(ddp).backward()
+
+    by_hand = hooks.HookRunner(composed_hook())
+    third, fourth = (DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB) for _ in range(2))
+    third.register_comm_hook(by_hand, hooks.run_hook)
+    fourth.register_comm_hook(by_hand, hooks.run_hook)
+    mse(third).backward()
+    state = by_hand.state
+    with pytest.raises(RuntimeError, match="registered on two DDP models"):
+        mse(fourth).backward()
+    assert by_hand.state is state
+    with pytest.raises(RuntimeError, match="already serves another DDP model"):
+        by_hand.register(fourth)
+    mse(third).backward()  # the model it serves trains on
+    assert by_hand.state is not state

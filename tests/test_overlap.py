@@ -197,6 +197,28 @@ def test_overlap_requires_overlap_mode(single_rank_group: None) -> None:
         hook_with_zero_step(zhooks.allreduce_hook, model, zero)
 
 
+def test_step_without_an_overlap_hook_is_refused(
+    single_rank_group: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = DDP(make_model())
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+    )
+    model(torch.randn(2, 24)).sum().backward()
+    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="no such hook was made") as refused:
+        zero.step()
+    for name in ("hook_with_zero_step", "hook_with_zero_step_interleaved", "register_comm_hook"):
+        assert name in str(refused.value)
+    for p, (value, grad) in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, value) and torch.equal(p.grad, grad)  # type: ignore[arg-type]
+    # Once a hook drives it (before DDP's buckets are final too), step() is
+    # PyTorch's no-op with a warning.
+    hook_with_zero_step(zhooks.allreduce_hook, model, zero)
+    assert zero.step() is None
+    assert "does nothing" in caplog.text
+
+
 def test_one_optimizer_is_driven_by_one_hook(single_rank_group: None) -> None:
     model = DDP(make_model())
     zero = ZeroRedundancyOptimizer(

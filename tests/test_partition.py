@@ -25,6 +25,7 @@ from zerofn import (
     rank_loads,
 )
 from zerofn.testing import strategies as zst
+from zerofn.zero.plan import plan_shards, with_trainable
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -249,6 +250,33 @@ def test_manual_partition_errors_mutate_nothing(
     check(ValueError, groups, twice)
     # more than one param group
     check(RuntimeError, [sizes, [1]], per_rank)
+
+
+@SETTINGS
+@given(_manual_case(), st.data())
+def test_a_manual_plan_gives_every_trainable_parameter_an_owner(
+    case: tuple[list[int], int, list[list[int]]], data: st.DataObject
+) -> None:
+    sizes, world_size, per_rank = case
+    n = len(sizes)
+    owned = {i for ix in per_rank for i in ix}
+    keys = ["cpu/float32"] * n
+    trainable = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    left_out = [i for i in range(n) if trainable[i] and i not in owned]
+    if left_out:
+        with pytest.raises(ValueError, match=rf"global index {', '.join(map(str, left_out))} \("):
+            plan_shards([sizes], keys, trainable, world_size, params_per_rank=per_rank)
+        return
+    plan = plan_shards([sizes], keys, trainable, world_size, params_per_rank=per_rank)
+    # The same holds when the mask changes later: a left-out parameter that
+    # starts requiring grad is refused, a frozen one stays allowed.
+    new_mask = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    now_left_out = [i for i in range(n) if new_mask[i] and i not in owned]
+    if now_left_out:
+        with pytest.raises(ValueError, match="now require grad"):
+            with_trainable(plan, new_mask)
+    else:
+        assert with_trainable(plan, new_mask).trainable == tuple(new_mask)
 
 
 def test_manual_partition_error_types_match_pytorch_order() -> None:

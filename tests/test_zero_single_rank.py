@@ -77,6 +77,84 @@ def test_manual_partition_of_indices_is_a_type_error() -> None:
         ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=[[0, 1]], lr=0.1)
 
 
+def snapshot(model: torch.nn.Module) -> list[tuple[int, torch.Tensor]]:
+    """Where each parameter lives and what it holds."""
+    return [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+
+
+def assert_unchanged(model: torch.nn.Module, before: list[tuple[int, torch.Tensor]]) -> None:
+    for p, (ptr, value) in zip(model.parameters(), before, strict=True):
+        assert p.data_ptr() == ptr
+        assert torch.equal(p, value)
+
+
+def test_manual_partition_must_give_every_trainable_parameter_an_owner() -> None:
+    model = make_model()
+    params = list(model.parameters())
+    before = snapshot(model)
+    # Leaving out trainable parameters (global indices 2 and 3) is refused,
+    # before the parameters move into the exchange buffer.
+    with pytest.raises(ValueError, match=r"global index 2, 3 .*require grad") as refused:
+        ZeroRedundancyOptimizer(
+            params, torch.optim.SGD, partition=[params[:2]], parameters_as_bucket_view=True, lr=0.1
+        )
+    assert "requires_grad=False" in str(refused.value)
+    assert_unchanged(model, before)
+    # Frozen parameters may be left out (the docs promise it): they stay as they are.
+    for p in params[2:]:
+        p.requires_grad_(False)
+    zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, partition=[params[:2]], lr=0.1)
+    train(model, zero, 1)
+    assert not torch.equal(params[0], before[0][1])
+    assert all(torch.equal(p, value) for p, (_, value) in zip(params[2:], before[2:], strict=True))
+    # A left-out parameter that starts requiring grad is refused at the next
+    # step, before the step changes anything.
+    params[3].requires_grad_(True)
+    model(torch.randn(4, 5)).square().mean().backward()
+    stepped = snapshot(model)
+    with pytest.raises(ValueError, match=r"global index 3 .*now require grad"):
+        zero.step()
+    assert_unchanged(model, stepped)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"partition": "flat", "lr": -1.0}, ValueError, "Invalid learning rate"),
+        ({"parameters_as_bucket_view": True, "lr": -1.0}, ValueError, "Invalid learning rate"),
+        ({"partition": "flat", "lr": 0.1, "momentun": 0.9}, TypeError, "momentun"),
+    ],
+    ids=["flat-lr", "bucket-view-lr", "flat-typo"],
+)
+def test_refused_hyperparameters_leave_the_parameters_where_they_were(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    model = make_model()
+    before = snapshot(model)
+    with pytest.raises(error, match=message):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **options)
+    assert_unchanged(model, before)
+
+
+def test_consolidating_on_a_rank_outside_the_group_is_refused_before_any_collective() -> None:
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    train(model, opt, 1)
+    state = local_state_snapshot(opt)
+    for to in (1, 5, -1):
+        with pytest.raises(ValueError, match=r"to must be in 0\.\.0"):
+            opt.consolidate_state_dict(to=to)
+    for to in ("0", 0.0, True):
+        with pytest.raises(TypeError, match="an int in 0..0"):
+            opt.consolidate_state_dict(to=to)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="not been consolidated"):
+        opt.state_dict()  # nothing was gathered
+    assert local_state_snapshot(opt)["param_groups"] == state["param_groups"]
+    # The group is fine: the next call with a valid rank works.
+    opt.consolidate_state_dict(to=0)
+    assert opt.state_dict()["state"].keys() == state["state"].keys()
+
+
 def test_flat_refuses_non_elementwise_optimizer() -> None:
     with pytest.raises(ValueError, match="element-wise"):
         ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.LBFGS, partition="flat")
@@ -140,10 +218,7 @@ def test_overlap_mode_rules() -> None:
     zero = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1
     )
-    before = [p.detach().clone() for p in model.parameters()]
-    model(torch.randn(2, 5)).sum().backward()
-    assert zero.step() is None  # the DDP hook steps; step() does nothing
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    # step() without a DDP hook: tests/test_overlap.py
     with pytest.raises(RuntimeError, match="not initialized"):
         zero.consolidate_state_dict()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import sys
@@ -319,14 +320,67 @@ def plan_footprint(
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class _UsageError(ValueError):
+    """A command-line argument the planner cannot use (reported as a usage error)."""
+
+
+def _factory(model: str) -> Any:
+    """The ``factory`` callable named by ``model``, ``"pkg.module:factory"``.
+
+    Raises:
+        _UsageError: ``model`` has no ``:``, its module cannot be imported,
+            lacks the attribute, or the attribute is not callable without
+            arguments.
+    """
+    module_name, sep, name = model.partition(":")
+    if not sep or not module_name or not name:
+        raise _UsageError(
+            f"--model: {model!r} is neither one of {sorted(MODELS)} nor pkg.module:factory"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:  # the module, or something it imports, is missing
+        raise _UsageError(
+            f"--model {model}: cannot import module {module_name!r} ({e}); check the name "
+            "and that its package is on PYTHONPATH"
+        ) from e
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise _UsageError(f"--model {model}: module {module_name!r} has no attribute {name!r}")
+    if not callable(factory):
+        raise _UsageError(
+            f"--model {model}: {name!r} is a {type(factory).__name__}, not a function "
+            "returning an nn.Module"
+        )
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as e:  # it needs arguments the planner cannot give
+        raise _UsageError(
+            f"--model {model}: the factory must be callable with no arguments ({e}); "
+            "wrap it in a function that passes them"
+        ) from e
+    except ValueError:  # no signature to read (a builtin): just call it
+        pass
+    return factory
+
+
 def _load_shapes(model: str) -> Shapes:
+    """The parameter shapes of a built-in model, or of the module that
+    ``"pkg.module:factory"`` builds (on the meta device).
+
+    Raises:
+        _UsageError: ``model`` names no built-in model and no usable factory,
+            or the factory returns something other than an ``nn.Module``.
+    """
     if model in MODELS:
         return [list(MODELS[model]())]
-    if ":" not in model:
-        raise SystemExit(f"--model: {model!r} is neither {sorted(MODELS)} nor pkg.module:factory")
-    module_name, factory = model.split(":", 1)
+    factory = _factory(model)
     with torch.device("meta"):  # builds the module without allocating it
-        built = getattr(importlib.import_module(module_name), factory)()
+        built = factory()
+    if not isinstance(built, torch.nn.Module):
+        raise _UsageError(
+            f"--model {model}: the factory returned a {type(built).__name__}, not an nn.Module"
+        )
     return shapes_of(built)
 
 
@@ -353,7 +407,18 @@ def table(footprints: Sequence[Footprint]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m zerofn.footprint``: see ``--help``."""
+    """``python -m zerofn.footprint``: see ``--help``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Raises:
+        SystemExit: with status 2 and a usage message on stderr, for an
+            argument the planner cannot use (a ``--model`` that names no
+            built-in model and no factory of an ``nn.Module``, a
+            ``--world-size`` below 1, a ``--master-dtype`` narrower than
+            ``--param-dtype``, a model without trainable parameters).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m zerofn.footprint", description=__doc__.splitlines()[0] if __doc__ else None
     )
@@ -373,21 +438,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="the records as JSON")
     args = parser.parse_args(argv)
-    shapes = _load_shapes(args.model)
-    footprints = [
-        plan_footprint(
-            shapes,
-            n,
-            mode,
-            param_dtype=_DTYPES[args.param_dtype],
-            master_dtype=_DTYPES[args.master_dtype] if args.master_dtype else None,
-            optimizer=args.optimizer,
-            hook=args.hook,
-            bucket_view=args.bucket_view,
-        )
-        for n in args.world_size
-        for mode in args.partition or ["greedy"]
-    ]
+    bad_sizes = [n for n in args.world_size if n < 1]
+    if bad_sizes:
+        parser.error(f"--world-size must be at least 1, got {bad_sizes[0]}")
+    try:
+        shapes = _load_shapes(args.model)
+    except _UsageError as e:  # not the factory's own errors: those keep their traceback
+        parser.error(str(e))
+    try:
+        footprints = [
+            plan_footprint(
+                shapes,
+                n,
+                mode,
+                param_dtype=_DTYPES[args.param_dtype],
+                master_dtype=_DTYPES[args.master_dtype] if args.master_dtype else None,
+                optimizer=args.optimizer,
+                hook=args.hook,
+                bucket_view=args.bucket_view,
+            )
+            for n in args.world_size
+            for mode in args.partition or ["greedy"]
+        ]
+    except ValueError as e:  # plan_footprint refuses only what the arguments asked for
+        parser.error(str(e))
     if args.json:
         json.dump([f.to_dict() for f in footprints], sys.stdout, indent=1)
         print()

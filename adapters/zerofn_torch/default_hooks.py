@@ -9,10 +9,11 @@ import change::
     ddp.register_comm_hook(process_group, fp16_compress_hook)
 
 A hook of your own (a composition of core pieces) registers through a
-:class:`HookRunner`, which keeps its state between iterations::
+:class:`HookRunner`, which keeps its state between iterations, one runner per
+DDP model::
 
     runner = HookRunner(cast(my_hook, torch.bfloat16))
-    ddp.register_comm_hook(runner, run_hook)
+    runner.register(ddp)  # ddp.register_comm_hook(runner, run_hook), checked
 
 DDP checks a hook's annotations at registration, so this module keeps them as
 real objects (no postponed evaluation).
@@ -57,6 +58,12 @@ class HookRunner(Generic[G, B]):
     the state, asks the core for the bucket's program, runs it and assigns the
     new state.
 
+    A runner serves one DDP model: its state (error feedback, statistics)
+    is kept per bucket of that model. :meth:`register` refuses a second
+    model before registering anything on it; a runner registered by hand
+    (``ddp.register_comm_hook(runner, run_hook)``) on a second model raises
+    at that model's first bucket, before the runner's state changes.
+
     Args:
         hook: the hook to run.
         process_group: the group to communicate in (default: the world).
@@ -66,6 +73,35 @@ class HookRunner(Generic[G, B]):
         self.hook = hook
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self._cell: HookCell[G, B] = HookCell(core.init_hook_state(hook))
+        # The parameters of the model served: set by register(), or learnt
+        # from the buckets of the first iteration when registered by hand.
+        # Their ids only, so the runner keeps no model alive.
+        self._param_ids: set[int] = set()
+        self._learning = True
+
+    def register(self, ddp: Any) -> None:
+        """Register this runner as ``ddp``'s communication hook, as
+        ``ddp.register_comm_hook(runner, run_hook)`` does, after checking that
+        it serves no other model.
+
+        Args:
+            ddp: a ``DistributedDataParallel`` model.
+
+        Raises:
+            RuntimeError: the runner already serves another DDP model (then
+                nothing is registered on ``ddp``), or ``ddp`` already has a
+                hook (DDP's own error).
+        """
+        ids = {id(p) for p in ddp.parameters()}
+        if not self._param_ids <= ids:
+            raise RuntimeError(
+                "this HookRunner already serves another DDP model, and its state (per "
+                "bucket of that model) cannot serve a second one; nothing was registered. "
+                "Make one HookRunner per DDP model: HookRunner(hook).register(ddp)"
+            )
+        ddp.register_comm_hook(self, run_hook)
+        self._param_ids = ids
+        self._learning = False
 
     @property
     def state(self) -> HookState[G, B]:
@@ -73,7 +109,32 @@ class HookRunner(Generic[G, B]):
         return self._cell.state
 
     def __call__(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self._check_model(bucket)
         return self._cell.run(self.hook, bucket, self.process_group)[2]
+
+    def _check_model(self, bucket: GradBucket) -> None:
+        """Refuse a bucket of a model this runner does not serve (it was
+        registered by hand on two models), before its state changes.
+
+        Until the first iteration ends, the runner learns the parameters of
+        the model it serves from the buckets (DDP's buckets hold all of its
+        trainable parameters in every iteration).
+
+        Raises:
+            RuntimeError: the bucket holds a parameter of another model.
+        """
+        ids = [id(p) for p in bucket.parameters()]
+        if self._learning:
+            self._param_ids.update(ids)
+            self._learning = not bucket.is_last()
+            return
+        if not self._param_ids.issuperset(ids):
+            raise RuntimeError(
+                f"DDP bucket {bucket.index()} belongs to a model this HookRunner does not "
+                "serve: the runner is registered on two DDP models, and its state (per "
+                "bucket of the first one) cannot serve a second. Make one HookRunner per "
+                "DDP model; HookRunner(hook).register(ddp) checks this before registering"
+            )
 
 
 def run_hook(

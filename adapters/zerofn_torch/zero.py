@@ -100,6 +100,36 @@ def _check_arguments(
         check_elementwise(optimizer_class, elementwise)
 
 
+def _check_local_optimizer(
+    groups: Sequence[dict[str, Any]],
+    optimizer_class: type[Optimizer],
+    defaults: dict[str, Any],
+    probe: torch.Tensor,
+) -> None:
+    """Let ``optimizer_class`` check its hyperparameters before anything is built.
+
+    The local optimizer is made last, after the exchange buffers, and with
+    ``parameters_as_bucket_view`` the parameters' storage has moved into
+    them by then; so its own checks (a negative ``lr``, an unknown option)
+    run first here, on one throwaway tensor per param group, each group
+    with its own options as the local optimizer will see them.
+
+    Args:
+        groups: the param groups (their tensors are not touched).
+        optimizer_class: the local optimizer's class.
+        defaults: the keyword arguments it will get.
+        probe: a one-element tensor of the local optimizer's dtype and
+            device (each group gets a copy).
+
+    Raises:
+        ValueError: ``optimizer_class`` refuses a value (``torch.optim``'s
+            checks: a negative ``lr``, ``betas`` out of range, ...).
+        TypeError: ``optimizer_class`` takes no option of that name.
+    """
+    probes = [{**_hyperparams(g), "params": [probe.clone()]} for g in groups]
+    optimizer_class(probes, **defaults)
+
+
 class _ZeroJoinHook(JoinHook):
     """Shadows a joined rank's share of the step's collectives."""
 
@@ -119,6 +149,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     them, then every rank receives the updated shards in one contiguous
     message per rank and device/dtype. A drop-in for
     ``torch.distributed.optim.ZeroRedundancyOptimizer``.
+
+    Whatever the constructor refuses, it refuses before changing anything:
+    the parameters keep their storage and values (``optimizer_class``'s own
+    checks of ``**defaults`` run before any exchange buffer is built).
 
     Args:
         params: tensors, or param-group dicts, to optimize.
@@ -154,10 +188,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     Raises:
         TypeError: ``params`` is a tensor, not iterable, or holds a non-tensor;
-            a manual partition lists something other than tensors (indices, say).
+            a manual partition lists something other than tensors (indices, say);
+            ``optimizer_class`` takes no option of a name in ``**defaults``.
         ValueError: ``params`` is empty, sparse or of mixed dtype/device; a bad
-            manual partition; ``partition="flat"`` with a non-element-wise
-            optimizer; ``master_dtype`` narrower than the parameters.
+            manual partition (one that leaves a trainable parameter to no rank
+            included); ``partition="flat"`` with a non-element-wise optimizer;
+            ``master_dtype`` narrower than the parameters; a value in
+            ``**defaults`` that ``optimizer_class`` refuses (``lr=-1``).
         RuntimeError: a manual partition, or ``overlap_with_ddp=True``, with
             more than one param group.
     """
@@ -177,7 +214,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ) -> None:
         groups = normalize_params(params)
         _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
-        self._master_dtype = resolve_master_dtype(groups[0]["params"][0].dtype, master_dtype)
+        first = groups[0]["params"][0]
+        self._master_dtype = resolve_master_dtype(first.dtype, master_dtype)
+        probe = torch.zeros(1, dtype=self._master_dtype or first.dtype, device=first.device)
+        _check_local_optimizer(groups, optimizer_class, defaults, probe)
         self._masters: Masters | None = None
         self._initialized = False
         Optimizer.__init__(self, groups, defaults)
@@ -220,12 +260,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _trainable(self) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in self._all_params)
 
-    def _new_plan(self, partition: str | Sequence[Sequence[torch.Tensor]]) -> ShardPlan:
+    def _new_plan(
+        self,
+        partition: str | Sequence[Sequence[torch.Tensor]],
+        trainable: tuple[bool, ...] | None = None,
+    ) -> ShardPlan:
+        """The plan for ``partition`` (a mode, or the tensors per rank).
+
+        Args:
+            partition: a partition mode, or each rank's parameter tensors.
+            trainable: which parameters the plan must give an owner
+                (default: those requiring grad now).
+
+        Raises:
+            TypeError: a manual partition lists something other than tensors.
+            ValueError: a bad manual partition (wrong length, a stranger, a
+                parameter twice, a trainable parameter left to no rank).
+        """
         params = self._all_params
         group_sizes = [[p.numel() for p in g["params"]] for g in self.param_groups]
         keys = [_key(p) for p in params]
+        trainable = self._trainable() if trainable is None else trainable
         if isinstance(partition, str):
-            return plan_shards(group_sizes, keys, self._trainable(), self.world_size, partition)  # type: ignore[arg-type]
+            return plan_shards(group_sizes, keys, trainable, self.world_size, partition)  # type: ignore[arg-type]
         index_of = {id(p): i for i, p in enumerate(params)}
         if len(partition) != self.world_size:
             raise ValueError(
@@ -249,7 +306,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     )
                 indices.append(index_of[id(p)])
             manual.append(indices)
-        return plan_shards(group_sizes, keys, self._trainable(), self.world_size, "greedy", manual)
+        return plan_shards(group_sizes, keys, trainable, self.world_size, "greedy", manual)
 
     def _new_shards(self, rebuilt: bool) -> Shards:
         """How this rank holds its shard under the current plan (see
@@ -284,11 +341,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         trainable = self._trainable()
         if trainable == self._plan.trainable:
             return
+        plan = with_trainable(self._plan, trainable)  # may refuse: then nothing changed
         logger.warning(
             "ZeroRedundancyOptimizer: the set of parameters requiring grad changed; "
             "rebuilding the exchange buffers"
         )
-        self._plan = with_trainable(self._plan, trainable)
+        self._plan = plan
         self._shards = self._new_shards(rebuilt=True)
 
     def _load_step_grads(self, unscale: float = 1.0) -> None:
@@ -321,11 +379,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             The local optimizer's return value (the loss, with a closure).
 
         Raises:
+            RuntimeError: with ``overlap_with_ddp=True`` and no overlap hook
+                made for this optimizer: nothing would ever step it.
             zerofn.errors.CollectiveError: the exchange failed (a peer died or
                 timed out). This rank's shard is stepped; other ranks' shards
                 may be partly received: restart from a checkpoint.
         """
         if self._shards.stepped_by_hook:
+            self._check_overlap_attached()
             logger.warning(
                 "step() does nothing with overlap_with_ddp=True: the DDP hook steps the "
                 "optimizer during backward"
@@ -549,7 +610,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Args:
             to: the group rank that receives the state.
+
+        Raises:
+            TypeError: ``to`` is not an int.
+            ValueError: ``to`` is not a rank of the group; checked before any
+                collective, so the group stays usable.
+            RuntimeError: with ``overlap_with_ddp=True``, before DDP fixed its
+                buckets.
         """
+        self._check_rank(to)
         self._check_overlap_initialized()
         purpose = f"consolidating the optimizer state on rank {to}"
         gathered = gather_objects(self._local_state_cpu(), to, self.process_group, purpose)
@@ -557,6 +626,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._consolidated = None
         else:
             self._consolidated = consolidate(self._plan.partition, gathered, self._shapes())
+
+    def _check_rank(self, to: Any) -> None:
+        """Refuse a ``to`` that names no rank of the group, before any
+        collective: a gather to a rank that does not exist would fail inside
+        the collective and look like a broken group.
+
+        Raises:
+            TypeError: ``to`` is not an int (a bool is not a rank either).
+            ValueError: ``to`` is outside ``0 .. world_size - 1``.
+        """
+        if not isinstance(to, int) or isinstance(to, bool):
+            raise TypeError(
+                f"consolidate_state_dict(to=...) takes a group rank, an int in "
+                f"0..{self.world_size - 1}; got {type(to).__name__} {to!r}"
+            )
+        if not 0 <= to < self.world_size:
+            raise ValueError(
+                f"consolidate_state_dict(to={to}): the group has {self.world_size} rank(s), "
+                f"so to must be in 0..{self.world_size - 1}"
+            )
 
     def state_dict(self) -> StateDict:
         """The full state gathered by the last :meth:`consolidate_state_dict`,
@@ -638,6 +727,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
         self._overlap_attached = True
 
+    def _check_overlap_attached(self) -> None:
+        """Refuse to train with ``overlap_with_ddp=True`` and no hook: the hook
+        is what steps the optimizer, so without one nothing would change.
+
+        Raises:
+            RuntimeError: no overlap hook was made for this optimizer.
+        """
+        if not self._overlap_attached:
+            raise RuntimeError(
+                "this ZeroRedundancyOptimizer was built with overlap_with_ddp=True, so DDP's "
+                "backward steps it through a communication hook, and no such hook was made "
+                "for it: nothing would ever be updated. Register one before training, "
+                "ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero)) "
+                "(or hook_with_zero_step_interleaved; both in zerofn_torch.hooks), and drop "
+                "zero.step() from the loop; or build the optimizer with overlap_with_ddp=False"
+            )
+
     def _check_overlap_initialized(self) -> None:
         if self._shards.stepped_by_hook and not self._overlap_sharded:
             raise RuntimeError(
@@ -689,7 +795,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         full_state = self._local_state_dict()  # global indices: it held every parameter
         params = self._all_params
-        self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned])
+        # DDP's buckets hold what required grad when DDP was built; only those
+        # are stepped in this mode, so only those need an owner.
+        synced = {i for ranks in owned for i in ranks}
+        trainable = tuple(i in synced for i in range(len(params)))
+        self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned], trainable)
         self._shards = self._new_shards(rebuilt=False)
         self.optim = self._new_local_optimizer()
         self._load_global_state(full_state)

@@ -61,6 +61,43 @@ def _layouts(
     return buffer_layouts(pieces, keys, trainable)
 
 
+def _check_trainable_owned(partition: Partition, trainable: Sequence[bool], changed: bool) -> None:
+    """Refuse a manual partition that gives a trainable parameter to no rank.
+
+    Leaving a parameter out is how a manual partition says "frozen" (as
+    PyTorch's ``params_per_rank`` allows); a trainable one left out would be
+    stepped by no rank, silently, so it is an error.
+
+    Args:
+        partition: the manual partition.
+        trainable: whether each global parameter is trained.
+        changed: the mask changed after the partition was made (the remedy
+            is then a new optimizer).
+
+    Raises:
+        ValueError: naming the global indices of the parameters left out.
+    """
+    left_out = [
+        index
+        for index, (owner, trained) in enumerate(zip(partition.owners, trainable, strict=True))
+        if trained and owner == -1
+    ]
+    if not left_out:
+        return
+    remedy = (
+        "build a new optimizer whose partition lists them, or set requires_grad=False on them again"
+        if changed
+        else "list each in exactly one rank's entry, or set requires_grad=False on those "
+        "meant to stay frozen"
+    )
+    raise ValueError(
+        f"the manual partition gives no rank the parameter(s) at global index "
+        f"{', '.join(map(str, left_out))} (their position among the parameters passed to "
+        f"the optimizer), which {'now ' if changed else ''}require grad, so none would ever "
+        f"be updated: {remedy}"
+    )
+
+
 def plan_shards(
     group_sizes: Sequence[Sequence[int]],
     keys: Sequence[str],
@@ -86,7 +123,8 @@ def plan_shards(
 
     Raises:
         ValueError: for an unknown mode or a bad manual partition (see
-            :func:`manual_partition`), or mismatched lengths.
+            :func:`manual_partition`; one that leaves a trainable parameter to
+            no rank, too), or mismatched lengths.
     """
     num_params = sum(len(g) for g in group_sizes)
     if len(keys) != num_params or len(trainable) != num_params:
@@ -97,6 +135,7 @@ def plan_shards(
     mode_name: PlanMode
     if params_per_rank is not None:
         partition, mode_name = manual_partition(group_sizes, world_size, params_per_rank), "manual"
+        _check_trainable_owned(partition, trainable, changed=False)
     elif mode == "greedy":
         partition, mode_name = greedy_partition(group_sizes, world_size), mode
     elif mode == "balanced":
@@ -124,13 +163,16 @@ def with_trainable(plan: ShardPlan, trainable: Sequence[bool]) -> ShardPlan:
 
     Raises:
         ValueError: for a flat plan, whose cut depends on the mask: build a
-            new optimizer (or use a whole-tensor mode) to change trainability.
+            new optimizer (or use a whole-tensor mode) to change trainability;
+            for a manual plan that gives a parameter now trainable to no rank.
     """
     if isinstance(plan.partition, FlatPartition):
         raise ValueError(
             "partition='flat' cannot follow a change in which parameters require grad; "
             "create a new optimizer, or use partition='greedy' or 'balanced'"
         )
+    if plan.mode == "manual":
+        _check_trainable_owned(plan.partition, trainable, changed=True)
     return attrs.evolve(
         plan,
         trainable=tuple(bool(t) for t in trainable),
