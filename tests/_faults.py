@@ -1,11 +1,13 @@
-"""Fault injection on real gloo ranks: one survivor, one victim per case.
+"""Fault injection on real gloo ranks: one victim per case, the other ranks
+survivors.
 
-A *case* is a training loop ``case(rank, tick)`` run by both ranks; it calls
-``tick(step)`` at the start of every step. On the victim (rank 1), ``tick``
-injects the fault at the chosen step: ``os._exit`` (a peer that dies) or a
-long sleep (a peer that hangs past the group timeout). The survivor (rank 0)
-records what it saw: the error's type and message, or that it finished, and
-the seconds from the start of its latest step to the error.
+A *case* is a training loop ``case(rank, tick)`` run by every rank; it calls
+``tick(step)`` once per step (at its start, unless the case says otherwise).
+On the victim (the last rank), ``tick`` injects the fault at the chosen step:
+``os._exit`` (a peer that dies) or a long sleep (a peer that hangs past the
+group timeout). Every survivor records what it saw: the error's type and
+message, or that it finished, and the seconds from its latest ``tick`` to the
+error. A case runs on 2 ranks (one survivor) unless given another world size.
 
 :func:`run_family` runs many cases in one spawned survivor process. Each case
 gets a fresh process group and a fresh victim, forked from a forkserver that
@@ -22,7 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -46,9 +48,22 @@ class Outcome:
     finished: bool
     error_type: str = ""
     message: str = ""
-    seconds: float = 0.0  # from the start of the survivor's latest step to the error
+    seconds: float = 0.0  # from the survivor's latest tick to the error
     step: int = -1  # the survivor's latest step
     trace: str = ""  # the error's traceback, for a failing test's report
+    rank: int = 0
+    world_size: int = 2
+    others: tuple[Outcome, ...] = ()  # rank 0's record holds the other survivors'
+
+    @property
+    def survivors(self) -> tuple[Outcome, ...]:
+        """This survivor's outcome and the other survivors', by rank."""
+        return (self, *self.others)
+
+
+def _outcome(row: dict[str, Any]) -> Outcome:
+    """An :class:`Outcome` from ``attrs.asdict``'s dict of one."""
+    return Outcome(**{**row, "others": tuple(_outcome(other) for other in row["others"])})
 
 
 def _shorten_timeout(step: int, timeout_s: float) -> None:
@@ -71,52 +86,56 @@ def _victim_tick(fault: FaultKind, timeout_s: float) -> Tick:
     return tick
 
 
-def _init(store: str, rank: int) -> None:
+def _init(store: str, rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
         rank=rank,
-        world_size=2,
+        world_size=world_size,
         timeout=timedelta(seconds=60),
     )
 
 
 def _victim_main(
-    cases: Mapping[str, Case], name: str, fault: FaultKind, store: str, timeout_s: float
+    cases: Mapping[str, Case],
+    name: str,
+    fault: FaultKind,
+    store: str,
+    timeout_s: float,
+    world_size: int,
 ) -> None:
-    _init(store, 1)
-    cases[name](1, _victim_tick(fault, timeout_s))
+    _init(store, world_size - 1, world_size)
+    cases[name](world_size - 1, _victim_tick(fault, timeout_s))
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown of a forked child
 
 
-def _survive(
-    cases: Mapping[str, Case],
-    name: str,
-    fault: FaultKind,
-    tmp: str,
-    timeout_s: float,
-    forks: mp.context.BaseContext,
+def _record(
+    cases: Mapping[str, Case], name: str, fault: FaultKind, timeout_s: float, rank: int
 ) -> Outcome:
-    store = os.path.join(tempfile.mkdtemp(dir=tmp), "store")
-    victim = forks.Process(  # type: ignore[attr-defined]
-        target=_victim_main, args=(cases, name, fault, store, timeout_s), daemon=True
-    )
-    victim.start()
-    _init(store, 0)
+    """Run the case as survivor ``rank`` of the initialised group.
+
+    Returns:
+        What this survivor saw.
+    """
+    world_size = dist.get_world_size()
     latest = [-1, time.perf_counter()]
 
     def tick(step: int) -> None:
         _shorten_timeout(step, timeout_s)
         latest[:] = [step, time.perf_counter()]
 
+    # Only strings leave the handler: the error's traceback holds the case's
+    # DDP model and group alive, and Python drops it with the handler.
     try:
-        cases[name](0, tick)
-        outcome = Outcome(name, fault, finished=True, step=int(latest[0]))
+        cases[name](rank, tick)
+        return Outcome(
+            name, fault, finished=True, step=int(latest[0]), rank=rank, world_size=world_size
+        )
     except Exception as e:
-        outcome = Outcome(
+        return Outcome(
             name,
             fault,
             finished=False,
@@ -125,16 +144,84 @@ def _survive(
             seconds=time.perf_counter() - latest[1],
             step=int(latest[0]),
             trace="".join(traceback.format_exception(e)),
+            rank=rank,
+            world_size=world_size,
         )
-        del e  # its traceback holds the case's DDP model and group alive
+
+
+def _other_survivor_main(
+    cases: Mapping[str, Case],
+    name: str,
+    fault: FaultKind,
+    store: str,
+    timeout_s: float,
+    ranks: tuple[int, int],
+    out: str,
+) -> None:
+    rank, world_size = ranks
+    _init(store, rank, world_size)
+    torch.save(attrs.asdict(_record(cases, name, fault, timeout_s, rank)), out)
+    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown of a forked child
+
+
+def _collect(process: Any, out: str, name: str, fault: FaultKind, rank: int) -> Outcome:
+    """The outcome another survivor saved, once it has exited."""
+    process.join(60)
+    if process.is_alive() or not os.path.exists(out):
+        process.kill()
+        process.join()
+        return Outcome(name, fault, finished=False, message="did not report", rank=rank)
+    return _outcome(torch.load(out, weights_only=False))
+
+
+def _survive(
+    cases: Mapping[str, Case],
+    name: str,
+    fault: FaultKind,
+    tmp: str,
+    timeout_s: float,
+    world_size: int,
+    forks: mp.context.BaseContext,
+) -> Outcome:
+    folder = tempfile.mkdtemp(dir=tmp)
+    store = os.path.join(folder, "store")
+    victim = forks.Process(  # type: ignore[attr-defined]
+        target=_victim_main,
+        args=(cases, name, fault, store, timeout_s, world_size),
+        daemon=True,
+    )
+    victim.start()
+    others: dict[int, tuple[Any, str]] = {}
+    for rank in range(1, world_size - 1):
+        out = os.path.join(folder, f"rank{rank}.pt")
+        others[rank] = (
+            forks.Process(  # type: ignore[attr-defined]
+                target=_other_survivor_main,
+                args=(cases, name, fault, store, timeout_s, (rank, world_size), out),
+                daemon=True,
+            ),
+            out,
+        )
+        others[rank][0].start()
+    _init(store, 0, world_size)
+    outcome = _record(cases, name, fault, timeout_s, 0)
+    # The other survivors finish before the victim is killed and before this
+    # rank leaves the group, so that what they see is the fault, not the
+    # harness: without a fault they may still be talking to the victim.
+    seen = tuple(_collect(p, out, name, fault, rank) for rank, (p, out) in others.items())
     victim.kill()
     victim.join()
     dist.destroy_process_group()
-    return outcome
+    return attrs.evolve(outcome, others=seen)
 
 
 def _survivor_main(
-    cases: Mapping[str, Case], faults: Sequence[FaultKind], timeout_s: float, out: str
+    cases: Mapping[str, Case],
+    faults: Sequence[FaultKind],
+    timeout_s: float,
+    world_sizes: Mapping[str, int],
+    out: str,
 ) -> None:
     forks = mp.get_context("forkserver")
     # Victims fork from a server that has imported everything a case needs.
@@ -144,7 +231,8 @@ def _survivor_main(
     with tempfile.TemporaryDirectory() as tmp:
         for name in cases:
             for fault in faults:
-                outcomes.append(_survive(cases, name, fault, tmp, timeout_s, forks))
+                world_size = world_sizes.get(name, 2)
+                outcomes.append(_survive(cases, name, fault, tmp, timeout_s, world_size, forks))
     torch.save([attrs.asdict(o) for o in outcomes], out)
 
 
@@ -152,23 +240,34 @@ def run_family(
     cases: Mapping[str, Case],
     faults: Sequence[FaultKind] = ("none", "exit", "hang"),
     timeout_s: float = 2.0,
+    world_sizes: Mapping[str, int] | None = None,
 ) -> dict[tuple[str, FaultKind], Outcome]:
     """Run every case under every fault in one spawned survivor process.
 
     ``cases`` must be a module-level mapping of module-level functions (the
     survivor and the victims import them by name).
 
+    Args:
+        cases: name -> case.
+        faults: the faults to inject, each in a fresh group.
+        timeout_s: the group's timeout from step ``SHORT_FROM`` on.
+        world_sizes: name -> ranks, for cases with more than 2; ranks
+            between rank 0 and the victim are survivors too, forked like
+            the victim.
+
     Returns:
-        ``(case, fault) -> Outcome``.
+        ``(case, fault) -> Outcome`` of rank 0, which holds the other
+        survivors' outcomes (:attr:`Outcome.others`).
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "outcomes.pt")
         survivor = mp.get_context("spawn").Process(
-            target=_survivor_main, args=(cases, list(faults), timeout_s, out)
+            target=_survivor_main,
+            args=(cases, list(faults), timeout_s, dict(world_sizes or {}), out),
         )
         survivor.start()
         survivor.join()
         if survivor.exitcode != 0:
             raise RuntimeError(f"the survivor process exited with code {survivor.exitcode}")
         rows = torch.load(out, weights_only=False)
-    return {(row["case"], row["fault"]): Outcome(**row) for row in rows}
+    return {(row["case"], row["fault"]): _outcome(row) for row in rows}

@@ -1,9 +1,9 @@
 """Fault injection on real gloo ranks: for every hook, the ZeRO step, the
-overlapped step, Join and the averagers, a peer that exits mid-iteration and a
-peer that hangs past the group timeout make the survivor raise a
-CollectiveError naming what failed, within the timeout plus a margin; the
-same run without a fault finishes. (The simulated world's twin of these
-tests is tests/test_world_failures.py.)"""
+overlapped step, Join (its own count and DDP's join hook) and the averagers, a
+peer that exits mid-iteration and a peer that hangs past the group timeout
+make every survivor raise a CollectiveError naming what failed, within the
+timeout plus a margin; the same run without a fault finishes. (The simulated
+world's twin of these tests is tests/test_world_failures.py.)"""
 
 from __future__ import annotations
 
@@ -168,6 +168,27 @@ def join_shadowing(rank: int, tick: Tick) -> None:
             zero.zero_grad()
 
 
+def join_ddp_hook_shadowing(rank: int, tick: Tick) -> None:
+    # The survivors run out of inputs first and DDP's join hook shadows the
+    # victim's steps: DDP's built-in all-reduce, no comm hook. The buffer
+    # makes every forward under Join start with a blocking all-reduce (which
+    # rank's buffers to broadcast) that a joined rank answers from DDP's join
+    # hook; ticking after the forward, the victim fails only once every
+    # survivor is inside that hook, past Join's own count.
+    model = make_model()
+    model.register_buffer("seen", torch.zeros(1))
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    victim = dist.get_world_size() - 1
+    with Join([ddp]):
+        for step in range(STEPS if rank == victim else SHORT_FROM + 1):
+            loss = ddp(batch(rank, step)).square().mean()
+            tick(step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def averager(rank: int, tick: Tick) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -197,9 +218,14 @@ STEP_CASES: dict[str, Case] = {
     "hook_with_zero_step_interleaved(powerSGD_hook)": overlap_interleaved_powersgd,
     "hook_with_zero_step(PyTorch's fp16_compress_hook)": overlap_around_pytorchs_hook,
     "Join (survivor shadowing)": join_shadowing,
+    "Join (DDP's join hook shadowing)": join_ddp_hook_shadowing,
+    "Join (DDP's join hook shadowing, 3 ranks)": join_ddp_hook_shadowing,
     "PeriodicModelAverager.average_parameters": averager,
     "PostLocalSGDOptimizer.step": post_local_sgd_optimizer,
 }
+
+# Cases on more than 2 ranks: two survivors must raise alike.
+WORLD_SIZES = {"Join (DDP's join hook shadowing, 3 ranks)": 3}
 
 # What each path's error must name: the purpose the driver was given.
 PURPOSES = {
@@ -209,7 +235,11 @@ PURPOSES = {
     "hook_with_zero_step(allreduce_hook)": "overlapped ZeRO step",
     "hook_with_zero_step_interleaved(powerSGD_hook)": "DDP bucket",
     "hook_with_zero_step(PyTorch's fp16_compress_hook)": "the DDP hook 'fp16_compress_hook'",
-    "Join (survivor shadowing)": "Join",
+    "Join (survivor shadowing)": "Join: rank {rank} counting the ranks still running",
+    "Join (DDP's join hook shadowing)": "DDP's join hook (shadowing DDP's buffer broadcast",
+    "Join (DDP's join hook shadowing, 3 ranks)": (
+        "DDP's join hook (shadowing DDP's buffer broadcast"
+    ),
     "PeriodicModelAverager.average_parameters": "averaging",
     "PostLocalSGDOptimizer.step": "averaging",
 }
@@ -222,10 +252,11 @@ def hook_outcomes() -> dict[tuple[str, str], Outcome]:
 
 @pytest.fixture(scope="module")
 def step_outcomes() -> dict[tuple[str, str], Outcome]:
-    return run_family(STEP_CASES, timeout_s=TIMEOUT_S)
+    return run_family(STEP_CASES, timeout_s=TIMEOUT_S, world_sizes=WORLD_SIZES)
 
 
-def check(outcome: Outcome, fault: str) -> None:
+def check_survivor(outcome: Outcome, fault: str) -> None:
+    """One survivor's outcome: a finished control run, or the error it must raise."""
     if fault == "none":
         assert outcome.finished, f"the fault-free control run failed: {outcome.trace}"
         assert outcome.step == (SHORT_FROM if "Join" in outcome.case else STEPS - 1)
@@ -233,11 +264,20 @@ def check(outcome: Outcome, fault: str) -> None:
     assert not outcome.finished, "the survivor trained on alone: a failed collective gave a result"
     assert "CollectiveError" in outcome.error_type + outcome.message, outcome.trace
     assert "No result was produced" in outcome.message, outcome.message
-    assert "gloo group of 2 ranks (this is rank 0)" in outcome.message, outcome.message
-    assert PURPOSES[outcome.case] in outcome.message, outcome.message
+    group = f"gloo group of {outcome.world_size} ranks (this is rank {outcome.rank})"
+    assert group in outcome.message, outcome.message
+    assert PURPOSES[outcome.case].format(rank=outcome.rank) in outcome.message, outcome.message
     limit = (TIMEOUT_S if fault == "hang" else 0.0) + MARGIN_S
     assert outcome.seconds < limit, f"raised after {outcome.seconds:.1f} s"
     assert outcome.step <= FAULT_STEP
+
+
+def check(outcome: Outcome, fault: str) -> None:
+    """Every survivor's outcome; under a fault, all raised the same type."""
+    assert len(outcome.survivors) == WORLD_SIZES.get(outcome.case, 2) - 1
+    for survivor in outcome.survivors:
+        check_survivor(survivor, fault)
+    assert len({survivor.error_type for survivor in outcome.survivors}) == 1
 
 
 @pytest.mark.timeout(240)

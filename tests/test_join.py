@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.join import Join, Joinable, JoinHook
 
+from zerofn.errors import CollectiveError
 from zerofn.join import JoinProgress, first_mismatch, join_configs, next_join_step
 
 # ----- pure bookkeeping ----------------------------------------------------------------
@@ -178,3 +179,45 @@ def test_throw_on_early_termination_raises_on_every_rank(two_ranks: list[dict[st
 def test_disabled_context_does_nothing(two_ranks: list[dict[str, Any]]) -> None:
     for out in two_ranks:
         assert out["disabled_calls"] == (0, [])
+
+
+# ----- failures inside a hook, on one rank in process ----------------------------------
+
+
+class FailingJoinable(CountingJoinable):
+    """A joinable whose post-hook raises ``error`` (on one rank the main hook
+    never runs: the count of running ranks is 0 at once)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        error = self.error
+
+        class Hook(JoinHook):
+            def post_hook(self, is_last_joiner: bool) -> None:
+                raise error
+
+        return Hook()
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_failing_join_hook_raises_a_collective_error_naming_it() -> None:
+    transport = RuntimeError("[gloo/pair.cc:534] Connection closed by peer\nmore detail")
+    joinables = [CountingJoinable(), FailingJoinable(transport)]
+    with pytest.raises(CollectiveError) as failure, Join(joinables):
+        pass
+    assert failure.value.__cause__ is transport
+    assert failure.value.collective == "the join hook of FailingJoinable (post_hook)"
+    assert failure.value.purpose == "Join: rank 0 finishing after every rank joined"
+    assert failure.value.reason == "[gloo/pair.cc:534] Connection closed by peer"
+    assert "gloo group of 1 ranks (this is rank 0)" in str(failure.value)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_hooks_own_collective_error_passes_through_unchanged() -> None:
+    own = CollectiveError("exchange", "the ZeRO step", "a group", "timeout")
+    with pytest.raises(CollectiveError) as failure, Join([FailingJoinable(own)]):
+        pass
+    assert failure.value is own

@@ -3,6 +3,13 @@
 The decisions (who is first, what a joined rank does after each count) come
 from :mod:`zerofn.join`; this module runs the all-reduces and the hooks.
 
+A failure anywhere in a joined rank's part raises
+:class:`zerofn.errors.CollectiveError` naming what failed: Join's own
+all-reduces go through the driver (:func:`zerofn_torch.comm.issue`), and every
+join hook runs inside :func:`zerofn_torch.comm.guarded`, DDP's own included
+(PyTorch's hook fails with the transport's plain ``RuntimeError``). A
+``CollectiveError`` a hook raises itself (ZeRO's step) passes through as it is.
+
 It interoperates with PyTorch's join protocol in both directions: PyTorch's
 ``DistributedDataParallel`` (a PyTorch ``Joinable``) works inside this
 ``Join``, and zerofn's ``ZeroRedundancyOptimizer`` works inside PyTorch's. Both
@@ -14,17 +21,21 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms import join as torch_join
+from torch.nn.parallel import DistributedDataParallel
 
 from zerofn.comm import AllReduce
 from zerofn.join import DISABLED, JoinProgress, first_mismatch, join_configs, next_join_step
-from zerofn_torch.comm import issue
+from zerofn_torch.comm import guarded, issue
 
 __all__ = ["Join", "JoinHook", "Joinable"]
+
+Stage = Literal["main_hook", "post_hook"]
+"""Which of a join hook's methods runs: shadowing a round, or finishing."""
 
 
 class JoinHook(torch_join.JoinHook):
@@ -80,6 +91,27 @@ class Joinable(ABC):
 
 # PyTorch's joinables (DDP among them) follow the same protocol.
 Joinable.register(torch_join.Joinable)  # type: ignore[type-abstract]
+
+
+def _hook_collectives(joinable: Any, stage: Stage) -> str:
+    """What a joinable's join hook communicates, for error messages.
+
+    Args:
+        joinable: the joinable whose hook runs.
+        stage: ``"main_hook"`` (shadowing one round) or ``"post_hook"``
+            (after every rank joined).
+
+    Returns:
+        A phrase naming the hook and, for DDP's, the collectives it shadows
+        or issues.
+    """
+    if isinstance(joinable, DistributedDataParallel):
+        # PyTorch's hook is opaque to the driver: say which of DDP's
+        # collectives it stands for, so the message points at DDP.
+        if stage == "main_hook":
+            return "DDP's join hook (shadowing DDP's buffer broadcast and gradient all-reduces)"
+        return "DDP's join hook (broadcasting the final model from the last rank to join)"
+    return f"the join hook of {type(joinable).__name__} ({stage})"
 
 
 class Join:
@@ -140,6 +172,9 @@ class Join:
         Raises:
             RuntimeError: with ``throw_on_early_termination``, when this rank
                 ran out before the others.
+            zerofn.errors.CollectiveError: a collective of this rank's part
+                failed (a peer died or hung past the group's timeout): Join's
+                count of running ranks, or a join hook's (DDP's included).
         """
         if not self._enable or exc_type is not None:
             return  # an exception in the body propagates as it is
@@ -149,16 +184,44 @@ class Join:
             if action == "terminate":
                 self._tell_others_to_stop()
             if action == "shadow":
-                if progress.skewed:
-                    warnings.warn(
-                        f"rank {self._rank} has shadowed {progress.rounds} iterations of ranks "
-                        "with more inputs; uneven inputs this skewed slow training down",
-                        stacklevel=2,
-                    )
-                for hook in self._hooks:
+                self._warn_if_skewed(progress)
+                self._run_hooks("main_hook", f"shadowing round {progress.rounds}")
+        self._run_hooks("post_hook", "finishing after every rank joined", progress.is_last_joiner)
+
+    def _warn_if_skewed(self, progress: JoinProgress) -> None:
+        """Warn once this rank has shadowed many rounds (heavy input skew).
+
+        Args:
+            progress: this rank's place in the shadowing loop.
+        """
+        if progress.skewed:
+            warnings.warn(
+                f"rank {self._rank} has shadowed {progress.rounds} iterations of ranks "
+                "with more inputs; uneven inputs this skewed slow training down",
+                stacklevel=3,
+            )
+
+    def _run_hooks(self, stage: Stage, doing: str, is_last_joiner: bool = False) -> None:
+        """Run every joinable's ``stage`` hook, in the joinables' order.
+
+        Args:
+            stage: ``"main_hook"`` or ``"post_hook"``.
+            doing: what this rank is doing, for error messages.
+            is_last_joiner: for ``post_hook``.
+
+        Raises:
+            zerofn.errors.CollectiveError: a hook failed. Any error counts:
+                the hooks exist to issue collectives, and a joined rank that
+                stops answering leaves its peers out of step, so the group
+                is unusable whatever the cause (kept as ``__cause__``).
+        """
+        purpose = f"Join: rank {self._rank} {doing}"
+        for joinable, hook in zip(self._joinables, self._hooks, strict=True):
+            with guarded(_hook_collectives(joinable, stage), purpose, self._process_group):
+                if stage == "main_hook":
                     hook.main_hook()
-        for hook in self._hooks:
-            hook.post_hook(progress.is_last_joiner)
+                else:
+                    hook.post_hook(is_last_joiner)
 
     def _count_running(self) -> int:
         # Running ranks add 1 in notify_join_context; a joined rank adds 0.
