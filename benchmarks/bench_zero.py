@@ -61,11 +61,13 @@ from report import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.comm import drive
 from zerofn_torch.launch import run_local_world
 from zerofn_torch.traffic import collective_traffic
 
 from zerofn.overlap.ddp_buckets import assign_buckets
 from zerofn.zero.partition import balanced_partition, flat_partition, greedy_partition, rank_loads
+from zerofn.zero.step import run_zero_step
 
 # ----------------------------------------------------------------------------
 # 1. ZeRO step on 2 gloo ranks
@@ -106,7 +108,13 @@ def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
     if isinstance(opt, ZeroRedundancyOptimizer):
         params = [p for group in opt.param_groups for p in group["params"]]
         shards = opt._shards
-        return lambda: shards.receive(params, shards.send(params, opt.process_group, opt._via))
+
+        def exchange() -> None:
+            # The step program, its local step answered by doing nothing.
+            program = run_zero_step(shards, params, opt._via, lambda _: None)
+            drive(program, opt.process_group, "the exchange alone").wait()
+
+        return exchange
     return opt._sync_params  # type: ignore[attr-defined,no-any-return]
 
 

@@ -12,7 +12,7 @@ order by construction.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from typing import Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import attrs
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "Request",
     "Response",
     "adopt",
+    "answering",
     "describe",
     "kind_of",
     "request_bytes",
@@ -231,6 +232,32 @@ def watched(program: Program[R], see: Callable[[Request], object]) -> Program[R]
         while True:
             see(request)
             request = program.send((yield request))
+    except StopIteration as stop:
+        result: R = stop.value
+        return result
+
+
+Q = TypeVar("Q")
+
+
+def answering(
+    program: Generator[Request | Q, Any, R], kind: type[Q], answer: Callable[[Q], Any]
+) -> Program[R]:
+    """``program`` with its local requests of type ``kind`` answered here by
+    ``answer`` (a step of the caller's own, such as the local optimizer's),
+    and only its collectives passed on to whoever drives it.
+
+    So one program can say "now step your shard" between its collectives,
+    and the adapter's driver and the simulated world run it unchanged, each
+    answering with its own optimizer.
+    """
+    try:
+        request = next(program)
+        while True:
+            if isinstance(request, kind):
+                request = program.send(answer(request))
+            else:
+                request = program.send((yield request))  # type: ignore[misc]
     except StopIteration as stop:
         result: R = stop.value
         return result

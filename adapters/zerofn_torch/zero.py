@@ -22,7 +22,6 @@ from torch.optim import Optimizer
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.optimizers import check_elementwise
 from zerofn.zero.params import check_same_dense_type, normalize_params
-from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan, plan_shards, with_trainable
 from zerofn.zero.precision import (
     clip_coefficient,
@@ -32,16 +31,11 @@ from zerofn.zero.precision import (
     resolve_master_dtype,
 )
 from zerofn.zero.shard_state import StateDict, consolidate, shard, validate_global
+from zerofn.zero.shards import Shards, shards_for
+from zerofn.zero.step import LocalStep, run_zero_step
 from zerofn_torch.comm import all_gather_objects, drive, gather_objects
 from zerofn_torch.join import Join, JoinHook
 from zerofn_torch.masters import Masters, make_masters, with_masters, without_masters
-from zerofn_torch.shards import (
-    FlatShards,
-    HookDrivenShards,
-    Shards,
-    WholeTensorShards,
-    build_buffers,
-)
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -310,24 +304,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _new_shards(self, rebuilt: bool) -> Shards:
         """How this rank holds its shard under the current plan (see
-        :mod:`zerofn_torch.shards`): the mode, and its exchange buffers."""
+        :mod:`zerofn.zero.shards`): the mode, and its exchange buffers."""
         params = self._all_params
-        if self._overlap_with_ddp:
-            return HookDrivenShards(self._plan, self.rank, False, [])
-        view = self.parameters_as_bucket_view
-        buffers = build_buffers(self._plan, params, view, rebuilt)
-        if not isinstance(self._plan.partition, FlatPartition):
-            return WholeTensorShards(self._plan, self.rank, view, buffers)
-        # torch.optim's per-tensor loop (the CPU default) steps a flat shard
-        # twice as fast cut into cache-sized chunks; foreach and fused
-        # kernels do not gain from that (see zerofn.zero.chunks).
-        cache_sized = (
-            params[0].device.type == "cpu"
-            and not self._optim_defaults.get("foreach")
-            and not self._optim_defaults.get("fused")
+        return shards_for(
+            self._plan,
+            self.rank,
+            params,
+            bucket_view=self.parameters_as_bucket_view,
+            stepped_by_hook=self._overlap_with_ddp,
+            step_dtype=self._master_dtype or params[0].dtype,
+            options=self._optim_defaults,
+            rebuilt=rebuilt,
         )
-        itemsize = torch.empty((), dtype=self._master_dtype or params[0].dtype).element_size()
-        return FlatShards.build(self._plan, self.rank, view, buffers, itemsize, cache_sized)
 
     def _new_local_optimizer(self) -> Optimizer:
         local = self._shards.local_groups(self.param_groups, self._all_params)
@@ -357,10 +345,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._masters is not None:
             low = self._masters.low
             self._masters.load_grads(self._shards.local_grads(params, low), unscale)
-        elif not self._shards.grads_in_place:
+        else:
             local = [t for g in self.optim.param_groups for t in g["params"]]
-            for tensor, grad in zip(local, self._shards.local_grads(params, local), strict=True):
-                tensor.grad = grad
+            self._shards.hand_grads(params, local)
 
     def _prepare_step(self) -> None:
         Join.notify_join_context(self)
@@ -399,14 +386,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "backward before step() instead"
             )
         self._prepare_step()
-        self._load_step_grads()
-        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
-        if self._masters is not None:
-            self._masters.write_back()
-        exchange = self._shards.send(self._all_params, self.process_group, self._via)
+
+        def local_step(_: LocalStep) -> Any:
+            self._load_step_grads()
+            loss = (
+                self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+            )
+            if self._masters is not None:
+                self._masters.write_back()
+            return loss
+
+        program = run_zero_step(self._shards, self._all_params, self._via, local_step)
+        done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
         _copy_hyperparams(self.optim.param_groups, self.param_groups)
-        self._shards.receive(self._all_params, exchange)
-        return loss
+        return done.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients, and any the masters hold."""

@@ -1,12 +1,12 @@
 """The ZeRO step, plain and overlapped with DDP, for N simulated ranks in one process.
 
-:func:`simulate_zero_steps` runs the same sequence as
-``zerofn_torch.ZeroRedundancyOptimizer.step`` on every rank: step the shard
-this rank owns with a local ``torch.optim`` optimizer, pack it into the
-exchange buffers, run :func:`zerofn.zero.exchange.exchange_program` (in the
-simulated world, :mod:`zerofn.testing.world`), unpack what the other ranks
-sent. Ownership, layouts and the exchange all come from the core, so a
-property test of your own partition runs here without processes::
+:func:`simulate_zero_steps` runs the program
+``zerofn_torch.ZeroRedundancyOptimizer.step`` runs,
+:func:`zerofn.zero.step.zero_step`, on every rank of the simulated world
+(:mod:`zerofn.testing.world`): the same mode records
+(:mod:`zerofn.zero.shards`), the same local tensors, each rank answering the
+program's local step with its own ``torch.optim`` optimizer. So a property
+test of your own partition tests the code training runs, without processes::
 
     from zerofn.zero.plan import plan_shards
     from zerofn.testing.zero import simulate_zero_steps
@@ -33,7 +33,7 @@ with each rank obeying the step orders it gives, as the adapter does::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -59,81 +59,65 @@ from zerofn.overlap.hook import (
 )
 from zerofn.overlap.step import broadcast_from_owners
 from zerofn.testing.world import run_programs
-from zerofn.zero.exchange import ExchangeVia, exchange_program, flat_grad, group_slots, pack, unpack
+from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan
+from zerofn.zero.shards import WholeTensorShards, shards_for
+from zerofn.zero.step import LocalStep, run_zero_step
 
 __all__ = ["OverlappedRun", "simulate_overlapped_step", "simulate_zero_steps"]
 
 R = TypeVar("R")
 
 
-def _local_params(
-    plan: ShardPlan, rank: int, params: list[torch.Tensor], buffers: list[torch.Tensor]
-) -> list[list[torch.Tensor]]:
-    """What rank ``rank``'s local optimizer steps, per param group: the
-    parameters it owns, or (flat) one view of its part of the buffer."""
-    partition = plan.partition
-    if not isinstance(partition, FlatPartition):
-        return [[params[i] for i in group] for group in partition.assignment[rank]]
-    if not plan.layouts:  # nothing trainable
-        return []
-    views = []
-    for slots in group_slots(plan.layouts[0], partition, rank):
-        buffer = buffers[0]
-        views.append([buffer[slots[0].offset : slots[-1].stop] if slots else buffer[:0]])
-    return views
+@attrs.define(eq=False)
+class _SimulatedRank:
+    """One simulated rank of the plain step: its own copy of the parameters,
+    the mode's record (:mod:`zerofn.zero.shards`, as the optimizer builds it)
+    and a local optimizer over the same local tensors the optimizer steps."""
 
+    params: list[torch.Tensor]
+    shards: WholeTensorShards
+    optimizer: torch.optim.Optimizer
 
-class _Rank:
-    """One simulated rank: its copy of the parameters, buffers and optimizer."""
+    def local_step(self, grads: Sequence[torch.Tensor | None]) -> Callable[[LocalStep], Any]:
+        """The answer to the program's :class:`LocalStep`: this step's
+        gradients into the parameters' ``.grad`` (what DDP leaves), handed
+        to the local tensors as the optimizer hands them, then the step."""
 
-    def __init__(
-        self,
-        plan: ShardPlan,
-        rank: int,
-        params: Sequence[torch.Tensor],
-        optimizer_class: type[torch.optim.Optimizer],
-        defaults: dict[str, Any],
-    ) -> None:
-        self.plan, self.rank = plan, rank
-        self.params = [p.detach().clone() for p in params]
-        dtype, device = params[0].dtype, params[0].device
-        self.buffers = [torch.zeros(ly.numel, dtype=dtype, device=device) for ly in plan.layouts]
-        for layout, buffer in zip(plan.layouts, self.buffers, strict=True):
-            for slots in layout.slots:
-                pack(buffer, slots, self.params)
-        local = _local_params(plan, rank, self.params, self.buffers)
-        # A rank that owns nothing has no optimizer (torch.optim refuses one).
-        self.optimizer = (
-            optimizer_class([{"params": ps} for ps in local], **defaults)
-            if any(p.numel() for ps in local for p in ps)
-            else None
-        )
-
-    def step(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Load ``grads`` into the local shard and step it, then pack it."""
-        partition = self.plan.partition
-        if self.optimizer is None:
-            return
-        if isinstance(partition, FlatPartition):
-            slots_per_group = group_slots(self.plan.layouts[0], partition, self.rank)
-            for group, slots in zip(self.optimizer.param_groups, slots_per_group, strict=True):
-                (flat,) = group["params"]
-                flat.grad = flat_grad(slots, grads, None)
-        else:
+        def answer(_: LocalStep) -> Any:
             for param, grad in zip(self.params, grads, strict=True):
                 param.grad = None if grad is None else grad.clone()
-        self.optimizer.step()
-        if not isinstance(partition, FlatPartition):
-            for layout, buffer in zip(self.plan.layouts, self.buffers, strict=True):
-                pack(buffer, layout.slots[self.rank], self.params)
+            local = [t for g in self.optimizer.param_groups for t in g["params"]]
+            self.shards.hand_grads(self.params, local)
+            return self.optimizer.step()
 
-    def receive(self) -> None:
-        """Unpack every segment (the exchange has filled the buffers)."""
-        for layout, buffer in zip(self.plan.layouts, self.buffers, strict=True):
-            for slots in layout.slots:
-                unpack(buffer, slots, self.params)
+        return answer
+
+
+def _simulated_rank(
+    plan: ShardPlan,
+    rank: int,
+    params: Sequence[torch.Tensor],
+    bucket_view: bool,
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+) -> _SimulatedRank:
+    mine = [p.detach().clone() for p in params]
+    shards = shards_for(
+        plan,
+        rank,
+        mine,
+        bucket_view=bucket_view,
+        stepped_by_hook=False,
+        step_dtype=mine[0].dtype,
+        options=defaults,
+    )
+    sizes = [len(group) for group in plan.partition.group_sizes]
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    groups = [{"params": mine[start : start + n]} for start, n in zip(starts, sizes, strict=True)]
+    optimizer = optimizer_class(shards.local_groups(groups, mine), **defaults)
+    return _SimulatedRank(mine, shards, optimizer)
 
 
 def simulate_zero_steps(
@@ -142,9 +126,13 @@ def simulate_zero_steps(
     grads_per_step: Sequence[Sequence[torch.Tensor | None]],
     optimizer_class: type[torch.optim.Optimizer],
     via: ExchangeVia = "broadcasts",
+    bucket_view: bool | None = None,
     **defaults: Any,
 ) -> tuple[list[list[torch.Tensor]], list[list[Request]]]:
-    """Run ZeRO steps on ``plan.world_size`` simulated ranks.
+    """Run ZeRO steps on ``plan.world_size`` simulated ranks: the program
+    ``ZeroRedundancyOptimizer.step`` runs (:func:`zerofn.zero.step.zero_step`),
+    over the same local tensors, each rank answering its local step with its
+    own ``optimizer_class``.
 
     Args:
         plan: the shard plan (one param group per group of ``params``).
@@ -153,6 +141,8 @@ def simulate_zero_steps(
             DDP hands every rank), or ``None`` for one without.
         optimizer_class: the local optimizer every rank runs on its shard.
         via: how the exchange moves its bytes.
+        bucket_view: parameters as views of the exchange buffers (``None``:
+            the optimizer's default, on for a flat partition).
         **defaults: the optimizer's hyperparameters.
 
     Returns:
@@ -163,22 +153,15 @@ def simulate_zero_steps(
         zerofn.testing.world.CollectiveMismatch: if the ranks' exchanges differ.
     """
     world = range(plan.world_size)
-    ranks = [_Rank(plan, r, params, optimizer_class, defaults) for r in world]
+    view = isinstance(plan.partition, FlatPartition) if bucket_view is None else bucket_view
+    ranks = [_simulated_rank(plan, r, params, view, optimizer_class, defaults) for r in world]
     requests: list[list[Request]] = [[] for _ in world]
     for grads in grads_per_step:
-        for simulated in ranks:
-            simulated.step(grads)
-        run_programs(
-            [
-                watched(
-                    exchange_program(plan.layouts, sim.buffers, sim.rank, via), requests[r].append
-                )
-                for r, sim in enumerate(ranks)
-            ],
-            purpose="the simulated ZeRO step's exchange",
-        )
-        for simulated in ranks:
-            simulated.receive()
+        programs = [
+            watched(run_zero_step(sim.shards, sim.params, via, sim.local_step(grads)), seen.append)
+            for sim, seen in zip(ranks, requests, strict=True)
+        ]
+        run_programs(programs, purpose="the simulated ZeRO step")
     return [sim.params for sim in ranks], requests
 
 

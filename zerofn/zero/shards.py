@@ -1,10 +1,10 @@
 """How a rank holds and steps its shard: the ZeRO optimizer's three modes.
 
-``ZeroRedundancyOptimizer.step`` is the same sequence in every mode: hand
-the local optimizer this step's gradients, step it, exchange the updated
-shards, write them into the parameters. What differs is what the local
-optimizer steps, where its gradients come from and how updates reach the
-parameters, and each mode is one class here:
+The ZeRO step (:func:`zerofn.zero.step.zero_step`) is the same program in
+every mode: bring the local tensors up to date, have the local optimizer
+step them, exchange the updated shards, write them into the parameters. What
+differs is what the local optimizer steps, where its gradients come from and
+how updates reach the parameters, and each mode is one record here:
 
 * :class:`WholeTensorShards` (greedy, balanced, manual partitions): the
   local optimizer steps the owned parameters themselves, which hold their
@@ -20,25 +20,34 @@ parameters, and each mode is one class here:
   no exchange buffers; the overlap hook steps them during backward and
   moves the updates itself.
 
-Each is built from the plan, which says who owns what (the core decided
-it); none of them works ownership out again.
+Each is built from the plan, which says who owns what; none of them works
+ownership out again. They write only into the parameters and buffers handed
+to them, as each method says: ``ZeroRedundancyOptimizer`` and the simulated
+world (:mod:`zerofn.testing.zero`) hold the same records and step the same
+local tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
 import torch
 
 from zerofn.zero.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_chunk_state
-from zerofn.zero.exchange import ExchangeVia, exchange_program, group_slots, pack, unpack
+from zerofn.zero.exchange import group_slots, pack, unpack
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan
-from zerofn_torch.comm import drive
 
-__all__ = ["FlatShards", "HookDrivenShards", "Shards", "WholeTensorShards", "build_buffers"]
+__all__ = [
+    "FlatShards",
+    "HookDrivenShards",
+    "Shards",
+    "WholeTensorShards",
+    "build_buffers",
+    "shards_for",
+]
 
 StateDict = dict[str, Any]
 
@@ -52,7 +61,8 @@ def build_buffers(
 ) -> list[torch.Tensor]:
     """One exchange buffer per layout, holding the parameters' current values;
     with ``bucket_view``, every trainable parameter that fits in one span
-    becomes a view of its place.
+    becomes a view of its place (its ``.data`` is replaced: the parameters
+    are handed over).
 
     Args:
         plan: the shard plan.
@@ -121,25 +131,31 @@ class WholeTensorShards:
         """This step's gradient of each local tensor."""
         return [t.grad for t in local]
 
+    def hand_grads(self, params: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
+        """Give each local tensor (what the local optimizer steps) this
+        step's gradient, read from the parameters' ``.grad`` (``local``'s
+        ``.grad`` are assigned). Owned whole parameters hold theirs already."""
+        if self.grads_in_place:
+            return
+        for tensor, grad in zip(local, self.local_grads(params, local), strict=True):
+            tensor.grad = grad
+
     def refresh(self, params: Sequence[torch.Tensor]) -> None:
         """Bring what the local optimizer steps up to date with the
-        parameters (which the user may have written since the last step)."""
+        parameters (which the user may have written since the last step);
+        the owned parameters are stepped themselves here: nothing to do."""
 
-    def send(
-        self, params: Sequence[torch.Tensor], group: Any, via: ExchangeVia
-    ) -> torch.futures.Future[None]:
-        """Start sending this rank's updated shard to every rank and
-        receiving theirs: the core's exchange program, driven here."""
+    def pack_own(self, params: Sequence[torch.Tensor]) -> None:
+        """After the local step: copy this rank's updated pieces into its
+        segments of the buffers (written in place), unless the parameters
+        are views of them already."""
         if not self.bucket_view:
             for layout, buffer in zip(self.plan.layouts, self.buffers, strict=True):
                 pack(buffer, layout.slots[self.rank], params)
-        program = exchange_program(self.plan.layouts, self.buffers, self.rank, via)
-        return drive(program, group, "the ZeRO step's exchange of updated shards")
 
-    def receive(self, params: Sequence[torch.Tensor], sent: torch.futures.Future[None]) -> None:
-        """Wait for the exchange and write what arrived into the parameters
-        (with bucket views it already landed in them)."""
-        sent.wait()
+    def unpack_arrived(self, params: Sequence[torch.Tensor]) -> None:
+        """After the exchange: write what the other ranks sent into the
+        parameters (written in place; with bucket views it landed there)."""
         if self.bucket_view:
             return
         for layout, buffer in zip(self.plan.layouts, self.buffers, strict=True):
@@ -224,18 +240,18 @@ class FlatShards(WholeTensorShards):
         return out
 
     def refresh(self, params: Sequence[torch.Tensor]) -> None:
+        """Copy the owned pieces into this rank's segment (written in place),
+        unless the parameters are views of it."""
         if not self.bucket_view:
             pack(self.buffers[0], self.plan.layouts[0].slots[self.rank], params)
 
-    def send(
-        self, params: Sequence[torch.Tensor], group: Any, via: ExchangeVia
-    ) -> torch.futures.Future[None]:
+    def pack_own(self, params: Sequence[torch.Tensor]) -> None:
         # The local step wrote this rank's segment in place: nothing to pack.
-        program = exchange_program(self.plan.layouts, self.buffers, self.rank, via)
-        return drive(program, group, "the ZeRO step's exchange of updated shards")
+        pass
 
-    def receive(self, params: Sequence[torch.Tensor], sent: torch.futures.Future[None]) -> None:
-        sent.wait()
+    def unpack_arrived(self, params: Sequence[torch.Tensor]) -> None:
+        # Every segment, this rank's too: its parameters are not the tensors
+        # the local optimizer stepped.
         if not self.bucket_view:
             unpack(self.buffers[0], [s for rs in self.plan.layouts[0].slots for s in rs], params)
 
@@ -255,11 +271,48 @@ class HookDrivenShards(WholeTensorShards):
 
     stepped_by_hook: ClassVar[bool] = True
 
-    def send(
-        self, params: Sequence[torch.Tensor], group: Any, via: ExchangeVia
-    ) -> torch.futures.Future[None]:
-        raise RuntimeError("the overlap hook moves the updated shards, not step()")
-
 
 Shards = WholeTensorShards
 """Any of the three modes (the two others refine the whole-tensor one)."""
+
+
+def shards_for(
+    plan: ShardPlan,
+    rank: int,
+    params: Sequence[torch.Tensor],
+    *,
+    bucket_view: bool,
+    stepped_by_hook: bool,
+    step_dtype: torch.dtype,
+    options: Mapping[str, Any],
+    rebuilt: bool = False,
+) -> Shards:
+    """How rank ``rank`` holds its shard under ``plan``: the mode's record and
+    its exchange buffers (built here, from the parameters' values).
+
+    Args:
+        plan: who owns what.
+        rank: this rank.
+        params: every parameter, in the optimizer's order; handed over: with
+            ``bucket_view`` they become views of the buffers.
+        bucket_view: make the parameters views of the exchange buffers.
+        stepped_by_hook: the overlap hook steps the shard (no buffers).
+        step_dtype: the dtype the local optimizer steps (the masters', when
+            kept): it sets how a flat shard is cut into chunks.
+        options: the local optimizer's keyword arguments (``foreach`` and
+            ``fused`` kernels step a flat shard uncut).
+        rebuilt: buffers existed before (see :func:`build_buffers`).
+    """
+    if stepped_by_hook:
+        return HookDrivenShards(plan, rank, False, [])
+    buffers = build_buffers(plan, params, bucket_view, rebuilt)
+    if not isinstance(plan.partition, FlatPartition):
+        return WholeTensorShards(plan, rank, bucket_view, buffers)
+    # torch.optim's per-tensor loop (the CPU default) steps a flat shard
+    # twice as fast cut into cache-sized chunks; foreach and fused kernels
+    # do not gain from that (see zerofn.zero.chunks).
+    cache_sized = (
+        params[0].device.type == "cpu" and not options.get("foreach") and not options.get("fused")
+    )
+    itemsize = torch.empty((), dtype=step_dtype).element_size()
+    return FlatShards.build(plan, rank, bucket_view, buffers, itemsize, cache_sized)
