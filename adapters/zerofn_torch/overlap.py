@@ -40,17 +40,11 @@ import torch
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
-from zerofn.comm import split_like
+from zerofn.comm import answering, split_like
 from zerofn.hooks.hook import init_hook_state
-from zerofn.overlap.hook import (
-    OverlapConfig,
-    OverlapHookState,
-    StepOrder,
-    gradients_to_step,
-    zero_step_hook,
-)
-from zerofn.overlap.step import broadcast_from_owners
-from zerofn.zero.precision import clip_coefficient, step_factor_program
+from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
+from zerofn.overlap.obey import Sent, StepChecks, StepGradients, obey, write_updates
+from zerofn.zero.precision import clip_coefficient
 from zerofn_torch.comm import HookCell, bucket_info, drive, for_ddp, foreign_hook
 from zerofn_torch.default_hooks import allreduce_hook
 from zerofn_torch.loss_scaling import LossScaler
@@ -101,11 +95,13 @@ class _OverlapRunner:
         self.zero = zero
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = loss_scaler
+        self.params = params
         self.index_of = {id(p): i for i, p in enumerate(params)}
         # Buckets handed over and not stepped yet: their parameters, and the
-        # future of their averaged flat gradient.
+        # future of their averaged flat gradient (the core's state knows which
+        # are waiting; only the driver holds their futures).
         self.handed: dict[int, tuple[list[torch.Tensor], torch.futures.Future[torch.Tensor]]] = {}
-        self.sending: list[tuple[list[torch.Tensor], torch.futures.Future[Any]]] = []
+        self.sending: list[tuple[tuple[int, ...], torch.futures.Future[Sent]]] = []
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         group = self.zero.process_group
@@ -126,69 +122,47 @@ class _OverlapRunner:
         return for_ddp(reduced)
 
     def _obey(self, state: OverlapHookState[Any], order: StepOrder) -> None:
-        """Step what ``order`` names, start sending the owners' updates, and
-        keep only this rank's share once the plan is fixed.
+        """Run the core's :func:`zerofn.overlap.obey.obey` for ``order``:
+        its checks and step here, the owners' sends started without waiting,
+        and this rank's share kept once the plan is fixed.
 
         Raises:
             zerofn.errors.CollectiveError: a reduction, or a check before the
                 step, failed.
         """
         self.cell.pipeline.drain()  # the buckets to step must be fully issued
-        taken = [(index, *self.handed.pop(index)) for index in order.buckets]
-        grads: dict[int, torch.Tensor] = {}
-        for index, params, reduced in taken:
-            averaged = split_like(reduced.wait(), params)
-            indices = [self.index_of[id(p)] for p in params]
-            grads |= gradients_to_step(state, self.config, order, index, indices, averaged)
-        stepped = self._step(grads, shared=order.everywhere)
-        if stepped and not order.everywhere:
-            for index, params, _ in taken:
-                self._send(state, index, params)
-        if order.reshard is not None:
-            self.zero._adopt_overlap_plan(order.reshard)
-
-    def _step(self, grads: dict[int, torch.Tensor], shared: bool) -> bool:
-        """Step ``grads`` (this rank's share, or all of them when ``shared``)
-        unless the loss scaler finds inf or nan on some rank; clip first if
-        asked. Returns whether the step was taken (on every rank alike)."""
+        handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
+        for index in order.buckets:
+            params, reduced = self.handed.pop(index)
+            indices = tuple(self.index_of[id(p)] for p in params)
+            handed[index] = (indices, split_like(reduced.wait(), params))
         scaler = self.loss_scaler
-        program = step_factor_program(
-            list(grads.values()),
+        checks = StepChecks(
             inv_scale=None if scaler is None else 1.0 / scaler.get_scale(),
             max_norm=self.max_grad_norm,
             device=self.zero.join_device,
-            shared=shared,
         )
+        program = obey(state, self.config, order, handed, self.params, checks)
+        group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
-        skip, factor = drive(program, self.zero.process_group, purpose).wait()
+        done = drive(answering(program, StepGradients, self._step), group, purpose).wait()
         if scaler is not None:
-            scaler.record(self.zero, skip)
-        if skip:
-            return False
-        if grads:
-            self.zero._step_with_grads(grads, factor)
-        return True
+            scaler.record(self.zero, not done.stepped)
+        for indices, send in done.sends:
+            purpose = "the overlapped ZeRO step: sending updated parameters from their owners"
+            self.sending.append((indices, drive(send, group, purpose)))
+        if done.reshard is not None:
+            self.zero._adopt_overlap_plan(done.reshard)
 
-    def _send(self, state: OverlapHookState[Any], index: int, params: list[torch.Tensor]) -> None:
-        """Start sending bucket ``index``'s shards from their owners."""
-        plan = state.overlap.plan
-        assert plan is not None  # the order sends only once the plan is fixed
-        program = broadcast_from_owners(plan, self.config.rank, index, params)
-        purpose = (
-            f"the overlapped ZeRO step: sending DDP bucket {index}'s updated parameters "
-            "from their owners"
-        )
-        self.sending.append((params, drive(program, self.zero.process_group, purpose)))
+    def _step(self, request: StepGradients) -> None:
+        """Answer the program's local step with the optimizer."""
+        self.zero._step_with_grads(dict(request.grads), request.factor)
 
     def _receive(self) -> None:
         """Write the shards other ranks sent into this rank's parameters."""
         sending, self.sending = self.sending, []
-        with torch.no_grad():
-            for params, sent in sending:
-                for shard, flat in sent.wait():
-                    owned = params[shard.offset : shard.offset + shard.count]
-                    for p, value in zip(owned, split_like(flat, owned), strict=True):
-                        p.copy_(value)
+        for indices, sent in sending:
+            write_updates(self.params, indices, sent.wait())
 
 
 def _make_hook(runner: _OverlapRunner) -> DDPHook:

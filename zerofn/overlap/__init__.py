@@ -7,7 +7,9 @@
 - :mod:`~zerofn.overlap.step`: the programs: reduce each shard's gradients
   to its owner, broadcast the owners' updates;
 - :mod:`~zerofn.overlap.hook`: the overlapped step as a communication hook
-  around any other (:func:`~zerofn.overlap.hook.zero_step_hook`).
+  around any other (:func:`~zerofn.overlap.hook.zero_step_hook`);
+- :mod:`~zerofn.overlap.obey`: what a rank does for the hook's step order,
+  one program (checks, the local step, the owners' broadcasts).
 
 The names of :mod:`~zerofn.overlap.state` are importable from here too
 (``zerofn.overlap`` was that one module before the folder).

@@ -33,13 +33,13 @@ with each rank obeying the step orders it gives, as the adapter does::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
 import torch
 
-from zerofn.comm import Program, Request, split_like, watched
+from zerofn.comm import Program, Request, answering, split_like, watched
 from zerofn.hooks.hook import (
     BucketInfo,
     CommHook,
@@ -49,15 +49,14 @@ from zerofn.hooks.hook import (
     finish_iteration,
     init_hook_state,
 )
-from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
+from zerofn.overlap.ddp_buckets import BucketPlan
 from zerofn.overlap.hook import (
     OverlapConfig,
     OverlapHookState,
     StepOrder,
-    gradients_to_step,
     zero_step_hook,
 )
-from zerofn.overlap.step import broadcast_from_owners
+from zerofn.overlap.obey import Obeyed, Sent, StepChecks, StepGradients, obey, write_updates
 from zerofn.testing.world import run_programs
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.partition import FlatPartition
@@ -186,7 +185,7 @@ class OverlappedRun:
     held: list[tuple[int, ...] | None]
 
 
-_Sent = list[tuple[BucketShard, torch.Tensor]]
+_Sent = Sent
 
 
 class _OverlapRank:
@@ -235,35 +234,32 @@ class _OverlapRank:
             self.state = finish_iteration(self.hook, self.state)
         return self.state.global_state.order
 
-    def obey(self, order: StepOrder) -> list[Program[_Sent]]:
-        """Step what ``order`` names; the programs sending the owners' updates."""
-        global_state = self.state.global_state
-        taken = [(index, *self.handed.pop(index)) for index in order.buckets]
-        grads: dict[int, torch.Tensor] = {}
-        for index, indices, averaged in taken:
-            grads |= gradients_to_step(global_state, self.config, order, index, indices, averaged)
-        self._check_held(grads)
-        for i, grad in grads.items():
-            self.params[i].grad = grad.clone()
-        if grads:
-            self.optimizer.step()
-        for i in grads:
-            self.params[i].grad = None
-        if order.reshard is not None:
-            self.held = order.reshard[self.config.rank]
-        if order.everywhere:
-            return []
-        plan = global_state.overlap.plan
-        assert plan is not None  # gradients_to_step refused an order without one
-        sends = []
-        for index, indices, _ in taken:
-            program = broadcast_from_owners(
-                plan, self.config.rank, index, [self.params[i] for i in indices]
-            )
-            sends.append(self._sending(program, indices))
-        return sends
+    def obeying(self, order: StepOrder) -> Program[Obeyed]:
+        """The core's :func:`zerofn.overlap.obey.obey` for ``order``, its
+        local step answered by :meth:`step` (the buckets it names are taken)."""
+        handed = {index: self.handed.pop(index) for index in order.buckets}
+        program = obey(
+            self.state.global_state, self.config, order, handed, self.params, StepChecks()
+        )
+        return answering(program, StepGradients, self.step)
 
-    def _check_held(self, grads: dict[int, torch.Tensor]) -> None:
+    def step(self, request: StepGradients) -> None:
+        """Step the optimizer with the request's gradients; the others sit out."""
+        self._check_held(request.grads)
+        for i, grad in request.grads.items():
+            self.params[i].grad = grad.clone() * request.factor
+        self.optimizer.step()
+        for i in request.grads:
+            self.params[i].grad = None
+
+    def after(self, done: Obeyed) -> list[Program[_Sent]]:
+        """Note the order's reshard; the sends, their results kept to write
+        at the iteration's end."""
+        if done.reshard is not None:
+            self.held = done.reshard[self.config.rank]
+        return [self._sending(program, indices) for indices, program in done.sends]
+
+    def _check_held(self, grads: Mapping[int, torch.Tensor]) -> None:
         """Refuse to step parameters whose optimizer state this rank gave up."""
         if self.held is not None and not set(grads) <= set(self.held):
             raise AssertionError(
@@ -281,10 +277,7 @@ class _OverlapRank:
         """Write what the other ranks sent into this rank's parameters."""
         incoming, self.incoming = self.incoming, []
         for indices, sent in incoming:
-            for shard, flat in sent:
-                owned = [self.params[i] for i in indices[shard.offset : shard.offset + shard.count]]
-                for p, value in zip(owned, split_like(flat, owned), strict=True):
-                    p.copy_(value)
+            write_updates(self.params, indices, sent)
 
 
 def _in_turn(programs: Sequence[Program[R]]) -> Program[list[R]]:
@@ -310,7 +303,17 @@ def _hand_over(
     purpose = f"DDP bucket {info.index} (the overlapped ZeRO step's hook)"
     results = run_programs(programs, purpose=purpose)
     orders = [rank.finish(info, *result) for rank, result in zip(ranks, results, strict=True)]
-    sends = [[] if o is None else r.obey(o) for r, o in zip(ranks, orders, strict=True)]
+    sends: list[list[Program[_Sent]]] = [[] for _ in ranks]
+    if all(order is not None for order in orders):
+        obeying = [
+            watched(rank.obeying(order), seen.append)
+            for rank, order, seen in zip(ranks, orders, made, strict=True)
+            if order is not None
+        ]
+        done = run_programs(obeying, purpose=f"after DDP bucket {info.index}: the step")
+        sends = [rank.after(obeyed) for rank, obeyed in zip(ranks, done, strict=True)]
+    elif any(order is not None for order in orders):
+        raise AssertionError(f"after bucket {info.index} only some ranks were ordered to step")
     if any(sends):
         run_programs(
             [watched(_in_turn(s), seen.append) for s, seen in zip(sends, made, strict=True)],

@@ -1,0 +1,169 @@
+"""Obeying a step order: the overlapped step's part after a bucket, one program.
+
+After each DDP bucket the overlap hook's state may carry a
+:class:`~zerofn.overlap.hook.StepOrder`. :func:`obey` is everything a rank
+does for it, written once: pick the averaged gradients the order names (all
+of them before the plan is fixed, the owned shards after), ask the step's
+global questions (a loss scaler's inf/nan check, clipping's norm:
+:func:`zerofn.zero.precision.step_factor_program`), step the local optimizer
+(a :class:`StepGradients` request the runner answers with its own
+optimizer), and hand back the programs that send the owners' updates. The
+adapter's runner (``zerofn_torch.overlap``) and the simulated world
+(:func:`zerofn.testing.zero.simulate_overlapped_step`) both run it; they
+start the sends as they like (the adapter without waiting, so backward goes
+on) and write what arrived with :func:`write_updates` after the last bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from zerofn.comm import Program, Request
+from zerofn.overlap.ddp_buckets import BucketShard
+from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
+from zerofn.overlap.step import broadcast_from_owners
+from zerofn.zero.precision import step_factor_program
+
+__all__ = [
+    "Handed",
+    "Obeyed",
+    "Sent",
+    "StepChecks",
+    "StepGradients",
+    "obey",
+    "write_updates",
+]
+
+Sent = list[tuple[BucketShard, torch.Tensor]]
+"""What an owners' broadcast program returns: each shard another rank owns,
+with its parameters' updated values, flat."""
+
+Handed = Mapping[int, tuple[tuple[int, ...], Sequence[torch.Tensor]]]
+"""Buckets handed over and not stepped yet: bucket index -> its parameters'
+global indices and their averaged gradients, in bucket order."""
+
+
+@attrs.frozen(eq=False)
+class StepGradients:
+    """Step the local optimizer now with these gradients; not a collective.
+
+    Attributes:
+        grads: global parameter index -> its gradient (the parameters not
+            named sit this step out).
+        factor: multiply the gradients by this first (a loss scaler's
+            unscaling times the clipping coefficient; 1.0 for neither).
+    """
+
+    grads: Mapping[int, torch.Tensor]
+    factor: float = 1.0
+
+
+@attrs.frozen
+class StepChecks:
+    """The global questions asked before an overlapped step.
+
+    Attributes:
+        inv_scale: a loss scaler's ``1 / scale`` (``None``: no scaler).
+        max_norm: clip the gradients' 2-norm to this (``None``: no clipping).
+        device: where the questions' one-number tensors live.
+    """
+
+    inv_scale: float | None = None
+    max_norm: float | None = None
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+
+
+@attrs.frozen(eq=False)
+class Obeyed:
+    """What obeying an order left to do.
+
+    Attributes:
+        stepped: whether the step was taken (``False`` on every rank alike
+            when a loss scaler found inf or nan on some rank).
+        sends: per bucket whose owned shards were stepped: its parameters'
+            global indices and the program sending its owners' updates.
+        reshard: the parameters each rank keeps from now on (the order's),
+            or ``None``.
+    """
+
+    stepped: bool
+    sends: tuple[tuple[tuple[int, ...], Program[Sent]], ...] = ()
+    reshard: tuple[tuple[int, ...], ...] | None = None
+
+
+def obey(
+    state: OverlapHookState[Any],
+    config: OverlapConfig,
+    order: StepOrder,
+    handed: Handed,
+    params: Sequence[torch.Tensor],
+    checks: StepChecks,
+) -> Generator[Request | StepGradients, Any, Obeyed]:
+    """Everything rank ``config.rank`` does for ``order``.
+
+    Args:
+        state: the hook's global state when the order was given.
+        config: the hook's config.
+        order: the order.
+        handed: at least the buckets the order names.
+        params: every parameter, in the optimizer's order (read by the sends
+            when they run: the updated values).
+        checks: the loss scaler's and clipping's questions, if any.
+
+    Returns:
+        A program: the checks' collectives (none without checks, or while
+        every rank holds every gradient), one :class:`StepGradients` unless
+        the step is skipped or empty; it returns an :class:`Obeyed`.
+
+    Raises:
+        KeyError: the order names a bucket not in ``handed``.
+        ValueError: an order to step owned shards before the plan is fixed.
+    """
+    grads: dict[int, torch.Tensor] = {}
+    for index in order.buckets:
+        indices, averaged = handed[index]
+        grads |= gradients_to_step(state, config, order, index, indices, averaged)
+    skip, factor = yield from step_factor_program(
+        list(grads.values()),
+        inv_scale=checks.inv_scale,
+        max_norm=checks.max_norm,
+        device=checks.device,
+        shared=order.everywhere,
+    )
+    if skip:
+        return Obeyed(False, (), order.reshard)
+    if grads:
+        yield StepGradients(grads, factor)
+    if order.everywhere:
+        return Obeyed(True, (), order.reshard)
+    plan = state.overlap.plan
+    assert plan is not None  # gradients_to_step refused an order without one
+    sends = tuple(
+        (
+            handed[index][0],
+            broadcast_from_owners(plan, config.rank, index, [params[i] for i in handed[index][0]]),
+        )
+        for index in order.buckets
+    )
+    return Obeyed(True, sends, order.reshard)
+
+
+def write_updates(params: Sequence[torch.Tensor], indices: Sequence[int], sent: Sent) -> None:
+    """Write what an owners' broadcast brought into the parameters.
+
+    Args:
+        params: every parameter; handed over: written in place.
+        indices: the bucket's parameters' global indices, in bucket order.
+        sent: what the bucket's broadcast program returned.
+    """
+    with torch.no_grad():
+        for shard, flat in sent:
+            owned = [params[i] for i in indices[shard.offset : shard.offset + shard.count]]
+            offset = 0
+            for p in owned:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
