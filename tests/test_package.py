@@ -1,38 +1,13 @@
-"""The package's shape: old import paths still work, no import cycles, and
-only the driver and the launcher issue collectives."""
+"""The package's shape: no import cycles, and only the driver and the
+launcher issue collectives."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
-
-import pytest
-
-from zerofn._moved import MOVED
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = {"zerofn": ROOT / "zerofn", "zerofn_torch": ROOT / "adapters" / "zerofn_torch"}
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_import_path_is_the_module_at_its_new_one(old: str) -> None:
-    moved = importlib.import_module(old)
-    assert moved is importlib.import_module(MOVED[old])
-    assert moved.__spec__ is not None and moved.__spec__.name == MOVED[old]
-
-
-def test_old_submodule_and_from_imports_keep_working() -> None:
-    from zerofn.powersgd.codec import orthogonalize as old_orthogonalize  # type: ignore[import-not-found]
-
-    from zerofn import powersgd  # type: ignore[attr-defined]
-    from zerofn.hooks.powersgd.codec import orthogonalize
-    from zerofn.overlap import OverlapState
-    from zerofn.overlap.state import OverlapState as Moved
-
-    assert OverlapState is Moved
-    assert powersgd.__name__ == "zerofn.hooks.powersgd"
-    assert old_orthogonalize is orthogonalize  # one module, not a second copy under the old name
 
 
 def _modules() -> dict[str, pathlib.Path]:

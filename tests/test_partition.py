@@ -343,11 +343,10 @@ def test_bad_inputs_raise_value_error(make: object) -> None:
         make([[1, -2]], 2)
 
 
-def test_manual_partition_takes_the_old_argument_order_with_a_warning() -> None:
-    new = manual_partition([[3, 4, 5]], 2, [[2], [0, 1]])
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        old = manual_partition([[3, 4, 5]], [[2], [0, 1]], 2)  # type: ignore[arg-type]
-    assert old == new
+def test_manual_partition_takes_world_size_second_like_the_others() -> None:
+    assert manual_partition([[3, 4, 5]], 2, [[2], [0, 1]]).assignment == (((2,),), ((0, 1),))
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        manual_partition([[3, 4, 5]], [[2], [0, 1]], 2)  # type: ignore[arg-type]
 
 
 @SETTINGS

@@ -4,7 +4,6 @@ Nothing in this package talks to ``torch.distributed``; the adapter package
 ``zerofn_torch`` binds these functions to process groups, DDP and ``torch.optim``.
 """
 
-from zerofn import _moved
 from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard, assign_buckets
 from zerofn.zero.layout import BufferLayout, Segment, Slot, buffer_layouts
 from zerofn.zero.partition import (
@@ -19,8 +18,6 @@ from zerofn.zero.partition import (
     rank_loads,
 )
 from zerofn.zero.shard_state import consolidate, shard
-
-_moved.install()  # the old flat import paths (zerofn.partition, ...) keep working
 
 __all__ = [
     "BucketPlan",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -288,8 +287,7 @@ def manual_partition(
     """A partition given by hand, as PyTorch's ``params_per_rank``.
 
     Takes ``(group_sizes, world_size, ...)`` like every other partition
-    function. The order of zerofn 0.1, ``(group_sizes, params_per_rank,
-    world_size)``, still works, with a ``DeprecationWarning``.
+    function.
 
     Args:
         group_sizes: element count of every parameter; exactly one group.
@@ -305,15 +303,6 @@ def manual_partition(
         ValueError: if ``params_per_rank`` does not have ``world_size`` entries,
             names an unknown parameter, or names one twice.
     """
-    if isinstance(params_per_rank, int) and not isinstance(world_size, int):
-        warnings.warn(
-            "manual_partition(group_sizes, params_per_rank, world_size) is deprecated; "
-            "pass (group_sizes, world_size, params_per_rank), the order of the other "
-            "partition functions",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        world_size, params_per_rank = params_per_rank, world_size
     frozen = _freeze_group_sizes(group_sizes)
     _check_world_size(world_size)
     if len(frozen) != 1:
