@@ -136,3 +136,17 @@ def test_span_of_refuses_split_out_of_order_pieces() -> None:
     (layout,) = buffer_layouts(pieces, ["k"], [True])
     assert layout.span_of(0) is None
     assert layout.span_of(1) is None
+
+
+def test_a_plans_layouts_are_derived_never_passed() -> None:
+    import pytest
+
+    from zerofn.zero.plan import ShardPlan, plan_shards
+
+    plan = plan_shards([[3, 4]], ["cpu"] * 2, [True, False], 2, "greedy")
+    rebuilt = ShardPlan(plan.mode, plan.partition, plan.keys, plan.trainable)
+    assert rebuilt.layouts == plan.layouts
+    with pytest.raises(TypeError):
+        ShardPlan(plan.mode, plan.partition, plan.keys, plan.trainable, plan.layouts)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="a key and a trainable flag for each of its 2"):
+        ShardPlan(plan.mode, plan.partition, ["cpu"], plan.trainable)

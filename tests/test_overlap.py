@@ -227,3 +227,18 @@ def test_one_optimizer_is_driven_by_one_hook(single_rank_group: None) -> None:
     hook_with_zero_step(zhooks.allreduce_hook, model, zero)
     with pytest.raises(RuntimeError, match="already driven by a DDP hook"):
         hook_with_zero_step_interleaved(zhooks.allreduce_hook, model, zero)
+
+
+def test_an_overlap_state_no_transition_makes_is_refused_at_construction() -> None:
+    plan = finish_overlap_iteration(
+        OverlapState("collecting", buckets=((0,),)), sizes=[4], world_size=2
+    ).plan
+    assert plan is not None
+    with pytest.raises(ValueError, match="exactly when it has a plan"):
+        OverlapState("initialized")
+    with pytest.raises(ValueError, match="exactly when it has a plan"):
+        OverlapState("collecting", buckets=((0,),), plan=plan)
+    with pytest.raises(ValueError, match="collected no buckets"):
+        OverlapState("uninitialized", buckets=((0,),))
+    with pytest.raises(ValueError):
+        OverlapState("done")  # type: ignore[arg-type]

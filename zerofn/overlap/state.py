@@ -46,12 +46,29 @@ class OverlapState:
         buckets: global parameter indices of each DDP bucket, in bucket order
             (filled while collecting).
         plan: the bucket-to-rank assignment, once initialized.
+
+    Raises:
+        ValueError: at construction, for a record no transition makes: a
+            plan without ``"initialized"`` (or that status without one), or
+            buckets while still ``"uninitialized"``.
     """
 
-    status: OverlapStatus = "uninitialized"
+    status: OverlapStatus = attrs.field(
+        default="uninitialized",
+        validator=attrs.validators.in_(("uninitialized", "collecting", "initialized")),
+    )
     shard_buckets: bool = False
     buckets: tuple[tuple[int, ...], ...] = ()
     plan: BucketPlan | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.status == "initialized") != (self.plan is not None):
+            raise ValueError(
+                f"an overlap state is 'initialized' exactly when it has a plan; got status "
+                f"{self.status!r} with{'out' if self.plan is None else ''} a plan"
+            )
+        if self.status == "uninitialized" and self.buckets:
+            raise ValueError("an 'uninitialized' overlap state has collected no buckets")
 
 
 def observe_bucket(

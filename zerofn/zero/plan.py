@@ -7,7 +7,7 @@ parameters are trainable yields a new plan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal, get_args
 
 import attrs
@@ -30,6 +30,14 @@ PlanMode = Literal["greedy", "balanced", "flat", "manual"]
 or ``"manual"`` for a partition given rank by rank."""
 
 
+def _strs(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _flags(values: Iterable[bool]) -> tuple[bool, ...]:
+    return tuple(bool(v) for v in values)
+
+
 @attrs.frozen
 class ShardPlan:
     """Partition plus exchange layout for one optimizer.
@@ -39,14 +47,29 @@ class ShardPlan:
         partition: the ownership of parameters (or of element ranges).
         keys: device/dtype key of every global parameter.
         trainable: which global parameters are trained.
-        layouts: one exchange buffer per key (see :func:`buffer_layouts`).
+        layouts: one exchange buffer per key (see :func:`buffer_layouts`):
+            derived from the others at construction, never passed.
+
+    Raises:
+        ValueError: at construction, when ``keys`` or ``trainable`` do not
+            name every parameter of the partition.
     """
 
     mode: PlanMode = attrs.field(validator=attrs.validators.in_(get_args(PlanMode)))
     partition: Partition | FlatPartition
-    keys: tuple[str, ...]
-    trainable: tuple[bool, ...]
-    layouts: tuple[BufferLayout, ...]
+    keys: tuple[str, ...] = attrs.field(converter=_strs)
+    trainable: tuple[bool, ...] = attrs.field(converter=_flags)
+    layouts: tuple[BufferLayout, ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        count = sum(len(group) for group in self.partition.group_sizes)
+        if len(self.keys) != count or len(self.trainable) != count:
+            raise ValueError(
+                f"a plan needs a key and a trainable flag for each of its {count} parameters, "
+                f"got {len(self.keys)} keys and {len(self.trainable)} flags"
+            )
+        # Frozen: the one assignment, at construction, of what the fields imply.
+        object.__setattr__(self, "layouts", _layouts(self.partition, self.keys, self.trainable))
 
     @property
     def world_size(self) -> int:
@@ -149,13 +172,7 @@ def plan_shards(
             f"unknown partition mode {mode!r}; choose 'greedy', 'balanced' or 'flat', "
             "or pass params_per_rank"
         )
-    return ShardPlan(
-        mode=mode_name,
-        partition=partition,
-        keys=tuple(keys),
-        trainable=tuple(bool(t) for t in trainable),
-        layouts=_layouts(partition, keys, trainable),
-    )
+    return ShardPlan(mode=mode_name, partition=partition, keys=keys, trainable=trainable)
 
 
 def with_trainable(plan: ShardPlan, trainable: Sequence[bool]) -> ShardPlan:
@@ -173,8 +190,4 @@ def with_trainable(plan: ShardPlan, trainable: Sequence[bool]) -> ShardPlan:
         )
     if plan.mode == "manual":
         _check_trainable_owned(plan.partition, trainable, changed=True)
-    return attrs.evolve(
-        plan,
-        trainable=tuple(bool(t) for t in trainable),
-        layouts=_layouts(plan.partition, plan.keys, trainable),
-    )
+    return attrs.evolve(plan, trainable=trainable)
