@@ -167,7 +167,7 @@ def _plans(optimizer: ZeroRedundancyOptimizer, metadata: Any) -> _Plans:
     if SIZES not in metadata.state_dict_metadata:
         raise ValueError("it is not a zerofn optimizer checkpoint (no group sizes in it)")
     saved = [p for k in metadata.state_dict_metadata if (p := parse_key(k)) is not None]
-    partition = optimizer._plan.partition
+    partition = optimizer.shard_plan.partition
     return {
         piece: cover(saved, piece.param, piece.start, piece.stop)
         for piece in partition.pieces_of(optimizer.rank)
@@ -316,7 +316,7 @@ def load_sharded(
             process_group=group,
             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
         )
-    if request[SIZES] != [list(g) for g in optimizer._plan.partition.group_sizes]:
+    if request[SIZES] != [list(g) for g in optimizer.shard_plan.partition.group_sizes]:
         raise CheckpointError(
             f"checkpoint {path!r} was saved for parameters of sizes "
             f"{request[SIZES]}, not this optimizer's: it belongs to another model"

@@ -49,7 +49,7 @@ def _local_pieces(optimizer: ZeroRedundancyOptimizer) -> list[list[tuple[Piece, 
     """For each tensor of the local state dict: the global pieces it holds
     (as the partition says), with each piece's offset inside the tensor."""
     out = []
-    for pieces in optimizer._plan.partition.local_tensors(optimizer.rank):
+    for pieces in optimizer.shard_plan.partition.local_tensors(optimizer.rank):
         offsets = itertools.accumulate((p.numel for p in pieces), initial=0)
         out.append(list(zip(pieces, offsets, strict=False)))
     return out
@@ -57,7 +57,7 @@ def _local_pieces(optimizer: ZeroRedundancyOptimizer) -> list[list[tuple[Piece, 
 
 def shapes(optimizer: ZeroRedundancyOptimizer) -> list[tuple[int, ...]]:
     """Every parameter's shape, in global order."""
-    return [tuple(p.shape) for p in optimizer._all_params]
+    return [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
 
 
 def group_sizes(optimizer: ZeroRedundancyOptimizer) -> list[list[int]]:
@@ -82,9 +82,9 @@ def _optimizer_entries(optimizer: ZeroRedundancyOptimizer) -> dict[str, Any]:
     Every tensor is a copy, so training may go on while they are written."""
     entries: dict[str, Any] = {
         GROUPS: [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-        SIZES: [list(g) for g in optimizer._plan.partition.group_sizes],
+        SIZES: [list(g) for g in optimizer.shard_plan.partition.group_sizes],
     }
-    local = optimizer._local_state_dict()["state"]
+    local = optimizer.local_state_dict()["state"]
     for local_index, located in enumerate(_local_pieces(optimizer)):
         for name, value in local.get(local_index, {}).items():
             for piece, offset in located:
@@ -121,7 +121,7 @@ def snapshot(optimizer: ZeroRedundancyOptimizer, extra: Mapping[str, Any]) -> Sn
     """
     return Snapshot(
         entries={**_optimizer_entries(optimizer), **_copied(extra_entries(extra))},
-        partition=optimizer._plan.mode,
+        partition=optimizer.shard_plan.mode,
         world_size=optimizer.world_size,
         shapes=shapes(optimizer),
         group_sizes=group_sizes(optimizer),

@@ -79,7 +79,7 @@ class _OverlapRunner:
     ) -> None:
         if max_grad_norm is not None:
             clip_coefficient(0.0, max_grad_norm)  # refuse a bad one now, not mid-backward
-        zero._attach_overlap_hook()
+        self.binding = zero.bind_overlap_hook()
         params = [p for group in zero.param_groups for p in group["params"]]
         self.config = OverlapConfig(
             sizes=tuple(p.numel() for p in params),
@@ -152,11 +152,11 @@ class _OverlapRunner:
             purpose = "the overlapped ZeRO step: sending updated parameters from their owners"
             self.sending.append((indices, drive(send, group, purpose)))
         if done.reshard is not None:
-            self.zero._adopt_overlap_plan(done.reshard)
+            self.binding.adopt_owners(done.reshard)
 
     def _step(self, request: StepGradients) -> None:
         """Answer the program's local step with the optimizer."""
-        self.zero._step_with_grads(dict(request.grads), request.factor)
+        self.binding.step(dict(request.grads), request.factor)
 
     def _receive(self) -> None:
         """Write the shards other ranks sent into this rank's parameters."""

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
@@ -37,7 +38,7 @@ from zerofn_torch.comm import all_gather_objects, drive, gather_objects
 from zerofn_torch.join import Join, JoinHook
 from zerofn_torch.masters import Masters, make_masters, with_masters, without_masters
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,22 @@ def _check_local_optimizer(
     """
     probes = [{**_hyperparams(g), "params": [probe.clone()]} for g in groups]
     optimizer_class(probes, **defaults)
+
+
+@attrs.frozen
+class OverlapBinding:
+    """What the overlap hook may do to the optimizer it drives
+    (:meth:`ZeroRedundancyOptimizer.bind_overlap_hook`).
+
+    Attributes:
+        step: step the local optimizer with ``{global index: gradient}``,
+            multiplied by a factor; the parameters not named sit out.
+        adopt_owners: keep only this rank's parameters (global indices per
+            rank) and their state from now on.
+    """
+
+    step: Callable[[dict[int, torch.Tensor], float], None]
+    adopt_owners: Callable[[Sequence[Sequence[int]]], None]
 
 
 class _ZeroJoinHook(JoinHook):
@@ -704,8 +721,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # optimizer is told three things: a hook drives it, step these gradients,
     # and, once the bucket plan is fixed, which parameters each rank owns.
 
-    def _attach_overlap_hook(self) -> None:
-        """Let one overlap hook drive this optimizer.
+    def bind_overlap_hook(self) -> OverlapBinding:
+        """Let one overlap hook (``zerofn_torch.overlap``) drive this optimizer:
+        what it may do to it, and nothing else. Not for training loops.
+
+        Returns:
+            The hook's handles: step given gradients, adopt the owners.
 
         Raises:
             ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
@@ -719,6 +740,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._overlap_attached:
             raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
         self._overlap_attached = True
+        return OverlapBinding(self._step_with_grads, self._adopt_overlap_plan)
 
     def _check_overlap_attached(self) -> None:
         """Refuse to train with ``overlap_with_ddp=True`` and no hook: the hook
@@ -797,6 +819,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim = self._new_local_optimizer()
         self._load_global_state(full_state)
         self._overlap_sharded = True
+
+    # ----- what checkpoints read ------------------------------------------------
+
+    @property
+    def shard_plan(self) -> ShardPlan:
+        """Who owns what and how shards travel (the core's record; read only)."""
+        return self._plan
+
+    def local_state_dict(self) -> StateDict:
+        """This rank's local optimizer state as checkpoints keep it: one
+        tensor per param group under a flat partition (chunks merged),
+        masters as ``"master_param"``; tensors are the live ones."""
+        return self._local_state_dict()
 
     # ----- memory ---------------------------------------------------------------
 

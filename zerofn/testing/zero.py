@@ -196,7 +196,7 @@ class _OverlapRank:
     The optimizer holds all parameters on every rank, for good: a parameter
     is stepped exactly when the order gives it a gradient (``torch.optim``
     skips one whose ``.grad`` is ``None``, which is what the adapter's
-    ``_step_with_grads`` does), so dropping the state of the parameters other
+    ``OverlapBinding.step`` does), so dropping the state of the parameters other
     ranks own after a ``reshard`` would change memory, not numbers. The rank
     only notes which parameters it still holds, and refuses an order to step
     any other (the adapter's optimizer would silently skip it).
