@@ -145,7 +145,11 @@ def test_broadcast_gives_every_rank_the_sources_payload(
     src = data.draw(st.integers(0, world_size - 1))
     payloads = [torch.full((numel,), float(r)) for r in range(world_size)]
     responses = fulfil([Broadcast(p, src) for p in payloads])
-    assert all(torch.equal(r[0], payloads[src]) for r in responses)
+    # Received in place, as a process group does.
+    assert all(
+        r[0] is p and torch.equal(p, torch.full((numel,), float(src)))
+        for r, p in zip(responses, payloads, strict=True)
+    )
 
 
 @given(world_size=st.integers(1, 6), numel=st.integers(0, 9), data=st.data())
@@ -155,11 +159,14 @@ def test_reduce_sums_onto_its_destination_only(
 ) -> None:
     dst = data.draw(st.integers(0, world_size - 1))
     payloads = [torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(world_size)]
+    before = [p.clone() for p in payloads]
     responses = fulfil([Reduce(p, dst) for p in payloads])
-    assert torch.equal(responses[dst][0], torch.stack(payloads).sum(0))
+    # As a process group does: the handed-over tensor on dst holds the sum.
+    assert responses[dst][0] is payloads[dst]
+    assert torch.equal(payloads[dst], torch.stack(before).sum(0))
     for rank, response in enumerate(responses):
         if rank != dst:  # unspecified in general; here: the rank's own payload
-            assert torch.equal(response[0], payloads[rank])
+            assert torch.equal(response[0], before[rank])
 
 
 @given(

@@ -28,7 +28,6 @@ __all__ = [
     "Reduction",
     "Request",
     "Response",
-    "adopt",
     "answering",
     "describe",
     "kind_of",
@@ -190,14 +189,6 @@ def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.
         out.append(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
     return tuple(out)
-
-
-def adopt(target: torch.Tensor, received: torch.Tensor) -> None:
-    """Make ``target`` (a tensor a request handed over) hold ``received``, its
-    response: a real process group answers with the tensor it filled in
-    place (nothing to do), the simulated world with a new one (copied in)."""
-    if received.data_ptr() != target.data_ptr() or received.numel() != target.numel():
-        target.copy_(received)
 
 
 def describe(request: Request) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zerofn.comm import Broadcast, Program, Reduce, adopt
+from zerofn.comm import Broadcast, Program, Reduce
 from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap.state import shard_element_range
 
@@ -62,8 +62,8 @@ def reduce_to_owners(
     for k, shard in enumerate(shards):
         start, stop = shard_element_range(plan, shard)
         part = grad[start:stop]
-        (received,) = yield Reduce(part, dst=shard.rank, last=k == len(shards) - 1)
-        adopt(part, received)
+        # Reduced in place onto the owner (handed over).
+        yield Reduce(part, dst=shard.rank, last=k == len(shards) - 1)
     return grad
 
 
@@ -119,8 +119,8 @@ def broadcast_from_owners(
             flat = torch.cat([p.detach().reshape(-1) for p in owned])
         else:
             flat = torch.empty(shard.numel, dtype=owned[0].dtype, device=owned[0].device)
-        (values,) = yield Broadcast(flat, src=shard.rank, last=k == len(shards) - 1)
+        # Received in place by the other ranks (handed over).
+        yield Broadcast(flat, src=shard.rank, last=k == len(shards) - 1)
         if shard.rank != rank:
-            adopt(flat, values)
             received.append((shard, flat))
     return received

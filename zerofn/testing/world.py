@@ -92,7 +92,9 @@ def _max(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def fulfil(requests: Sequence[Request]) -> list[Response]:
-    """The response each rank would get for its request.
+    """Carry out one collective, as a process group does: the tensors each
+    rank handed over are written in place (reduced, received into), and each
+    rank's response holds them (an all-gather's are new tensors).
 
     Raises:
         CollectiveMismatch: if the ranks' requests differ in kind, reduction,
@@ -105,26 +107,38 @@ def fulfil(requests: Sequence[Request]) -> list[Response]:
                 f"rank {rank} asks for {describe(request)} where rank 0 asks for {describe(first)}"
             )
     world = len(requests)
-    if isinstance(first, AllReduce):
-        combine = _max if first.op == "max" else _sum
-        reduced = [combine([tensors_of(r)[i] for r in requests]) for i in range(len(first.tensors))]
-        if first.op == "avg":
-            reduced = [t / world for t in reduced]
-        return [tuple(t.clone() for t in reduced) for _ in requests]
-    if isinstance(first, Broadcast):
-        payload = tensors_of(requests[first.src])[0]
-        return [(payload.clone(),) for _ in requests]
-    if isinstance(first, Reduce):
-        total = _sum([tensors_of(r)[0] for r in requests])
-        return [
-            (total.clone() if rank == first.dst else tensors_of(r)[0].clone(),)
-            for rank, r in enumerate(requests)
-        ]
-    if isinstance(first, GatherSegments):
-        filled = tuple(tensors_of(requests[owner])[owner].clone() for owner in range(world))
-        return [tuple(t.clone() for t in filled) for _ in requests]
-    gathered = tuple(tensors_of(r)[0].clone() for r in requests)
-    return [tuple(t.clone() for t in gathered) for _ in requests]
+    with torch.no_grad():
+        if isinstance(first, AllReduce):
+            return _all_reduce(requests, first.op)
+        if isinstance(first, Broadcast):
+            payload = tensors_of(requests[first.src])[0].clone()
+            for request in requests:
+                tensors_of(request)[0].copy_(payload)
+            return [tensors_of(r) for r in requests]
+        if isinstance(first, Reduce):
+            total = _sum([tensors_of(r)[0] for r in requests])
+            tensors_of(requests[first.dst])[0].copy_(total)
+            return [tensors_of(r) for r in requests]
+        if isinstance(first, GatherSegments):
+            filled = [tensors_of(requests[owner])[owner].clone() for owner in range(world)]
+            for request in requests:
+                for segment, value in zip(tensors_of(request), filled, strict=True):
+                    segment.copy_(value)
+            return [tensors_of(r) for r in requests]
+        gathered = tuple(tensors_of(r)[0].clone() for r in requests)
+        return [tuple(t.clone() for t in gathered) for _ in requests]
+
+
+def _all_reduce(requests: Sequence[Request], op: str) -> list[Response]:
+    combine = _max if op == "max" else _sum
+    count = len(tensors_of(requests[0]))
+    reduced = [combine([tensors_of(r)[i] for r in requests]) for i in range(count)]
+    if op == "avg":
+        reduced = [t / len(requests) for t in reduced]
+    for request in requests:
+        for tensor, value in zip(tensors_of(request), reduced, strict=True):
+            tensor.copy_(value)
+    return [tensors_of(r) for r in requests]
 
 
 def _lost(

@@ -21,7 +21,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from zerofn.comm import GatherSegments, Program, adopt
+from zerofn.comm import GatherSegments, Program
 from zerofn.zero.layout import BufferLayout, Slot
 from zerofn.zero.partition import FlatPartition
 
@@ -98,10 +98,8 @@ def exchange_program(
             )
     for index, (layout, buffer) in enumerate(zip(layouts, buffers, strict=True)):
         last = index == len(layouts) - 1
-        segments = segment_views(layout, buffer)
-        filled = yield GatherSegments(segments, rank, via, last=last)
-        for segment, received in zip(segments, filled, strict=True):
-            adopt(segment, received)
+        # The driver fills the other ranks' segments in place (handed over).
+        yield GatherSegments(segment_views(layout, buffer), rank, via, last=last)
 
 
 def group_slots(
