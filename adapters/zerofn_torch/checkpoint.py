@@ -35,6 +35,7 @@ from zerofn.zero.checkpoint_manifest import (
     refusal,
 )
 from zerofn.zero.checkpoint_run import is_temporary, newest, to_prune
+from zerofn.zero.params import global_groups
 from zerofn.zero.partition import Piece
 from zerofn.zero.sharded_checkpoint import (
     Copy,
@@ -265,10 +266,7 @@ def _global_state(
                 source = loaded[c.source.key]
                 at = piece.start + c.dst_start
                 flat[at : at + c.numel] = source[c.src_start : c.src_start + c.numel]
-    groups, first = [], 0
-    for hyper, sizes in zip(loaded[GROUPS], loaded[SIZES], strict=True):
-        groups.append({**hyper, "params": list(range(first, first + len(sizes)))})
-        first += len(sizes)
+    groups = global_groups([len(sizes) for sizes in loaded[SIZES]], loaded[GROUPS])
     owned_state = {index: entry for index, entry in state.items() if entry}
     return {"state": owned_state, "param_groups": groups}
 

@@ -16,11 +16,10 @@ from typing import Any
 import attrs
 import torch
 
+from zerofn.zero.params import StateDict
 from zerofn.zero.precision import MASTER_KEY
 
 __all__ = ["Masters", "make_masters", "with_masters", "without_masters"]
-
-StateDict = dict[str, Any]
 
 
 @attrs.frozen(eq=False)

@@ -22,7 +22,13 @@ from torch.optim import Optimizer
 
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.optimizers import check_elementwise
-from zerofn.zero.params import check_same_dense_type, normalize_params
+from zerofn.zero.params import (
+    StateDict,
+    check_same_dense_type,
+    global_groups,
+    hyperparameters,
+    normalize_params,
+)
 from zerofn.zero.plan import ShardPlan, plan_shards, with_trainable
 from zerofn.zero.precision import (
     clip_coefficient,
@@ -31,7 +37,7 @@ from zerofn.zero.precision import (
     nonfinite_program,
     resolve_master_dtype,
 )
-from zerofn.zero.shard_state import StateDict, consolidate, shard, validate_global
+from zerofn.zero.shard_state import consolidate, shard, validate_global
 from zerofn.zero.shards import Shards, shards_for
 from zerofn.zero.step import LocalStep, run_zero_step
 from zerofn_torch.comm import all_gather_objects, drive, gather_objects
@@ -43,13 +49,9 @@ __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 logger = logging.getLogger(__name__)
 
 
-def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _copy_hyperparams(src: Sequence[dict[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
+def _copyhyperparameters(src: Sequence[dict[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
     for s, d in zip(src, dst, strict=True):
-        d.update(_hyperparams(s))
+        d.update(hyperparameters(s))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -121,7 +123,7 @@ def _check_local_optimizer(
             checks: a negative ``lr``, ``betas`` out of range, ...).
         TypeError: ``optimizer_class`` takes no option of that name.
     """
-    probes = [{**_hyperparams(g), "params": [probe.clone()]} for g in groups]
+    probes = [{**hyperparameters(g), "params": [probe.clone()]} for g in groups]
     optimizer_class(probes, **defaults)
 
 
@@ -258,7 +260,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._plan = self._new_plan(partition)
         self._shards = self._new_shards(rebuilt=False)
         self.optim: Optimizer = self._new_local_optimizer()
-        _copy_hyperparams(self.optim.param_groups, self.param_groups)
+        _copyhyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
         self._initialized = True
 
@@ -369,7 +371,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _prepare_step(self) -> None:
         Join.notify_join_context(self)
         self._refresh_trainable()
-        _copy_hyperparams(self.param_groups, self.optim.param_groups)
+        _copyhyperparameters(self.param_groups, self.optim.param_groups)
         self._shards.refresh(self._all_params)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -415,7 +417,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         program = run_zero_step(self._shards, self._all_params, self._via, local_step)
         done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
-        _copy_hyperparams(self.optim.param_groups, self.param_groups)
+        _copyhyperparameters(self.optim.param_groups, self.param_groups)
         return done.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -569,7 +571,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._shards = self._new_shards(rebuilt=True)
         if moved:
             assert old_state is not None
-            old_state["param_groups"].append(_hyperparams(self.param_groups[-1]))
+            old_state["param_groups"].append(hyperparameters(self.param_groups[-1]))
             old_state["param_groups"][-1]["params"] = []
             self.optim = self._new_local_optimizer()
             self._load_global_state(self._regroup(old_state))
@@ -579,15 +581,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 (new_local,), added = make_masters([new_local], self._masters.dtype)
                 self._masters = self._masters.extended(added)
             self.optim.add_param_group(new_local)
-        _copy_hyperparams(self.optim.param_groups, self.param_groups)
+        _copyhyperparameters(self.optim.param_groups, self.param_groups)
 
     def _regroup(self, state: StateDict) -> StateDict:
         """Give ``state``'s groups the current global indices (groups only grew)."""
-        start = 0
-        for group, live in zip(state["param_groups"], self.param_groups, strict=True):
-            group["params"] = list(range(start, start + len(live["params"])))
-            start += len(live["params"])
-        return state
+        counts = [len(live["params"]) for live in self.param_groups]
+        return {**state, "param_groups": global_groups(counts, state["param_groups"])}
 
     # ----- state dicts --------------------------------------------------------
 
@@ -603,7 +602,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._shards.saved_state(sd)
 
     def _local_state_cpu(self) -> StateDict:
-        _copy_hyperparams(self.param_groups, self.optim.param_groups)
+        _copyhyperparameters(self.param_groups, self.optim.param_groups)
         sd: StateDict = _cpu_copy(self._local_state_dict())
         return sd
 
@@ -672,7 +671,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return {
             "state": dict(self._consolidated["state"]),
             "param_groups": [
-                {**_hyperparams(live), "params": list(saved["params"])}
+                {**hyperparameters(live), "params": list(saved["params"])}
                 for live, saved in zip(
                     self.param_groups, self._consolidated["param_groups"], strict=True
                 )
@@ -700,8 +699,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim.load_state_dict(local)
         self._load_masters(masters)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update(_hyperparams(saved))
-        _copy_hyperparams(self.param_groups, self.optim.param_groups)
+            group.update(hyperparameters(saved))
+        _copyhyperparameters(self.param_groups, self.optim.param_groups)
 
     def _load_masters(self, saved: dict[int, torch.Tensor]) -> None:
         """Set the masters from ``saved`` (local index -> master); a master
@@ -784,9 +783,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             low = self._masters.low
             self._masters.load_grads_from([grads.get(index_of[id(p)]) for p in low])
             try:
-                _copy_hyperparams(self.param_groups, self.optim.param_groups)
+                _copyhyperparameters(self.param_groups, self.optim.param_groups)
                 self.optim.step()
-                _copy_hyperparams(self.optim.param_groups, self.param_groups)
+                _copyhyperparameters(self.optim.param_groups, self.param_groups)
             finally:
                 self._masters.write_back(only_stepped=True)
             return
@@ -794,9 +793,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         try:
             for p in local:
                 p.grad = grads.get(index_of[id(p)])
-            _copy_hyperparams(self.param_groups, self.optim.param_groups)
+            _copyhyperparameters(self.param_groups, self.optim.param_groups)
             self.optim.step()
-            _copy_hyperparams(self.optim.param_groups, self.param_groups)
+            _copyhyperparameters(self.optim.param_groups, self.param_groups)
         finally:
             for p, g in zip(local, saved, strict=True):
                 p.grad = g

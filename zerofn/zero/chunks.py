@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from zerofn.zero.layout import Slot
+from zerofn.zero.params import StateDict
 
 __all__ = [
     "FLAT_CHUNK_BYTES",
@@ -41,7 +42,6 @@ FLAT_CHUNK_BYTES = 512 * 1024
 """Bytes of one chunk: with the gradient, two Adam states and a temporary,
 about the size of an L2 cache."""
 
-StateDict = dict[str, Any]
 
 ChunkSource = tuple[int, int, int]
 """Where a local tensor's elements come from: (parameter index, first

@@ -1,12 +1,48 @@
-"""Checking what a user passes as ``params`` before anything is built from it."""
+"""Param groups: checking what a user passes as ``params`` before anything
+is built from it, and the one way groups, their hyperparameters and their
+global indices are read and written (optimizer, consolidation, checkpoints)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["check_same_dense_type", "normalize_params"]
+__all__ = [
+    "StateDict",
+    "check_same_dense_type",
+    "global_groups",
+    "hyperparameters",
+    "normalize_params",
+]
+
+StateDict = dict[str, Any]
+"""An optimizer state dict: ``{"state": ..., "param_groups": [...]}``."""
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's options: everything but its ``params``."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def global_groups(
+    counts: Sequence[int], hyper: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """State-dict param groups holding global parameter indices: group ``g``
+    has ``counts[g]`` parameters, numbered on from the previous group's, and
+    ``hyper[g]``'s options.
+
+    Raises:
+        ValueError: ``counts`` and ``hyper`` differ in length.
+    """
+    if len(counts) != len(hyper):
+        raise ValueError(f"{len(counts)} group sizes but {len(hyper)} groups of options")
+    groups, start = [], 0
+    for count, options in zip(counts, hyper, strict=True):
+        groups.append({**hyperparameters(options), "params": list(range(start, start + count))})
+        start += count
+    return groups
 
 
 def normalize_params(params: Any) -> list[dict[str, Any]]:

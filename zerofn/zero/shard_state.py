@@ -22,15 +22,10 @@ from typing import Any
 
 import torch
 
+from zerofn.zero.params import StateDict, global_groups, hyperparameters
 from zerofn.zero.partition import FlatPartition, Partition, Piece
 
 __all__ = ["StateDict", "consolidate", "shard", "validate_global"]
-
-StateDict = dict[str, Any]
-
-
-def _hyperparams(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _check_local_count(partition: Partition | FlatPartition, local: Sequence[StateDict]) -> None:
@@ -47,17 +42,6 @@ def _check_local_count(partition: Partition | FlatPartition, local: Sequence[Sta
                 f"shard state dict of rank {rank} has {len(sd['param_groups'])} param groups, "
                 f"the partition has {len(partition.group_sizes)}"
             )
-
-
-def _global_groups(
-    partition: Partition | FlatPartition, hyper: Sequence[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    groups = []
-    start = 0
-    for g, group in enumerate(partition.group_sizes):
-        groups.append({**_hyperparams(hyper[g]), "params": list(range(start, start + len(group)))})
-        start += len(group)
-    return groups
 
 
 def validate_global(partition: Partition | FlatPartition, state_dict: Mapping[str, Any]) -> None:
@@ -123,7 +107,8 @@ def consolidate(
         ValueError: if a rank's shard is missing or does not fit the partition.
     """
     _check_local_count(partition, local_state_dicts)
-    groups = _global_groups(partition, local_state_dicts[0]["param_groups"])
+    counts = [len(group) for group in partition.group_sizes]
+    groups = global_groups(counts, local_state_dicts[0]["param_groups"])
     if isinstance(partition, FlatPartition):
         state = _consolidate_flat(partition, local_state_dicts, shapes)
     else:
@@ -160,7 +145,7 @@ def shard(partition: Partition | FlatPartition, state_dict: StateDict, rank: int
     validate_global(partition, state_dict)
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"rank {rank} is outside world_size={partition.world_size}")
-    hyper = [_hyperparams(g) for g in state_dict["param_groups"]]
+    hyper = [hyperparameters(g) for g in state_dict["param_groups"]]
     if isinstance(partition, FlatPartition):
         return _shard_flat(partition, state_dict, rank, hyper)
     state: dict[int, Any] = {}

@@ -37,6 +37,7 @@ import torch
 
 from zerofn.zero.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_chunk_state
 from zerofn.zero.exchange import group_slots, pack, unpack
+from zerofn.zero.params import StateDict, hyperparameters
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan
 
@@ -48,12 +49,6 @@ __all__ = [
     "build_buffers",
     "shards_for",
 ]
-
-StateDict = dict[str, Any]
-
-
-def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 def build_buffers(
@@ -121,7 +116,7 @@ class WholeTensorShards:
         """Param groups for the local optimizer, one per global group."""
         owned = self.plan.partition.assignment[self.rank]  # type: ignore[union-attr]
         return [
-            {**_hyperparams(g), "params": [params[i] for i in indices]}
+            {**hyperparameters(g), "params": [params[i] for i in indices]}
             for g, indices in zip(param_groups, owned, strict=True)
         ]
 
@@ -217,7 +212,7 @@ class FlatShards(WholeTensorShards):
         for group, mine, sources in zip(param_groups, slots, self.sources, strict=True):
             view = buffer[mine[0].offset : mine[-1].stop] if mine else buffer.new_empty(0)
             sizes = [n for _, _, n in sources] or [0]
-            local.append({**_hyperparams(group), "params": list(torch.split(view, sizes))})
+            local.append({**hyperparameters(group), "params": list(torch.split(view, sizes))})
         return local
 
     def local_grads(
