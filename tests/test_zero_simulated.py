@@ -24,7 +24,8 @@ from zerofn.hooks.hook import allreduce_mean, cast
 from zerofn.overlap.ddp_buckets import assign_buckets
 from zerofn.overlap.state import OverlapState, owned_params_per_rank
 from zerofn.testing import strategies as zst
-from zerofn.testing.zero import simulate_overlapped_step, simulate_zero_steps
+from zerofn.testing.overlap import simulate_overlapped_step
+from zerofn.testing.zero import simulate_zero_steps
 from zerofn.zero.exchange import exchange_program, flat_grad, group_slots
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan, plan_shards

@@ -9,7 +9,7 @@ global questions (a loss scaler's inf/nan check, clipping's norm:
 (a :class:`StepGradients` request the runner answers with its own
 optimizer), and hand back the programs that send the owners' updates. The
 adapter's runner (``zerofn_torch.overlap``) and the simulated world
-(:func:`zerofn.testing.zero.simulate_overlapped_step`) both run it; they
+(:func:`zerofn.testing.overlap.simulate_overlapped_step`) both run it; they
 start the sends as they like (the adapter without waiting, so backward goes
 on) and write what arrived with :func:`write_updates` after the last bucket.
 """

@@ -429,7 +429,7 @@ def bucketed_models(
     max_params: int = 9, max_numel: int = 40, max_buckets: int = 4
 ) -> st.SearchStrategy[tuple[list[list[int]], list[tuple[int, ...]]]]:
     """A model's parameter shapes and DDP's buckets over them, for the
-    overlapped step (:func:`zerofn.testing.zero.simulate_overlapped_step`).
+    overlapped step (:func:`zerofn.testing.overlap.simulate_overlapped_step`).
 
     Args:
         max_params: most parameters; at least 1.

@@ -1,0 +1,336 @@
+"""The ZeRO step overlapped with DDP's backward, for N simulated ranks in one process.
+
+:func:`simulate_overlapped_step` runs the overlapped step
+(``hook_with_zero_step``) over several iterations: the core hook
+:func:`zerofn.overlap.hook.zero_step_hook` on every rank, bucket by bucket,
+and each rank obeying the step orders it gives with the core's
+:func:`zerofn.overlap.obey.obey`, as the adapter's runner does::
+
+    from zerofn.testing.overlap import simulate_overlapped_step
+
+    # Parameters 2, 1 | 0 in two DDP buckets; two ranks; DDP's buckets are
+    # final from iteration 1 (it collects the plan), iteration 2 overlaps.
+    run = simulate_overlapped_step([[2, 1], [0]], params, grads, torch.optim.SGD,
+                                   final_from=1, lr=0.1)
+    # run.params[r]: rank r's parameters, equal to DDP + SGD on every rank;
+    # run.requests[2][r]: rank r's Reduce and Broadcast requests of iteration 2.
+
+What is left here is the world's part: DDP handing buckets over in order,
+every rank's programs run in lockstep, the iteration's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import torch
+
+from zerofn.comm import Program, Request, answering, split_like, watched
+from zerofn.hooks.hook import (
+    BucketInfo,
+    CommHook,
+    allreduce_mean,
+    begin_bucket,
+    finish_bucket,
+    finish_iteration,
+    init_hook_state,
+)
+from zerofn.overlap.ddp_buckets import BucketPlan
+from zerofn.overlap.hook import (
+    OverlapConfig,
+    OverlapHookState,
+    StepOrder,
+    zero_step_hook,
+)
+from zerofn.overlap.obey import Obeyed, Sent, StepChecks, StepGradients, obey, write_updates
+from zerofn.testing.world import run_programs
+
+__all__ = ["OverlappedRun", "simulate_overlapped_step"]
+
+R = TypeVar("R")
+
+
+@attrs.frozen
+class OverlappedRun:
+    """What :func:`simulate_overlapped_step` returns.
+
+    Attributes:
+        params: ``params[rank]``: each rank's parameters after the last iteration.
+        requests: ``requests[iteration][rank]``: the collectives each rank
+            made in each iteration, in order (the hook's and the broadcasts).
+        plan: the bucket plan the hook fixed (rank 0's; every rank's is the
+            same), or ``None`` if the buckets were never final long enough.
+        held: ``held[rank]``: the parameters the rank keeps optimizer state
+            for after the last iteration, as the order's ``reshard`` said
+            (``None``: all of them; the plan is not fixed).
+    """
+
+    params: list[list[torch.Tensor]]
+    requests: list[list[list[Request]]]
+    plan: BucketPlan | None
+    held: list[tuple[int, ...] | None]
+
+
+_Sent = Sent
+
+
+class _OverlapRank:
+    """One simulated rank of the overlapped step: its hook state, parameters
+    and optimizer, the averaged buckets not stepped yet, and the owners'
+    updates to write at the iteration's end.
+
+    The optimizer holds all parameters on every rank, for good: a parameter
+    is stepped exactly when the order gives it a gradient (``torch.optim``
+    skips one whose ``.grad`` is ``None``, which is what the adapter's
+    ``OverlapBinding.step`` does), so dropping the state of the parameters other
+    ranks own after a ``reshard`` would change memory, not numbers. The rank
+    only notes which parameters it still holds, and refuses an order to step
+    any other (the adapter's optimizer would silently skip it).
+    """
+
+    def __init__(
+        self,
+        hook: CommHook[OverlapHookState[Any], Any],
+        config: OverlapConfig,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        self.hook, self.config = hook, config
+        self.state = init_hook_state(hook)
+        self.params, self.optimizer = params, optimizer
+        self.held: tuple[int, ...] | None = None  # None: every parameter
+        self.handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
+        self.incoming: list[tuple[tuple[int, ...], _Sent]] = []
+
+    def begin(self, grads: Sequence[torch.Tensor], info: BucketInfo) -> Program[tuple[Any, Any]]:
+        """Hand bucket ``info`` over: the hook's program for this rank."""
+        # A fresh tensor: the hook may reduce it in place.
+        flat = torch.cat([grads[i].reshape(-1) for i in info.params])
+        self.state, program = begin_bucket(self.hook, self.state, flat, info)
+        return program
+
+    def finish(
+        self, info: BucketInfo, averaged: torch.Tensor, bucket_state: Any
+    ) -> StepOrder | None:
+        """Record the bucket's result; the order the hook gives after it."""
+        self.state = finish_bucket(self.state, info.index, bucket_state)
+        like = [self.params[i] for i in info.params]
+        self.handed[info.index] = (info.params, split_like(averaged, like))
+        if info.is_last:  # before reading the order, as the adapter's HookCell does
+            self.state = finish_iteration(self.hook, self.state)
+        return self.state.global_state.order
+
+    def obeying(self, order: StepOrder) -> Program[Obeyed]:
+        """The core's :func:`zerofn.overlap.obey.obey` for ``order``, its
+        local step answered by :meth:`step` (the buckets it names are taken)."""
+        handed = {index: self.handed.pop(index) for index in order.buckets}
+        program = obey(
+            self.state.global_state, self.config, order, handed, self.params, StepChecks()
+        )
+        return answering(program, StepGradients, self.step)
+
+    def step(self, request: StepGradients) -> None:
+        """Step the optimizer with the request's gradients; the others sit out."""
+        self._check_held(request.grads)
+        for i, grad in request.grads.items():
+            self.params[i].grad = grad.clone() * request.factor
+        self.optimizer.step()
+        for i in request.grads:
+            self.params[i].grad = None
+
+    def after(self, done: Obeyed) -> list[Program[_Sent]]:
+        """Note the order's reshard; the sends, their results kept to write
+        at the iteration's end."""
+        if done.reshard is not None:
+            self.held = done.reshard[self.config.rank]
+        return [self._sending(program, indices) for indices, program in done.sends]
+
+    def _check_held(self, grads: Mapping[int, torch.Tensor]) -> None:
+        """Refuse to step parameters whose optimizer state this rank gave up."""
+        if self.held is not None and not set(grads) <= set(self.held):
+            raise AssertionError(
+                f"rank {self.config.rank} is ordered to step parameters "
+                f"{sorted(set(grads) - set(self.held))}, whose state it gave up"
+            )
+
+    def _sending(self, program: Program[_Sent], indices: tuple[int, ...]) -> Program[_Sent]:
+        """``program``, its result kept to write at the iteration's end."""
+        sent = yield from program
+        self.incoming.append((indices, sent))
+        return sent
+
+    def receive(self) -> None:
+        """Write what the other ranks sent into this rank's parameters."""
+        incoming, self.incoming = self.incoming, []
+        for indices, sent in incoming:
+            write_updates(self.params, indices, sent)
+
+
+def _in_turn(programs: Sequence[Program[R]]) -> Program[list[R]]:
+    """Run ``programs`` one after another, as one program."""
+    results = []
+    for program in programs:
+        results.append((yield from program))
+    return results
+
+
+def _hand_over(
+    ranks: Sequence[_OverlapRank],
+    info: BucketInfo,
+    grads_per_rank: Sequence[Sequence[torch.Tensor]],
+    made: Sequence[list[Request]],
+) -> None:
+    """One bucket on every rank: the hook's programs, then each rank's order
+    (its step, its broadcasts), and at the last bucket the received updates."""
+    programs = [
+        watched(rank.begin(grads, info), seen.append)
+        for rank, grads, seen in zip(ranks, grads_per_rank, made, strict=True)
+    ]
+    purpose = f"DDP bucket {info.index} (the overlapped ZeRO step's hook)"
+    results = run_programs(programs, purpose=purpose)
+    orders = [rank.finish(info, *result) for rank, result in zip(ranks, results, strict=True)]
+    sends: list[list[Program[_Sent]]] = [[] for _ in ranks]
+    if all(order is not None for order in orders):
+        obeying = [
+            watched(rank.obeying(order), seen.append)
+            for rank, order, seen in zip(ranks, orders, made, strict=True)
+            if order is not None
+        ]
+        done = run_programs(obeying, purpose=f"after DDP bucket {info.index}: the step")
+        sends = [rank.after(obeyed) for rank, obeyed in zip(ranks, done, strict=True)]
+    elif any(order is not None for order in orders):
+        raise AssertionError(f"after bucket {info.index} only some ranks were ordered to step")
+    if any(sends):
+        run_programs(
+            [watched(_in_turn(s), seen.append) for s, seen in zip(sends, made, strict=True)],
+            purpose=f"after DDP bucket {info.index}: the owners' updated parameters",
+        )
+    if info.is_last:
+        for rank in ranks:
+            rank.receive()
+
+
+def _checked_world(
+    buckets: Sequence[Sequence[int]],
+    num_params: int,
+    grads_per_iteration_per_rank: Sequence[Sequence[Sequence[torch.Tensor]]],
+) -> int:
+    """The world size; raises ValueError for buckets that do not cover every
+    parameter once, or iterations with different numbers of ranks."""
+    if sorted(i for bucket in buckets for i in bucket) != list(range(num_params)):
+        raise ValueError(f"the buckets {buckets} must hold each of {num_params} parameters once")
+    if any(not bucket for bucket in buckets):
+        raise ValueError("DDP never hands over an empty bucket")
+    counts = {len(grads) for grads in grads_per_iteration_per_rank}
+    if len(counts) != 1 or 0 in counts:
+        raise ValueError(
+            f"every iteration needs one gradient list per rank, got {counts or 'none'}"
+        )
+    return counts.pop()
+
+
+def simulate_overlapped_step(
+    buckets: Sequence[Sequence[int]],
+    params: Sequence[torch.Tensor],
+    grads_per_iteration_per_rank: Sequence[Sequence[Sequence[torch.Tensor]]],
+    optimizer_class: type[torch.optim.Optimizer],
+    inner: CommHook[Any, Any] | None = None,
+    *,
+    reduce_to_owner: bool | None = None,
+    shard_buckets: bool = False,
+    interleaved: bool = False,
+    final_from: int = 0,
+    **defaults: Any,
+) -> OverlappedRun:
+    """Iterations of the overlapped ZeRO step (``hook_with_zero_step``) on
+    simulated ranks: the core hook :func:`zerofn.overlap.hook.zero_step_hook`
+    wrapping ``inner``, obeyed as the adapter's runner obeys it.
+
+    Per iteration, per bucket in order, every rank hands the bucket's flat
+    gradient to the hook (``final`` from iteration ``final_from`` on), all
+    ranks' programs run together, and each rank obeys the hook's
+    :class:`~zerofn.overlap.hook.StepOrder`: it steps the named buckets'
+    averaged gradients (all of them while DDP's buckets are not final, then
+    the shards it owns) and sends the owners' updates, which every rank writes
+    into its parameters after the last bucket.
+
+    Args:
+        buckets: global parameter indices of each DDP bucket, in the order
+            DDP hands them over; together, every parameter once.
+        params: the global parameters' initial values (not modified).
+        grads_per_iteration_per_rank: ``[iteration][rank][param]``: each
+            rank's local gradient of every parameter (same shape as it).
+        optimizer_class: the ``torch.optim`` optimizer every rank runs (one
+            param group of all parameters; see :class:`_OverlapRank`).
+        inner: the hook that averages gradients; plain averaging
+            (:func:`zerofn.hooks.hook.allreduce_mean`) when omitted.
+        reduce_to_owner: reduce each shard onto its owner once the plan is
+            fixed; only right for plain averaging, which the hook then
+            replaces. Default: whether ``inner`` was omitted (as the adapter
+            decides for PyTorch's and zerofn's ``allreduce_hook``).
+        shard_buckets: a bucket's parameters may be split across ranks.
+        interleaved: step each bucket when the next one is handed over.
+        final_from: the first iteration whose buckets are final (DDP has
+            rebuilt them); it collects the plan, the next ones overlap.
+        **defaults: the optimizer's hyperparameters.
+
+    Returns:
+        An :class:`OverlappedRun`: every rank's parameters, each iteration's
+        requests per rank, the plan and the parameters each rank still holds
+        optimizer state for.
+
+    Raises:
+        ValueError: buckets that do not cover the parameters once; no
+            iteration, or iterations with different numbers of ranks.
+        zerofn.testing.world.CollectiveMismatch: if the ranks' collectives differ.
+        AssertionError: the hook ordered a rank to step a parameter whose
+            state it had given up (a ``reshard`` the order did not keep to).
+    """
+    world_size = _checked_world(buckets, len(params), grads_per_iteration_per_rank)
+    sizes = tuple(p.numel() for p in params)
+    config = OverlapConfig(
+        sizes=sizes,
+        world_size=world_size,
+        rank=0,
+        shard_buckets=shard_buckets,
+        interleaved=interleaved,
+        reduce_to_owner=inner is None if reduce_to_owner is None else reduce_to_owner,
+    )
+    hook_inner = allreduce_mean() if inner is None else inner
+    ranks = []
+    for rank in range(world_size):
+        mine = attrs.evolve(config, rank=rank)
+        local = [p.detach().clone() for p in params]
+        optimizer = optimizer_class(local, **defaults)
+        ranks.append(_OverlapRank(zero_step_hook(hook_inner, mine), mine, local, optimizer))
+    requests = [
+        _iteration(ranks, buckets, grads, final=iteration >= final_from)
+        for iteration, grads in enumerate(grads_per_iteration_per_rank)
+    ]
+    plan = ranks[0].state.global_state.overlap.plan
+    held = [rank.held for rank in ranks]
+    return OverlappedRun([rank.params for rank in ranks], requests, plan, held)
+
+
+def _iteration(
+    ranks: Sequence[_OverlapRank],
+    buckets: Sequence[Sequence[int]],
+    grads_per_rank: Sequence[Sequence[torch.Tensor]],
+    final: bool,
+) -> list[list[Request]]:
+    """One iteration on every rank; the requests each rank made."""
+    made: list[list[Request]] = [[] for _ in ranks]
+    params = ranks[0].params
+    for index, bucket in enumerate(buckets):
+        info = BucketInfo(
+            index,
+            tuple(tuple(params[i].shape) for i in bucket),
+            len(ranks),
+            is_last=index == len(buckets) - 1,
+            params=tuple(bucket),
+            final=final,
+        )
+        _hand_over(ranks, info, grads_per_rank, made)
+    return made
