@@ -25,6 +25,7 @@ import bench_modes
 import bench_precision
 import bench_soak
 import bench_zero
+import generated_blocks
 from report import Spread, md_table, paired_ratios
 
 from zerofn.model_shapes import MODELS
@@ -211,3 +212,24 @@ def test_precision_counts_every_live_tensor_once(setup: str) -> None:
         assert api["optimizer_state"] == counted["optimizer_state"]
     del opt
     assert all(p.dtype == (torch.bfloat16 if setup == "bf16" else torch.float32) for p in params)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_block_is_rewritten_between_its_markers_only() -> None:
+    text = "a 0.64\n<!-- bench:x:begin -->\nold 1.13\n<!-- bench:x:end -->\nz\n"
+    new = generated_blocks.rewrite_text(text, "x", "| new |\n")
+    assert new == "a 0.64\n<!-- bench:x:begin -->\n| new |\n<!-- bench:x:end -->\nz\n"
+    with pytest.raises(ValueError, match="found 0"):
+        generated_blocks.rewrite_text(text, "y", "")
+    with pytest.raises(ValueError, match="found 2"):
+        generated_blocks.rewrite_text(text + text, "x", "")
+
+
+@pytest.mark.parametrize("page", sorted(generated_blocks.QUOTED))
+def test_every_page_that_quotes_figures_has_its_generated_blocks(page: str) -> None:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        text = f.read()
+    for name in generated_blocks.QUOTED[page]:
+        generated_blocks.rewrite_text(text, name, "")  # raises unless exactly one block
