@@ -5,10 +5,12 @@ PowerSGD, overlap, mixed precision (bytes per parameter, exchange bytes and
 step time of bf16 + fp32 masters against PyTorch's ZeRO on fp32), partition
 imbalance and core scaling benchmarks, saving while training (a background
 sharded save against a blocking one), then the soak (2,000 steps of DDP +
-PowerSGD + the overlapped ZeRO step: replicas bitwise equal, memory flat),
+PowerSGD + the overlapped ZeRO step: replicas bitwise equal, memory flat) and
+the kill-and-restart soak under torchrun (steps lost per kill, restart time),
 each also runnable alone (``bench_zero.py``, ``bench_modes.py``,
 ``bench_hooks.py``, ``bench_overlap.py``, ``bench_precision.py``,
-``bench_checkpoint.py``, ``bench_soak.py``); prints each section as it ends, and writes:
+``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``); prints
+each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
   its target), the figure, then each benchmark's own tables. It is the docs
@@ -17,9 +19,14 @@ each also runnable alone (``bench_zero.py``, ``bench_modes.py``,
   ranges, bytes per parameter against world size, partition imbalance against
   world size, planning time against model size, the soak's resident memory
   against step.
+* the figures README.md, docs/zero.md, docs/overlap.md and docs/powersgd.md
+  quote, in their ``<!-- bench:NAME:begin -->`` blocks (full runs only;
+  see ``generated_blocks.py``).
+* ``docs/resilience.md``: the kill-and-restart soak's table, between its
+  ``<!-- soak:begin -->`` and ``<!-- soak:end -->`` markers.
 
 ``--quick`` shrinks every benchmark for a smoke run and, unless ``--out`` is
-given, writes under ``benchmarks/out/`` instead of over the committed page.
+given, writes under ``benchmarks/out/`` instead of over the committed pages.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ import bench_modes
 import bench_overlap
 import bench_precision
 import bench_soak
+import bench_soak_restart
 import bench_zero
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display here or in CI
 import matplotlib.pyplot as plt
+from generated_blocks import quote_everywhere
 from matplotlib.axes import Axes
 from report import Headline, Panel, Section, environment, headline_table, parser_for, run_benches
 
@@ -56,6 +65,7 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     "scaling": bench_zero.bench_scaling,
     "checkpoint": bench_checkpoint.bench_checkpoint,
     "soak": bench_soak.bench_soak,
+    "restart": bench_soak_restart.bench_restart,
 }
 
 
@@ -167,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f.write(text)
     print("\n## Summary\n\n" + headline_table([h for s in sections for h in s.headlines]))
     print(f"\n(written to {out} and {os.path.join(os.path.dirname(out), image)})")
+    if not args.quick and not args.only and not args.out:
+        # Only a full run speaks for every figure the pages quote.
+        pages = quote_everywhere(ROOT, dict(zip(BENCHES, sections, strict=True)), environment())
+        print(f"(and the figures quoted in {', '.join(pages)})")
 
 
 if __name__ == "__main__":
