@@ -25,6 +25,7 @@ import torch.distributed as dist
 from _world import run_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_checkpoint_integrity import same
 from zerofn_torch import ZeroRedundancyOptimizer, checkpoint_save
 from zerofn_torch import checkpoint as checkpoint_module
 from zerofn_torch.checkpoint import latest_checkpoint, load_sharded, save_sharded
@@ -130,7 +131,7 @@ def test_extra_state_round_trips_through_its_keys(extra: dict[str, Any]) -> None
     entries = extra_entries(extra)
     assert all(k.startswith("zerofn_extra/") for k in entries)
     back = nested_extra({**entries, "zerofn_optim/group_sizes": [[1]]})
-    assert _same(back, extra)
+    assert same(back, extra)
 
 
 @pytest.mark.parametrize("bad", [{"a/b": 1}, {"": 1}, {3: 1}, {"m": {"x/y": 1}}])
@@ -314,16 +315,6 @@ def killed_resaves(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, 
     return runs
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return bool(a == b)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("single_rank_group")
 @pytest.mark.parametrize(("point", "victim", "holds"), KILLS)
@@ -342,9 +333,9 @@ def test_a_rank_killed_during_a_resave_leaves_a_whole_checkpoint(
     extra = load_sharded(opt, run / "ckpt")
     expected = torch.load(run / f"expected{holds}.pt", weights_only=True)
     assert extra["step"] == holds
-    assert _same(extra["model"], expected["model"])
+    assert same(extra["model"], expected["model"])
     opt.consolidate_state_dict(to=0)
-    assert _same(opt.state_dict(), expected["optim"])
+    assert same(opt.state_dict(), expected["optim"])
     # The next save replaces it and clears what the cut-short one left.
     save_sharded(opt, run / "ckpt")
     assert temporaries(os.listdir(run)) == []
