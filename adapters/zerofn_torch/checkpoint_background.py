@@ -5,6 +5,11 @@ A background save runs the whole save protocol of :mod:`zerofn_torch.checkpoint`
 in a thread, so its collectives must not share a process group with
 training's (two threads issuing collectives on one group interleave them
 differently on different ranks); they run on a gloo group of the same ranks.
+
+That group is remembered weakly: ``torch.distributed`` keeps it, as it keeps
+every group, until ``destroy_process_group`` or the interpreter's teardown, so
+this module never holds a group past the saves that use it and is never
+what keeps one alive at exit.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -99,7 +105,9 @@ class SaveHandle:
 
 
 _IN_FLIGHT: dict[tuple[int, ...], SaveHandle] = {}
-_SAVE_GROUPS: dict[tuple[int, ...], Any] = {}
+# Weak, so that a destroyed group goes with its world's other groups, not
+# when this module's globals are cleared at the end of interpreter teardown.
+_SAVE_GROUPS: dict[tuple[int, ...], weakref.ref[Any]] = {}
 
 
 def _ranks(group: Any) -> tuple[int, ...]:
@@ -122,7 +130,8 @@ def save_group(group: Any) -> Any:
     the default group must enter it) with ``group``'s timeout, then reused.
     """
     ranks = _ranks(group)
-    known = _SAVE_GROUPS.get(ranks)
+    remembered = _SAVE_GROUPS.get(ranks)
+    known = remembered() if remembered is not None else None
     if known is not None and _alive(known):
         return known
     try:
@@ -131,7 +140,7 @@ def save_group(group: Any) -> Any:
     except (AttributeError, RuntimeError):  # no CPU backend (NCCL alone): gloo's default
         timeout = None
     created = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
-    _SAVE_GROUPS[ranks] = created
+    _SAVE_GROUPS[ranks] = weakref.ref(created)
     return created
 
 

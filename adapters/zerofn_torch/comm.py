@@ -25,6 +25,7 @@ strings.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
@@ -190,7 +191,20 @@ def _work_future(work: dist.Work | None) -> torch.futures.Future[Any]:
 
 
 def describe_group(group: Any) -> str:
-    """The group for messages: backend, size and this rank's place in it."""
+    """The group for messages: backend, size and this rank's place in it.
+
+    Callbacks that may report a failure close over this string, taken when
+    the request is issued, never over the group: a callback runs, and is
+    freed, on one of the group's own worker threads, and if it held the last
+    reference the group's destructor would run there and join that very
+    thread (``std::system_error``: resource deadlock avoided, then abort).
+
+    Args:
+        group: the process group.
+
+    Returns:
+        E.g. ``"gloo group of 2 ranks (this is rank 0)"``.
+    """
     try:
         return (
             f"{dist.get_backend(group)} group of {dist.get_world_size(group)} ranks "
@@ -201,10 +215,21 @@ def describe_group(group: Any) -> str:
 
 
 def _collective_error(
-    collective: str, purpose: str, group: Any, cause: BaseException
+    collective: str, purpose: str, group_name: str, cause: BaseException
 ) -> CollectiveError:
+    """The error for a failed collective.
+
+    Args:
+        collective: what was sent (e.g. ``"all_reduce (sum) of 1 tensor, 4 B"``).
+        purpose: what it was for.
+        group_name: the group, as :func:`describe_group` named it.
+        cause: the transport's error, kept as ``__cause__``.
+
+    Returns:
+        The :class:`zerofn.errors.CollectiveError` to raise or fail a future with.
+    """
     reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    error = CollectiveError(collective, purpose, describe_group(group), reason)
+    error = CollectiveError(collective, purpose, group_name, reason)
     error.__cause__ = cause
     return error
 
@@ -223,7 +248,7 @@ def guarded(collective: str, purpose: str, group: Any) -> Iterator[None]:
         raise
     # BaseException: torch.distributed.checkpoint's CheckpointException is one.
     except BaseException as e:
-        raise _collective_error(collective, purpose, group, e) from e
+        raise _collective_error(collective, purpose, describe_group(group), e) from e
 
 
 # ----- object collectives ----------------------------------------------------------
@@ -361,10 +386,13 @@ def issue(
         this rank (raised by ``wait()``; never a partial result).
     """
     what = f"the DDP hook {request.hook!r}" if isinstance(request, Await) else describe(request)
+    # The callback below names the group by this string: holding the group
+    # itself could make it the last reference (see describe_group).
+    group_name = describe_group(group)
     try:
         started = _start(request, group)
     except Exception as e:  # a transport that fails at once, when posting
-        return failed(_collective_error(what, purpose, group, e))
+        return failed(_collective_error(what, purpose, group_name, e))
     out: torch.futures.Future[Response] = torch.futures.Future()
 
     def done(fut: torch.futures.Future[Response]) -> None:
@@ -373,7 +401,8 @@ def issue(
         except CollectiveError as e:  # an awaited hook's own: it names what failed
             out.set_exception(e)  # type: ignore[arg-type]
         except Exception as e:
-            out.set_exception(_collective_error(what, purpose, group, e))  # type: ignore[arg-type]
+            error = _collective_error(what, purpose, group_name, e)
+            out.set_exception(error)  # type: ignore[arg-type]
         else:
             out.set_result(response)
 
@@ -432,6 +461,11 @@ class _Running(Generic[R]):
     ``done`` once its last request is issued, or once it failed (a failed
     request, or the program's own error): then :attr:`result` fails with that
     error and the program is never resumed.
+
+    The group is held only while requests remain to issue: once ``done``,
+    the pipeline lets go of this record and the last request's completion
+    callback may hold it last, on the group's worker thread, where it must
+    not be the group's last reference (see :func:`describe_group`).
     """
 
     def __init__(self, program: Program[R], group: Any, purpose: str) -> None:
@@ -449,7 +483,7 @@ class _Running(Generic[R]):
         try:
             request = resume()
         except StopIteration as stop:
-            self.done = True
+            self._issued_all()
             self.result.set_result(stop.value)
             return
         except Exception as e:  # a failed request, or the program's own error
@@ -458,11 +492,16 @@ class _Running(Generic[R]):
         self.pending = issue(request, self.group, f"{self.purpose}, collective #{self.number}")
         self.number += 1
         if request.last:
-            self.done = True
+            self._issued_all()
             self.pending.add_done_callback(self._complete)
 
-    def _fail(self, error: Exception) -> None:
+    def _issued_all(self) -> None:
+        """Nothing is left to issue: mark it, and let go of the group."""
         self.done = True
+        self.group = None
+
+    def _fail(self, error: Exception) -> None:
+        self._issued_all()
         self.program.close()
         self.result.set_exception(error)  # type: ignore[arg-type]
 
@@ -635,10 +674,19 @@ class HookCell(Generic[G, B]):
         with self.lock:
             self.state = attrs.evolve(self.state, global_state=state.global_state)
 
+        # The callback runs, and is freed, on the group's worker thread: it
+        # holds the cell weakly and the bucket by its index (the bucket's
+        # handle may hold DDP's hook state, a process group), so it is never
+        # the last reference to a group (see describe_group). A cell that is
+        # gone has no state left to record into.
+        cell, index = weakref.ref(self), info.index
+
         def record(result: tuple[torch.Tensor, B]) -> torch.Tensor:
             grad, bucket_state = result
-            with self.lock:
-                self.state = core.finish_bucket(self.state, info.index, bucket_state)
+            alive = cell()
+            if alive is not None:
+                with alive.lock:
+                    alive.state = core.finish_bucket(alive.state, index, bucket_state)
             return grad
 
         purpose = f"DDP bucket {info.index} (hook {hook.name!r})"

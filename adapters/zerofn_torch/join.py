@@ -10,6 +10,12 @@ join hook runs inside :func:`zerofn_torch.comm.guarded`, DDP's own included
 (PyTorch's hook fails with the transport's plain ``RuntimeError``). A
 ``CollectiveError`` a hook raises itself (ZeRO's step) passes through as it is.
 
+No announcement is left in flight once a join context is done: each rank
+waits for its previous one before announcing again and at the context's exit
+(every rank has posted its match by then, so this costs no wait). A
+completion callback still pending when the program ends would run on a gloo
+worker thread during interpreter teardown.
+
 It interoperates with PyTorch's join protocol in both directions: PyTorch's
 ``DistributedDataParallel`` (a PyTorch ``Joinable``) works inside this
 ``Join``, and zerofn's ``ZeroRedundancyOptimizer`` works inside PyTorch's. Both
@@ -33,6 +39,9 @@ from zerofn.join import DISABLED, JoinProgress, first_mismatch, join_configs, ne
 from zerofn_torch.comm import guarded, issue
 
 __all__ = ["Join", "JoinHook", "Joinable"]
+
+_ANNOUNCED = "_zerofn_join_announced"
+"""The joinable attribute holding its latest announcement, until awaited."""
 
 Stage = Literal["main_hook", "post_hook"]
 """Which of a join hook's methods runs: shadowing a round, or finishing."""
@@ -177,7 +186,10 @@ class Join:
                 count of running ranks, or a join hook's (DDP's included).
         """
         if not self._enable or exc_type is not None:
-            return  # an exception in the body propagates as it is
+            # An exception in the body propagates as it is; waiting for an
+            # announcement then could block until the group's timeout.
+            return
+        _settle_announcement(self._joinables[0])
         progress = JoinProgress()
         while not progress.all_joined:
             progress, action = next_join_step(progress, self._count_running(), self._throw)
@@ -247,8 +259,10 @@ class Join:
         raises on every rank.
 
         Returns:
-            The pending all-reduce (a future) for the first joinable, else
-            ``None``.
+            The announcing all-reduce (a future) for the first joinable, else
+            ``None``. This rank waits for it before its next announcement
+            and at the context's exit; with ``throw_on_early_termination`` it
+            is already done.
 
         Raises:
             RuntimeError: some rank ran out and the context throws.
@@ -262,14 +276,50 @@ class Join:
             )
         if not config.is_first_joinable or not config.enable:
             return None
+        _settle_announcement(joinable)
         device, group = joinable.join_device, joinable.join_process_group
         purpose = f"Join: {type(joinable).__name__} announcing another iteration"
         announced = issue(AllReduce((torch.ones(1, device=device),)), group, purpose)
         if config.throw_on_early_termination:
             asked = f"Join: {type(joinable).__name__} asking whether a rank ran out"
             (stop,) = issue(AllReduce((torch.zeros(1, device=device),)), group, asked).wait()
+            announced.wait()  # posted before the question: done by now, and not left in flight
             if stop.item():
                 raise RuntimeError(
                     "Detected at least one rank that exhausted inputs. Throwing across all ranks."
                 )
+            return announced
+        _keep_announcement(joinable, announced)
         return announced
+
+
+def _keep_announcement(joinable: Any, announced: torch.futures.Future[Any]) -> None:
+    """Keep ``announced`` on ``joinable`` until :func:`_settle_announcement`.
+
+    Args:
+        joinable: the first joinable of a join context.
+        announced: its announcement, in flight.
+    """
+    try:
+        setattr(joinable, _ANNOUNCED, announced)
+    except AttributeError:  # a joinable with __slots__: nowhere to keep it, so wait now
+        announced.wait()
+
+
+def _settle_announcement(joinable: Any) -> None:
+    """Wait for ``joinable``'s announcement still in flight, if any.
+
+    Every rank has posted the all-reduce it matches by the time this runs (a
+    running rank's next announcement or its context's exit follows a whole
+    iteration), so this does not block for long.
+
+    Args:
+        joinable: the first joinable of a join context.
+
+    Raises:
+        zerofn.errors.CollectiveError: the announcement failed.
+    """
+    announced = getattr(joinable, _ANNOUNCED, None)
+    if announced is not None:
+        setattr(joinable, _ANNOUNCED, None)
+        announced.wait()

@@ -1,0 +1,235 @@
+"""Exiting cleanly: nothing of zerofn keeps a process group alive
+once the work it described is done, and every multi-rank flow exits with
+code 0 on every rank, without ``terminate called``.
+
+The abort this guards against: a completion callback runs, and is freed, on
+one of a gloo group's own worker threads; if it holds the group's last
+reference (the program destroyed the group, or is tearing down), the group's
+destructor runs there and joins its own thread: ``std::system_error``
+(resource deadlock avoided), ``terminate``, SIGABRT.
+
+Two kinds of test:
+
+* in one process, deterministic: a request is left in flight (awaiting a
+  future the test completes later), the group is destroyed and dropped, and
+  the group must be collected while the request is still pending;
+* in fresh processes (``tests/_exit_flows.py``): every multi-rank flow on 2, 3
+  and 4 ranks, next to a process that keeps one core busy, each run ending
+  through normal interpreter teardown, half of them after
+  ``destroy_process_group()`` (as PyTorch's test harness and many training
+  scripts end); then many groups per process, each destroyed right after
+  zerofn's work on it (the most sensitive probe: before the fix it aborted
+  every run). PyTorch's own DDP, Join and optimizer run the same way as the
+  control.
+
+``ZEROFN_EXIT_RUNS=N`` runs every batch N times per world size (a soak).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from zerofn_torch.checkpoint_background import save_group
+from zerofn_torch.comm import Await, HookCell, ProgramPipeline, drive, foreign_hook, issue
+
+from zerofn.comm import AllReduce
+from zerofn.hooks.hook import BucketInfo, init_hook_state
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ----- in one process: no zerofn record or callback holds a finished group -----------
+
+
+@pytest.fixture
+def holder(single_rank_group: None) -> Iterator[list[Any]]:
+    """A fresh one-rank gloo group, in a list the test empties when it
+    destroys the group (a fixture's value stays referenced by pytest, so the
+    group itself must not be one)."""
+    box = [dist.new_group([0], backend="gloo")]
+    yield box
+    for made in box:  # the test failed before destroying it
+        dist.destroy_process_group(made)
+
+
+def _destroy_and_drop(holder: list[Any]) -> weakref.ref[Any]:
+    """Destroy the group in ``holder`` and drop the test's reference to it.
+
+    Returns:
+        A weak reference to it, dead once nothing else holds the group.
+    """
+    gone = weakref.ref(holder[0])
+    dist.destroy_process_group(holder.pop())
+    gc.collect()
+    return gone
+
+
+def _holders(ref: weakref.ref[Any]) -> list[str]:
+    """What still refers to the group ``ref`` points to, for a failure's message."""
+    target = ref()
+    return [] if target is None else [repr(r)[:300] for r in gc.get_referrers(target)]
+
+
+def test_a_pending_request_does_not_hold_its_group(holder: list[Any]) -> None:
+    pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    result = issue(Await(pending, "a hook"), holder[0], "a test")
+    gone = _destroy_and_drop(holder)
+    assert gone() is None, _holders(gone)
+    pending.set_result(torch.ones(2))
+    assert result.wait()[0].tolist() == [1.0, 1.0]
+
+
+def _two_rounds(pending: torch.futures.Future[torch.Tensor]) -> Generator[Any, Any, list[float]]:
+    """A real all-reduce, then an awaited future as the last request."""
+    (total,) = yield AllReduce((torch.ones(3),))
+    (awaited,) = yield Await(pending, "a hook")
+    values: list[float] = (total + awaited).tolist()
+    return values
+
+
+def test_a_driven_program_does_not_hold_its_group(holder: list[Any]) -> None:
+    pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    result = drive(_two_rounds(pending), holder[0], "a test")  # first round awaited
+    gone = _destroy_and_drop(holder)
+    assert gone() is None, _holders(gone)
+    pending.set_result(torch.ones(3))
+    assert result.wait() == [2.0, 2.0, 2.0]
+
+
+def test_a_pipeline_lets_go_of_the_group_once_all_is_issued(holder: list[Any]) -> None:
+    pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    pipeline = ProgramPipeline()
+    result = pipeline.run(_two_rounds(pending), holder[0], is_last=True, purpose="a test")
+    gone = _destroy_and_drop(holder)
+    assert gone() is None, _holders(gone)
+    pending.set_result(torch.ones(3))
+    assert result.wait() == [2.0, 2.0, 2.0]
+
+
+class _Bucket:
+    """The part of DDP's ``GradBucket`` a cell reads."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+    def buffer(self) -> torch.Tensor:
+        return self.grad
+
+
+def test_a_hook_cell_does_not_hold_the_group_its_bucket_names(holder: list[Any]) -> None:
+    """DDP may hand the hook a process group as its state; the bucket's
+    handle then holds it, and the cell's callbacks must not."""
+    pending: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    hook = foreign_hook(lambda state, bucket: pending)
+    cell = HookCell(init_hook_state(hook))
+    info = BucketInfo(index=0, shapes=((2,),), world_size=1, is_last=True, handle=(holder[0], 0))
+    # The test keeps neither the info nor the bucket: DDP does not either.
+    result = cell.start(hook, _Bucket(torch.zeros(2)), holder[0], info)[2]
+    del info
+    gone = _destroy_and_drop(holder)
+    assert gone() is None, _holders(gone)
+    pending.set_result(torch.full((2,), 3.0))
+    assert result.wait().tolist() == [3.0, 3.0]
+    assert [index for index, _ in cell.state.buckets] == [0]  # recorded by the callback
+
+
+def test_the_background_save_group_is_remembered_weakly(single_rank_group: None) -> None:
+    holder = [save_group(None)]
+    assert save_group(None) is holder[0]  # reused while it lives
+    gone = _destroy_and_drop(holder)
+    assert gone() is None, _holders(gone)
+    fresh = save_group(None)  # a destroyed one is replaced
+    dist.destroy_process_group(fresh)
+
+
+# ----- in fresh processes: every flow exits cleanly ------------------------------------
+
+RUNS = int(os.environ.get("ZEROFN_EXIT_RUNS", "0"))  # >0: that many runs per world size
+
+
+def _batches() -> list[str]:
+    """What the test runs (``_exit_flows.py``'s ``--batch``): about 70 s of
+    CPU, most of it interpreter teardown (about 1 s per rank)."""
+    from _exit_flows import CONTROL_FLOWS, ZEROFN_FLOWS
+
+    ours, theirs = ",".join(ZEROFN_FLOWS), ",".join(CONTROL_FLOWS)
+    return [
+        # Every flow in every run, rotated so each ends some run: 5 runs of
+        # ours (4 ranks cost the most), 3 of PyTorch's.
+        f"2,3:{RUNS or 2}:{ours}:busy,churn=12",
+        f"4:{RUNS or 1}:{ours}:busy,churn=12",
+        f"2,3,4:{RUNS or 1}:{theirs}:busy,churn=12",
+        # Many groups destroyed right after zerofn's work on them: before the
+        # fix, 6 runs in 6 aborted, with or without the busy process.
+        f"2,3,4:{RUNS or 1}:group_churn:busy,churn=60",
+        f"2:{RUNS or 1}:torch_group_churn:busy,churn=60",
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    """Every run's record (``_exit_flows.py`` prints one JSON line per run),
+    destroying the group before exit in every other run."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "_exit_flows.py"),
+            *(f"--batch={batch}" for batch in _batches()),
+            "--destroy=alternate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,  # fail here, with a message, before pytest's 240 s limit ends the run
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def _failures(records: list[dict[str, Any]]) -> str:
+    """Every rank that did not exit with 0, or whose stderr says ``terminate called``."""
+    bad = []
+    for record in records:
+        for rank, outcome in enumerate(record["ranks"]):
+            if outcome["exit"] != 0 or outcome["terminate"]:
+                bad.append(
+                    f"{record['world_size']} ranks, flows {record['flows']}, destroy "
+                    f"{record['destroy']}: rank {rank} exit {outcome['exit']}\n{outcome['stderr']}"
+                )
+    return "\n".join(bad)
+
+
+def _theirs(record: dict[str, Any]) -> bool:
+    return all(flow.startswith("torch_") for flow in record["flows"])
+
+
+def test_every_flow_exits_cleanly_on_a_loaded_machine(runs: list[dict[str, Any]]) -> None:
+    from _exit_flows import ZEROFN_FLOWS
+
+    ours = [r for r in runs if len(r["flows"]) > 1 and not _theirs(r)]
+    assert len(ours) == 2 * (RUNS or 2) + (RUNS or 1)
+    assert {r["world_size"] for r in ours} == {2, 3, 4}
+    assert all(sorted(r["flows"]) == sorted(ZEROFN_FLOWS) for r in ours)
+    assert not _failures(ours), _failures(ours)
+
+
+def test_groups_destroyed_right_after_their_work_go_cleanly(runs: list[dict[str, Any]]) -> None:
+    ours = [r for r in runs if r["flows"] == ["group_churn"]]
+    assert {r["world_size"] for r in ours} == {2, 3, 4}
+    assert not _failures(ours), _failures(ours)
+
+
+def test_pytorchs_own_flows_exit_cleanly_the_same_way(runs: list[dict[str, Any]]) -> None:
+    """The control: had it failed, an abort left would be PyTorch's own."""
+    theirs = [r for r in runs if _theirs(r)]
+    assert {r["world_size"] for r in theirs} == {2, 3, 4}
+    assert not _failures(theirs), _failures(theirs)
