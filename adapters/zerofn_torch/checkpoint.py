@@ -194,8 +194,11 @@ def _verify(optimizer: ZeroRedundancyOptimizer, path: str) -> tuple[list[str], A
     if manifest is None:
         return [problem or "no manifest"], None, {}
     sizes = _listing(path)
-    hashes = {files.METADATA: files.sha256(os.path.join(path, files.METADATA))}
-    hashes = hashes if files.METADATA in sizes else {}
+    hashes = (
+        {files.METADATA: files.sha256(os.path.join(path, files.METADATA))}
+        if files.METADATA in sizes
+        else {}
+    )
     problems = check_model(manifest, shapes(optimizer), group_sizes(optimizer))
     if problems:
         return problems, None, {}
@@ -204,9 +207,12 @@ def _verify(optimizer: ZeroRedundancyOptimizer, path: str) -> tuple[list[str], A
         # Only on a defect: every file's hash tells damage from swapped files
         # or another save's manifest.
         everything = {
-            n: files.sha256(os.path.join(path, n))
-            for n in sizes
-            if n in hashes or is_checkpoint_file(n)
+            **hashes,
+            **{
+                n: files.sha256(os.path.join(path, n))
+                for n in sizes
+                if is_checkpoint_file(n) and n not in hashes
+            },
         }
         return check_files(manifest, sizes, everything), None, {}
     metadata = FileSystemReader(path).read_metadata()

@@ -124,7 +124,7 @@ class PowerSGDBucketState:
         """The bucket's error as PyTorch keeps it: flat over the whole bucket,
         zeros for parameters without one (sent uncompressed), padding last for
         the batched hook; ``None`` when no parameter remembers one."""
-        if self.error is None:
+        if all(m is None or m.error is None for m in self.params):
             return None
         parts = []
         for j, shape in enumerate(self.shapes):
