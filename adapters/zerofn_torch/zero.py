@@ -20,7 +20,15 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
+from zerofn.blockquant import BlockQuantizer
+from zerofn.zero.compressed_exchange import (
+    CompressedExchange,
+    compressed_exchange,
+    compression_master_dtype,
+    resolve_compression,
+)
 from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.masters import Masters, make_masters, with_masters, without_masters
 from zerofn.zero.optimizers import check_elementwise
 from zerofn.zero.params import (
     StateDict,
@@ -39,10 +47,15 @@ from zerofn.zero.precision import (
 )
 from zerofn.zero.shard_state import consolidate, shard, validate_global
 from zerofn.zero.shards import Shards, shards_for
-from zerofn.zero.step import LocalStep, run_zero_step
+from zerofn.zero.step import (
+    Compressed,
+    LocalStep,
+    load_step_grads,
+    run_zero_step,
+    settle_masters,
+)
 from zerofn_torch.comm import all_gather_objects, drive, gather_objects
 from zerofn_torch.join import Join, JoinHook
-from zerofn_torch.masters import Masters, make_masters, with_masters, without_masters
 
 __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 
@@ -197,6 +210,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             state live in it, and the result is cast back into the
             parameters before the exchange. ``None`` (the default), or the
             parameters' own dtype, keeps no copy.
+        exchange_compression: ``None`` (the default: the exact exchange),
+            ``"int8"``, ``"int4"`` or a :class:`zerofn.blockquant.BlockQuantizer`:
+            send each shard's difference from the replica every rank holds,
+            block-quantized, instead of its values. The owner keeps the exact
+            values (a master copy, in ``master_dtype`` or float32) and every
+            rank applies the same decoded differences, so the parameters stay
+            bitwise identical on every rank and within half a quantization
+            step of the masters (see ``docs/compressed_exchange.md``). Not
+            with ``overlap_with_ddp=True``.
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
@@ -207,7 +229,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             manual partition (one that leaves a trainable parameter to no rank
             included); ``partition="flat"`` with a non-element-wise optimizer;
             ``master_dtype`` narrower than the parameters; a value in
-            ``**defaults`` that ``optimizer_class`` refuses (``lr=-1``).
+            ``**defaults`` that ``optimizer_class`` refuses (``lr=-1``); an
+            unknown ``exchange_compression``, compression of non-float
+            parameters or with ``overlap_with_ddp=True``.
         RuntimeError: a manual partition, or ``overlap_with_ddp=True``, with
             more than one param group.
     """
@@ -223,12 +247,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         partition: str | Sequence[Sequence[torch.Tensor]] = "greedy",
         elementwise: bool = False,
         master_dtype: torch.dtype | None = None,
+        exchange_compression: str | BlockQuantizer | None = None,
         **defaults: Any,
     ) -> None:
         groups = normalize_params(params)
         _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
         first = groups[0]["params"][0]
-        self._master_dtype = resolve_master_dtype(first.dtype, master_dtype)
+        self._quantizer = resolve_compression(exchange_compression, first.dtype)
+        if self._quantizer is not None and overlap_with_ddp:
+            raise ValueError(
+                "exchange_compression applies to step()'s exchange; with overlap_with_ddp=True "
+                "the DDP hook moves the shards: leave exchange_compression=None"
+            )
+        self._master_dtype = (
+            resolve_master_dtype(first.dtype, master_dtype)
+            if self._quantizer is None
+            else compression_master_dtype(first.dtype, master_dtype)
+        )
         probe = torch.zeros(1, dtype=self._master_dtype or first.dtype, device=first.device)
         _check_local_optimizer(groups, optimizer_class, defaults, probe)
         self._masters: Masters | None = None
@@ -258,7 +293,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             partition = [[] for _ in range(self.world_size)]
             partition[self.rank] = [self._all_params[i] for i in everything]
         self._plan = self._new_plan(partition)
-        self._shards = self._new_shards(rebuilt=False)
+        self._set_shards(rebuilt=False)
         self.optim: Optimizer = self._new_local_optimizer()
         _copyhyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
@@ -321,11 +356,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             manual.append(indices)
         return plan_shards(group_sizes, keys, trainable, self.world_size, "greedy", manual)
 
-    def _new_shards(self, rebuilt: bool) -> Shards:
+    def _set_shards(self, rebuilt: bool) -> None:
         """How this rank holds its shard under the current plan (see
-        :mod:`zerofn.zero.shards`): the mode, and its exchange buffers."""
+        :mod:`zerofn.zero.shards`): the mode, its exchange buffers and, with
+        compression, the payload buffers."""
         params = self._all_params
-        return shards_for(
+        self._exchange: CompressedExchange | None = (
+            None
+            if self._quantizer is None
+            else compressed_exchange(self._quantizer, self._plan, self._default_device)
+        )
+        self._shards: Shards = shards_for(
             self._plan,
             self.rank,
             params,
@@ -354,19 +395,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             "rebuilding the exchange buffers"
         )
         self._plan = plan
-        self._shards = self._new_shards(rebuilt=True)
+        self._set_shards(rebuilt=True)
 
     def _load_step_grads(self, unscale: float = 1.0) -> None:
         """Hand the local optimizer this step's gradients: the masters get
         them upcast (times ``unscale``), a flat shard's chunks get views of
         the parameters' gradients; owned whole parameters hold their own."""
-        params = self._all_params
-        if self._masters is not None:
-            low = self._masters.low
-            self._masters.load_grads(self._shards.local_grads(params, low), unscale)
-        else:
-            local = [t for g in self.optim.param_groups for t in g["params"]]
-            self._shards.hand_grads(params, local)
+        local = [t for g in self.optim.param_groups for t in g["params"]]
+        load_step_grads(self._shards, self._all_params, local, self._masters, unscale)
 
     def _prepare_step(self) -> None:
         Join.notify_join_context(self)
@@ -400,9 +436,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return None
         if closure is not None and self._masters is not None:
             raise ValueError(
-                "step(closure) with master_dtype: the closure's gradients would land on the "
-                "low-precision parameters after the masters read them; run forward and "
-                "backward before step() instead"
+                "step(closure) with master copies (master_dtype or exchange_compression): the "
+                "closure's gradients would land on the parameters after the masters read them; "
+                "run forward and backward before step() instead"
             )
         self._prepare_step()
 
@@ -411,11 +447,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             loss = (
                 self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
             )
-            if self._masters is not None:
-                self._masters.write_back()
+            settle_masters(self._masters, compressed=self._exchange is not None)
             return loss
 
-        program = run_zero_step(self._shards, self._all_params, self._via, local_step)
+        compressed = None
+        if self._exchange is not None:
+            assert self._masters is not None
+            compressed = Compressed(self._exchange, self._masters.master)
+        program = run_zero_step(self._shards, self._all_params, self._via, local_step, compressed)
         done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
         _copyhyperparameters(self.optim.param_groups, self.param_groups)
         return done.wait()
@@ -568,7 +607,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for name, default in self.optim.defaults.items():
             self.param_groups[-1].setdefault(name, default)
         self._plan = self._new_plan(self._plan.mode)
-        self._shards = self._new_shards(rebuilt=True)
+        self._set_shards(rebuilt=True)
         if moved:
             assert old_state is not None
             old_state["param_groups"].append(hyperparameters(self.param_groups[-1]))
@@ -814,7 +853,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         synced = {i for ranks in owned for i in ranks}
         trainable = tuple(i in synced for i in range(len(params)))
         self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned], trainable)
-        self._shards = self._new_shards(rebuilt=False)
+        self._set_shards(rebuilt=False)
         self.optim = self._new_local_optimizer()
         self._load_global_state(full_state)
         self._overlap_sharded = True
@@ -843,7 +882,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``master_weights`` (this rank's master copies; zero without
             ``master_dtype``), ``optimizer_state`` (tensors in the local
             optimizer's state) and ``exchange_buffers`` (buffer bytes no
-            parameter lives in: zero with ``parameters_as_bucket_view``).
+            parameter lives in: zero with ``parameters_as_bucket_view``; with
+            ``exchange_compression``, plus the payload buffers).
         """
         params = self._all_params
         aliased = 0
@@ -861,7 +901,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 for v in state.values()
                 if isinstance(v, torch.Tensor)
             ),
-            "exchange_buffers": sum(_nbytes(b) for b in self._shards.buffers) - aliased,
+            "exchange_buffers": sum(_nbytes(b) for b in self._shards.buffers)
+            - aliased
+            + (self._exchange.nbytes() if self._exchange is not None else 0),
         }
 
     # ----- Join ---------------------------------------------------------------

@@ -27,26 +27,46 @@ from typing import Any
 import attrs
 import torch
 
-from zerofn.comm import Request, watched
+from zerofn.blockquant import BlockQuantizer
+from zerofn.comm import Program, Request, watched
 from zerofn.testing.world import run_programs
+from zerofn.zero.compressed_exchange import (
+    compressed_exchange,
+    compression_master_dtype,
+    resolve_compression,
+)
 from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.masters import Masters, make_masters
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan
+from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.shards import WholeTensorShards, shards_for
-from zerofn.zero.step import LocalStep, run_zero_step
+from zerofn.zero.step import Compressed, LocalStep, load_step_grads, run_zero_step, settle_masters
 
-__all__ = ["simulate_zero_steps"]
+__all__ = ["SimulatedRank", "simulate_zero_steps", "simulated_ranks", "step_simulated"]
 
 
 @attrs.define(eq=False)
-class _SimulatedRank:
+class SimulatedRank:
     """One simulated rank of the plain step: its own copy of the parameters,
-    the mode's record (:mod:`zerofn.zero.shards`, as the optimizer builds it)
-    and a local optimizer over the same local tensors the optimizer steps."""
+    the mode's record (:mod:`zerofn.zero.shards`, as the optimizer builds it),
+    a local optimizer over the same local tensors the optimizer steps, and
+    the master copies and compressed exchange when the optimizer keeps them.
+
+    Attributes:
+        params: this rank's parameters (the replica).
+        shards: the mode's record, with its exchange buffers.
+        optimizer: the local optimizer.
+        masters: the master copies (``master_dtype`` or a compressed
+            exchange), or ``None``.
+        compressed: the compressed exchange's buffers and masters, or ``None``.
+    """
 
     params: list[torch.Tensor]
     shards: WholeTensorShards
     optimizer: torch.optim.Optimizer
+    masters: Masters | None = None
+    compressed: Compressed | None = None
 
     def local_step(self, grads: Sequence[torch.Tensor | None]) -> Callable[[LocalStep], Any]:
         """The answer to the program's :class:`LocalStep`: this step's
@@ -57,35 +77,106 @@ class _SimulatedRank:
             for param, grad in zip(self.params, grads, strict=True):
                 param.grad = None if grad is None else grad.clone()
             local = [t for g in self.optimizer.param_groups for t in g["params"]]
-            self.shards.hand_grads(self.params, local)
-            return self.optimizer.step()
+            load_step_grads(self.shards, self.params, local, self.masters)
+            loss = self.optimizer.step()
+            settle_masters(self.masters, self.compressed is not None)
+            return loss
 
         return answer
 
+    def program(self, grads: Sequence[torch.Tensor | None], via: ExchangeVia) -> Program[Any]:
+        """This rank's step program, its local step answered here."""
+        return run_zero_step(self.shards, self.params, via, self.local_step(grads), self.compressed)
 
-def _simulated_rank(
+
+def simulated_ranks(
     plan: ShardPlan,
-    rank: int,
     params: Sequence[torch.Tensor],
-    bucket_view: bool,
     optimizer_class: type[torch.optim.Optimizer],
-    defaults: dict[str, Any],
-) -> _SimulatedRank:
-    mine = [p.detach().clone() for p in params]
-    shards = shards_for(
-        plan,
-        rank,
-        mine,
-        bucket_view=bucket_view,
-        stepped_by_hook=False,
-        step_dtype=mine[0].dtype,
-        options=defaults,
-    )
+    bucket_view: bool | None = None,
+    master_dtype: torch.dtype | None = None,
+    exchange_compression: str | BlockQuantizer | None = None,
+    **defaults: Any,
+) -> list[SimulatedRank]:
+    """``plan.world_size`` simulated ranks, built as the optimizer builds its
+    own (same mode record, local tensors, masters and payload buffers).
+
+    Args:
+        plan: the shard plan (one param group per group of ``params``).
+        params: the global parameters' initial values (copied per rank).
+        optimizer_class: the local optimizer every rank runs on its shard.
+        bucket_view: parameters as views of the exchange buffers (``None``:
+            the optimizer's default, on for a flat partition).
+        master_dtype: keep master copies in this dtype.
+        exchange_compression: as ``ZeroRedundancyOptimizer``'s.
+        **defaults: the optimizer's hyperparameters.
+
+    Raises:
+        ValueError, TypeError: a bad ``master_dtype`` or compression.
+    """
+    dtype = params[0].dtype
+    quantizer = resolve_compression(exchange_compression, dtype)
+    if quantizer is not None:
+        wide: torch.dtype | None = compression_master_dtype(dtype, master_dtype)
+    else:
+        wide = resolve_master_dtype(dtype, master_dtype)
+    view = isinstance(plan.partition, FlatPartition) if bucket_view is None else bucket_view
     sizes = [len(group) for group in plan.partition.group_sizes]
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
-    groups = [{"params": mine[start : start + n]} for start, n in zip(starts, sizes, strict=True)]
-    optimizer = optimizer_class(shards.local_groups(groups, mine), **defaults)
-    return _SimulatedRank(mine, shards, optimizer)
+    ranks = []
+    for rank in range(plan.world_size):
+        mine = [p.detach().clone() for p in params]
+        shards = shards_for(
+            plan,
+            rank,
+            mine,
+            bucket_view=view,
+            stepped_by_hook=False,
+            step_dtype=wide or dtype,
+            options=defaults,
+        )
+        groups = [{"params": mine[a : a + n]} for a, n in zip(starts, sizes, strict=True)]
+        local = shards.local_groups(groups, mine)
+        masters = None
+        if wide is not None:
+            local, masters = make_masters(local, wide)
+        compressed = None
+        if quantizer is not None:
+            assert masters is not None
+            exchange = compressed_exchange(quantizer, plan, mine[0].device)
+            compressed = Compressed(exchange, masters.master)
+        ranks.append(
+            SimulatedRank(mine, shards, optimizer_class(local, **defaults), masters, compressed)
+        )
+    return ranks
+
+
+def step_simulated(
+    ranks: Sequence[SimulatedRank],
+    grads: Sequence[torch.Tensor | None],
+    via: ExchangeVia = "broadcasts",
+) -> list[list[Request]]:
+    """One ZeRO step on every simulated rank (the production program).
+
+    Args:
+        ranks: the simulated ranks (:func:`simulated_ranks`).
+        grads: every parameter's averaged gradient (what DDP hands every
+            rank), or ``None`` for one without.
+        via: how the exchange moves its bytes.
+
+    Returns:
+        The requests each rank made.
+
+    Raises:
+        zerofn.testing.world.CollectiveMismatch: if the ranks' exchanges differ.
+    """
+    requests: list[list[Request]] = [[] for _ in ranks]
+    programs = [
+        watched(sim.program(grads, via), seen.append)
+        for sim, seen in zip(ranks, requests, strict=True)
+    ]
+    run_programs(programs, purpose="the simulated ZeRO step")
+    return requests
 
 
 def simulate_zero_steps(
@@ -111,7 +202,8 @@ def simulate_zero_steps(
         via: how the exchange moves its bytes.
         bucket_view: parameters as views of the exchange buffers (``None``:
             the optimizer's default, on for a flat partition).
-        **defaults: the optimizer's hyperparameters.
+        **defaults: the optimizer's hyperparameters, and ``master_dtype`` or
+            ``exchange_compression`` (see :func:`simulated_ranks`).
 
     Returns:
         ``(params_per_rank, requests_per_rank)``: every rank's parameters
@@ -120,14 +212,9 @@ def simulate_zero_steps(
     Raises:
         zerofn.testing.world.CollectiveMismatch: if the ranks' exchanges differ.
     """
-    world = range(plan.world_size)
-    view = isinstance(plan.partition, FlatPartition) if bucket_view is None else bucket_view
-    ranks = [_simulated_rank(plan, r, params, view, optimizer_class, defaults) for r in world]
-    requests: list[list[Request]] = [[] for _ in world]
+    ranks = simulated_ranks(plan, params, optimizer_class, bucket_view, **defaults)
+    requests: list[list[Request]] = [[] for _ in ranks]
     for grads in grads_per_step:
-        programs = [
-            watched(run_zero_step(sim.shards, sim.params, via, sim.local_step(grads)), seen.append)
-            for sim, seen in zip(ranks, requests, strict=True)
-        ]
-        run_programs(programs, purpose="the simulated ZeRO step")
+        for seen, made in zip(requests, step_simulated(ranks, grads, via), strict=True):
+            seen.extend(made)
     return [sim.params for sim in ranks], requests

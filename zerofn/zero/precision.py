@@ -12,8 +12,9 @@ functions of their inputs:
 - :class:`LossScaleConfig`, :class:`LossScaleState`, :func:`update_loss_scale`:
   dynamic loss scaling for fp16, as a state machine.
 
-The tensors stay in the adapter (``zerofn_torch.masters``,
-``zerofn_torch.loss_scaling``).
+The master copies themselves are :mod:`zerofn.zero.masters` (the simulated
+world keeps them too); the loss scaler's tensors stay in the adapter
+(``zerofn_torch.loss_scaling``).
 """
 
 from __future__ import annotations

@@ -126,6 +126,13 @@ class WholeTensorShards:
         """This step's gradient of each local tensor."""
         return [t.grad for t in local]
 
+    def local_sources(self, params: Sequence[torch.Tensor]) -> list[ChunkSource | None]:
+        """Where each local tensor comes from, in the local optimizer's order:
+        ``(parameter, first element, element count)``, or ``None`` for a
+        placeholder standing for an empty group."""
+        owned = self.plan.partition.assignment[self.rank]  # type: ignore[union-attr]
+        return [(i, 0, params[i].numel()) for indices in owned for i in indices]
+
     def hand_grads(self, params: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
         """Give each local tensor (what the local optimizer steps) this
         step's gradient, read from the parameters' ``.grad`` (``local``'s
@@ -233,6 +240,10 @@ class FlatShards(WholeTensorShards):
                 else:
                     out.append(grad.detach().reshape(-1)[start : start + numel])
         return out
+
+    def local_sources(self, params: Sequence[torch.Tensor]) -> list[ChunkSource | None]:
+        # An empty group steps one empty view (see local_groups).
+        return [source for sources in self.sources for source in (sources or (None,))]
 
     def refresh(self, params: Sequence[torch.Tensor]) -> None:
         """Copy the owned pieces into this rank's segment (written in place),

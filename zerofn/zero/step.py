@@ -13,7 +13,10 @@ very same program on simulated ranks, each answering with its own.
 
 Where the parameters are views of the exchange buffers (``bucket_view``) the
 packing and unpacking are no-ops of the mode's record
-(:mod:`zerofn.zero.shards`); the program's order does not change.
+(:mod:`zerofn.zero.shards`); the program's order does not change. With a
+compressed exchange (:class:`Compressed`) the local step moves only the
+masters, and the exchange sends their quantized difference from the
+parameters (:mod:`zerofn.zero.compressed_exchange`).
 """
 
 from __future__ import annotations
@@ -25,10 +28,20 @@ import attrs
 import torch
 
 from zerofn.comm import Program, Request, answering
+from zerofn.zero.compressed_exchange import CompressedExchange, compressed_exchange_program
 from zerofn.zero.exchange import ExchangeVia, exchange_program
+from zerofn.zero.masters import Masters
 from zerofn.zero.shards import WholeTensorShards
 
-__all__ = ["LocalStep", "StepProgram", "run_zero_step", "zero_step"]
+__all__ = [
+    "Compressed",
+    "LocalStep",
+    "StepProgram",
+    "load_step_grads",
+    "run_zero_step",
+    "settle_masters",
+    "zero_step",
+]
 
 R = TypeVar("R")
 
@@ -52,8 +65,61 @@ StepProgram = Generator[Request | LocalStep, Any, R]
 """A program that asks for collectives and for local steps."""
 
 
+@attrs.frozen(eq=False)
+class Compressed:
+    """What a compressed exchange needs besides the shards.
+
+    Attributes:
+        exchange: the payload buffers (:mod:`zerofn.zero.compressed_exchange`).
+        masters: the exact values the local optimizer steps, in its order;
+            the local step must leave the parameters (the replica) alone.
+    """
+
+    exchange: CompressedExchange
+    masters: Sequence[torch.Tensor]
+
+
+def load_step_grads(
+    shards: WholeTensorShards,
+    params: Sequence[torch.Tensor],
+    local: Sequence[torch.Tensor],
+    masters: Masters | None,
+    unscale: float = 1.0,
+) -> None:
+    """Hand what the local optimizer steps this step's gradients: the
+    masters get them upcast (times ``unscale``); without masters the local
+    tensors get theirs (:meth:`~zerofn.zero.shards.WholeTensorShards.hand_grads`).
+
+    Args:
+        shards: the mode's record.
+        params: every parameter, holding this step's ``.grad``.
+        local: the local optimizer's tensors, in its order.
+        masters: the master copies, when kept.
+        unscale: a factor for the masters' gradients (loss scaling).
+    """
+    if masters is not None:
+        masters.load_grads(shards.local_grads(params, masters.low), unscale)
+    else:
+        shards.hand_grads(params, local)
+
+
+def settle_masters(masters: Masters | None, compressed: bool) -> None:
+    """After the local step: cast the masters into what the exchange sends,
+    or, with a compressed exchange, leave that to the exchange (the replica
+    moves only by the differences every rank applies). Their gradients go."""
+    if masters is None:
+        return
+    if compressed:
+        masters.drop_grads()
+    else:
+        masters.write_back()
+
+
 def zero_step(
-    shards: WholeTensorShards, params: Sequence[torch.Tensor], via: ExchangeVia
+    shards: WholeTensorShards,
+    params: Sequence[torch.Tensor],
+    via: ExchangeVia,
+    compressed: Compressed | None = None,
 ) -> StepProgram[Any]:
     """One plain ZeRO step on rank ``shards.rank``.
 
@@ -63,6 +129,8 @@ def zero_step(
         params: every parameter, in the optimizer's order; handed over: the
             other ranks' updates are written into them.
         via: how the exchange moves its bytes.
+        compressed: send quantized differences of the masters instead of the
+            updated values (``None``: the exact exchange).
 
     Returns:
         A program: one :class:`LocalStep`, then one exchange request per
@@ -74,8 +142,13 @@ def zero_step(
     shards.refresh(params)
     loss = yield LocalStep(shards.rank)
     shards.pack_own(params)
-    yield from exchange_program(shards.plan.layouts, shards.buffers, shards.rank, via)
-    shards.unpack_arrived(params)
+    if compressed is None:
+        yield from exchange_program(shards.plan.layouts, shards.buffers, shards.rank, via)
+        shards.unpack_arrived(params)
+    else:
+        yield from compressed_exchange_program(
+            shards, params, compressed.masters, compressed.exchange, via
+        )
     return loss
 
 
@@ -84,7 +157,8 @@ def run_zero_step(
     params: Sequence[torch.Tensor],
     via: ExchangeVia,
     local_step: Callable[[LocalStep], Any],
+    compressed: Compressed | None = None,
 ) -> Program[Any]:
     """:func:`zero_step` with its local step answered by ``local_step``: a
     program of collectives only, for a driver or the simulated world."""
-    return answering(zero_step(shards, params, via), LocalStep, local_step)
+    return answering(zero_step(shards, params, via, compressed), LocalStep, local_step)

@@ -1,0 +1,205 @@
+"""The compressed ZeRO exchange in the pure core: the block codec's bounds and
+bytes, and the production step program (``zerofn.zero.step.zero_step``, run
+by ``zerofn.testing.zero`` on simulated ranks) keeping every replica
+identical with a bounded, non-accumulating distance from the masters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerofn.blockquant import BlockQuantizer, quantizer_for
+from zerofn.comm import GatherSegments
+from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
+from zerofn.zero.compressed_exchange import (
+    compression_master_dtype,
+    exchange_bytes,
+    resolve_compression,
+)
+from zerofn.zero.plan import plan_shards
+
+quantizers = st.builds(
+    BlockQuantizer, st.sampled_from([8, 4]), st.sampled_from([2, 4, 16, 64, 128])
+)
+
+
+def block_scales(q: BlockQuantizer, payload: torch.Tensor, numel: int) -> torch.Tensor:
+    """Each element's block scale, read back from a payload."""
+    scales = payload[: q.blocks(numel) * 4].view(torch.float32)
+    return scales.repeat_interleave(q.block)[:numel]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    q=quantizers,
+    numel=st.integers(0, 700),
+    seed=st.integers(0, 2**16),
+    spread=st.floats(1e-6, 1e4),
+)
+def test_round_trip_error_is_within_half_a_step_per_block(
+    q: BlockQuantizer, numel: int, seed: int, spread: float
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(numel, generator=g) * torch.rand(numel, generator=g) * spread
+    payload = torch.empty(q.payload_nbytes(numel), dtype=torch.uint8)
+    q.encode(values, payload)
+    decoded = q.decode(payload, numel)
+    scales = block_scales(q, payload, numel)
+    assert ((values - decoded).abs() <= scales / 2 * (1 + 1e-6)).all()
+    # Scales are the blocks' largest magnitudes over the largest code.
+    if numel:
+        first = values[: q.block].abs().max() / q.qmax
+        assert torch.allclose(scales[0], first)
+    # The bytes are the codes, the scales and padding to 4.
+    codes = numel if q.bits == 8 else (numel + 1) // 2
+    assert q.payload_nbytes(numel) - (q.blocks(numel) * 4 + codes) in range(4)
+
+
+def test_an_all_zero_block_decodes_to_zeros() -> None:
+    q = quantizer_for("int4", block=4)
+    values = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -2.0, 0.5])
+    payload = torch.empty(q.payload_nbytes(7), dtype=torch.uint8)
+    q.encode(values, payload)
+    decoded = q.decode(payload, 7)
+    assert torch.equal(decoded[:4], torch.zeros(4))
+    assert decoded[5] == -2.0
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: quantizer_for("int2"), ValueError),
+        (lambda: BlockQuantizer(4, 127), ValueError),
+        (lambda: BlockQuantizer(6, 128), ValueError),  # type: ignore[arg-type]
+        (lambda: BlockQuantizer(8, 1), ValueError),
+        (lambda: resolve_compression("int8", torch.int64), ValueError),
+        (lambda: resolve_compression(8, torch.float32), TypeError),
+        (lambda: compression_master_dtype(torch.float32, torch.bfloat16), ValueError),
+    ],
+)
+def test_bad_compressions_are_refused(make: object, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        make()  # type: ignore[operator]
+
+
+def test_a_payload_of_the_wrong_length_is_refused() -> None:
+    q = quantizer_for("int8")
+    with pytest.raises(ValueError, match="payload of"):
+        q.encode(torch.zeros(10), torch.empty(3, dtype=torch.uint8))
+
+
+def gap_and_bound(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element of the rank's own segment: |master - replica|, and the
+    bound the last difference allows (half its block's step, plus one
+    rounding of the replica's dtype)."""
+    assert rank.masters is not None and rank.compressed is not None
+    gaps, bounds = [], []
+    q = rank.compressed.exchange.quantizer
+    layout = rank.shards.plan.layouts[0]
+    own = layout.segments[rank.shards.rank]
+    scales = block_scales(q, rank.compressed.exchange.parts(0)[rank.shards.rank], own.length)
+    sources = rank.shards.local_sources(rank.params)
+    eps = torch.finfo(rank.params[0].dtype).eps
+    for master, source in zip(rank.masters.master, sources, strict=True):
+        if source is None:
+            continue
+        param, start, numel = source
+        replica = rank.params[param].detach().reshape(-1)[start : start + numel].double()
+        slot = next(
+            s
+            for s in layout.slots[rank.shards.rank]
+            if s.piece.param == param and s.piece.start <= start < s.piece.stop
+        )
+        lo = slot.offset - own.offset + start - slot.piece.start
+        gaps.append((master.detach().reshape(-1).double() - replica).abs())
+        bounds.append(scales[lo : lo + numel].double() / 2 * (1 + 1e-5) + replica.abs() * eps)
+    return torch.cat(gaps), torch.cat(bounds)
+
+
+def distance(rank: SimulatedRank) -> torch.Tensor:
+    """How far each element is inside (negative) or beyond its bound."""
+    gap, bound = gap_and_bound(rank)
+    return gap - bound
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    mode=st.sampled_from(["greedy", "balanced", "flat"]),
+    world=st.integers(1, 4),
+    compression=st.sampled_from(["int8", "int4"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    sizes=st.lists(st.integers(1, 90), min_size=1, max_size=5),
+    bucket_view=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_replicas_stay_identical_and_close_to_the_masters(
+    mode: str,
+    world: int,
+    compression: str,
+    dtype: torch.dtype,
+    sizes: list[int],
+    bucket_view: bool,
+    seed: int,
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    plan = plan_shards([sizes], ["k"] * len(sizes), [True] * len(sizes), world, mode)  # type: ignore[arg-type]
+    ranks = simulated_ranks(
+        plan,
+        params,
+        torch.optim.Adam,
+        bucket_view=bucket_view,
+        exchange_compression=compression,
+        lr=0.05,
+    )
+    planned = exchange_bytes(quantizer_for(compression), plan)
+    for _ in range(12):
+        grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+        requests = step_simulated(ranks, grads)
+        for other in ranks[1:]:
+            assert all(
+                torch.equal(a, b) for a, b in zip(ranks[0].params, other.params, strict=True)
+            )
+        for rank in ranks:
+            if rank.shards.plan.layouts[0].segments[rank.shards.rank].length:
+                assert (distance(rank) <= 0).all()
+        sent = [r for r in requests[0] if isinstance(r, GatherSegments)]
+        assert sum(sum(t.numel() for t in r.segments) for r in sent) == planned
+
+
+def test_the_error_does_not_accumulate_over_many_steps() -> None:
+    """A thousand steps of small updates: the replica's distance from the
+    master stays at the size of one step's rounding, while the masters
+    travel far further than that."""
+    sizes = [300, 77]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=g) for n in sizes]
+    plan = plan_shards([sizes], ["k", "k"], [True, True], 2, "flat")
+    ranks = simulated_ranks(plan, params, torch.optim.SGD, exchange_compression="int4", lr=1e-3)
+    worst = []
+    for _ in range(1000):
+        step_simulated(ranks, [torch.randn(n, generator=g) for n in sizes])
+        worst.append(max(gap_and_bound(r)[0].max().item() for r in ranks))
+    moved = max((a - b).abs().max().item() for a, b in zip(ranks[0].params, params, strict=True))
+    # int4 steps are 1/14 of a block's largest difference (about one SGD
+    # update, 1e-3 * |grad|): the gap stays near that, flat over time.
+    assert max(worst[500:]) <= 1.5 * max(worst[:500])
+    assert max(worst) < 2e-3 < moved
+
+
+def test_a_rank_without_gradients_still_sends_its_residual() -> None:
+    """A step where nobody has gradients (Join's shadow step) leaves the
+    masters where they are and moves the replicas towards them."""
+    params = [torch.randn(50), torch.randn(30)]
+    plan = plan_shards([[50, 30]], ["k", "k"], [True, True], 2, "greedy")
+    ranks = simulated_ranks(plan, params, torch.optim.Adam, exchange_compression="int4", lr=0.1)
+    step_simulated(ranks, [torch.randn(50), torch.randn(30)])
+    before = [[m.clone() for m in r.masters.master] for r in ranks]  # type: ignore[union-attr]
+    gap_before = max(d.max().item() for d in map(distance, ranks))
+    step_simulated(ranks, [None, None])
+    for r, kept in zip(ranks, before, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(r.masters.master, kept, strict=True))  # type: ignore[union-attr]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0].params, ranks[1].params, strict=True))
+    assert max(d.max().item() for d in map(distance, ranks)) <= max(gap_before, 0.0)

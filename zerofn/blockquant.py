@@ -1,0 +1,184 @@
+"""Blockwise symmetric quantization: int8 or int4 codes, one scale per block.
+
+A vector is cut into blocks of ``block`` elements (the last one shorter);
+each block is sent as its scale (``float32``: the block's largest magnitude
+over the largest code) and one signed code per element, ``round(x / scale)``.
+Decoding multiplies back, so every element comes back within half a scale
+of where it was:
+
+    ``|x - decode(encode(x))| <= max|block| / (2 * qmax)``
+
+with ``qmax = 127`` for int8 and ``7`` for int4 (codes ``-7..7``, stored with
+an offset of 8, two per byte). One payload of bytes carries both, scales
+first so that they stay aligned::
+
+    [ scales: float32 x blocks | codes: numel (int8) or ceil(numel / 2) (int4) | pad to 4 ]
+
+The compressed ZeRO exchange (:mod:`zerofn.zero.compressed_exchange`) and
+DiLoCo's compressed sync both send these payloads. Decoding is a pure
+function of the payload's bytes, so every rank that decodes the same payload
+gets the same values, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+import torch
+
+__all__ = ["BlockQuantizer", "quantizer_for"]
+
+_SCALE_BYTES = 4
+
+
+def _check_bits(_: object, __: object, value: object) -> None:
+    if value not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {value!r}")
+
+
+def _check_block(instance: BlockQuantizer, _: object, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise ValueError(f"block must be an int >= 2, got {value!r}")
+    if instance.bits == 4 and value % 2:
+        raise ValueError(
+            f"int4 packs two codes per byte, so its block must be even, got {value}; "
+            "use an even block size"
+        )
+
+
+@attrs.frozen
+class BlockQuantizer:
+    """How a vector is quantized: code width and block length.
+
+    Attributes:
+        bits: 8 (codes -127..127) or 4 (codes -7..7, two per byte).
+        block: elements per scale; even for int4. Longer blocks cost fewer
+            scale bytes (4 per block) and a coarser step where magnitudes vary.
+    """
+
+    bits: Literal[8, 4] = attrs.field(validator=_check_bits)
+    block: int = attrs.field(default=128, validator=_check_block)
+
+    @property
+    def qmax(self) -> int:
+        """The largest code magnitude."""
+        return 127 if self.bits == 8 else 7
+
+    def blocks(self, numel: int) -> int:
+        """How many blocks (scales) ``numel`` elements need."""
+        return -(-numel // self.block)
+
+    def code_nbytes(self, numel: int) -> int:
+        """The bytes of ``numel`` elements' codes."""
+        return numel if self.bits == 8 else -(-numel // 2)
+
+    def payload_nbytes(self, numel: int) -> int:
+        """The bytes of one payload for ``numel`` elements: scales, codes and
+        padding to a multiple of 4 (so that payloads laid end to end keep
+        their scales aligned)."""
+        raw = self.blocks(numel) * _SCALE_BYTES + self.code_nbytes(numel)
+        return -(-raw // _SCALE_BYTES) * _SCALE_BYTES
+
+    def _parts(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(
+                f"a payload is a 1-D uint8 tensor, got {payload.dtype} {payload.shape}"
+            )
+        if payload.numel() != self.payload_nbytes(numel):
+            raise ValueError(
+                f"{numel} elements need a payload of {self.payload_nbytes(numel)} bytes, "
+                f"got {payload.numel()}"
+            )
+        scale_bytes = self.blocks(numel) * _SCALE_BYTES
+        scales = payload[:scale_bytes].view(torch.float32)
+        codes = payload[scale_bytes : scale_bytes + self.code_nbytes(numel)]
+        return scales, codes
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Quantize ``values`` into ``out``.
+
+        Args:
+            values: a 1-D floating-point tensor (computed in ``float32``).
+            out: a 1-D ``uint8`` tensor of :meth:`payload_nbytes` bytes,
+                written in place (its start 4-byte aligned).
+
+        Raises:
+            ValueError: ``out`` has the wrong dtype or length, or ``values``
+                is not a 1-D floating-point tensor.
+        """
+        if values.dim() != 1 or not values.is_floating_point():
+            raise ValueError(
+                f"values must be a 1-D float tensor, got {values.dtype} {values.shape}"
+            )
+        numel = values.numel()
+        scales, codes = self._parts(out, numel)
+        if numel == 0:
+            return
+        padded = values.new_zeros(self.blocks(numel) * self.block, dtype=torch.float32)
+        padded[:numel] = values
+        rows = padded.view(-1, self.block)
+        scales.copy_(rows.abs().amax(dim=1).div_(self.qmax))
+        # An all-zero block has scale 0: its codes are 0, not 0/0.
+        inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
+        q = rows.mul(inverse.unsqueeze(1)).round_().clamp_(-self.qmax, self.qmax)
+        flat = q.view(-1)[:numel].to(torch.int8)
+        if self.bits == 8:
+            codes.copy_(flat.view(torch.uint8))
+            return
+        nibbles = (flat + 8).to(torch.uint8)
+        if numel % 2:
+            nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
+        pairs = nibbles.view(-1, 2)
+        codes.copy_(pairs[:, 0] | (pairs[:, 1] << 4))
+
+    def decode(
+        self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The ``float32`` values a payload carries.
+
+        Args:
+            payload: a payload from :meth:`encode` for ``numel`` elements.
+            numel: how many elements it carries.
+            out: a ``float32`` tensor of ``numel`` elements to write into
+                (handed over), or ``None`` for a new one.
+
+        Returns:
+            The decoded values (``out`` when given).
+
+        Raises:
+            ValueError: the payload's dtype or length does not fit ``numel``.
+        """
+        scales, codes = self._parts(payload, numel)
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+        if numel == 0:
+            return out
+        if self.bits == 8:
+            q = codes.view(torch.int8)
+        else:
+            both = torch.stack([codes & 0x0F, codes >> 4], dim=1).view(-1)[:numel]
+            q = both.to(torch.int8) - 8
+        whole = (numel // self.block) * self.block
+        if whole:
+            rows = out[:whole].view(-1, self.block)
+            torch.mul(q[:whole].view(-1, self.block), scales[: whole // self.block, None], out=rows)
+        if whole < numel:
+            torch.mul(q[whole:], scales[-1], out=out[whole:])
+        return out
+
+
+def quantizer_for(name: str, block: int = 128) -> BlockQuantizer:
+    """The quantizer a compression name stands for.
+
+    Args:
+        name: ``"int8"`` or ``"int4"``.
+        block: elements per scale.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    known = {"int8": 8, "int4": 4}
+    if name not in known:
+        raise ValueError(f"unknown compression {name!r}; choose one of {sorted(known)} or None")
+    return BlockQuantizer(known[name], block)  # type: ignore[arg-type]
