@@ -1,7 +1,8 @@
 """The compressed ZeRO exchange on real gloo ranks: the optimizer runs the
 program the simulated world runs (bitwise equal to it), every rank's
 parameters are bitwise identical, the bytes sent are the payloads', and a
-checkpoint resumes exactly, also resharded to another partition. One spawned
+checkpoint (consolidated or sharded) resumes exactly, also resharded to
+another partition. One spawned
 world runs every check (spawning is slow on 2 cores)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from _world import run_world
 from torch.distributed.algorithms.join import Join
 from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.checkpoint import load_sharded, save_sharded
 from zerofn_torch.traffic import collective_traffic
 
 from zerofn.testing.zero import simulated_ranks, step_simulated
@@ -61,7 +63,7 @@ def same_state(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def compressed_world(rank: int, world: int) -> dict[str, Any]:
+def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cases = [
         ("greedy", torch.float32, "int8", None),
@@ -146,10 +148,15 @@ def compressed_world(rank: int, world: int) -> dict[str, Any]:
     box = [opt.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     saved_opt, saved_model = box[0], copy.deepcopy(model.state_dict())
+    save_sharded(opt, ckpt)
     for step in range(2, 4):
         set_grads(model, grads_at(model, step))
         opt.step()
-    for mode in ("greedy", "flat"):
+    for mode, source in (
+        ("greedy", "consolidated"),
+        ("flat", "consolidated"),
+        ("greedy", "sharded"),
+    ):
         resumed = make_model()
         resumed.load_state_dict(saved_model)
         again = ZeroRedundancyOptimizer(
@@ -159,14 +166,17 @@ def compressed_world(rank: int, world: int) -> dict[str, Any]:
             exchange_compression="int8",
             lr=0.01,
         )
-        again.load_state_dict(copy.deepcopy(saved_opt))
+        if source == "sharded":
+            load_sharded(again, ckpt)
+        else:
+            again.load_state_dict(copy.deepcopy(saved_opt))
         again.consolidate_state_dict(to=0)
         if rank == 0:
-            out[("reloaded_state", mode)] = same_state(again.state_dict(), saved_opt)
+            out[("reloaded_state", mode, source)] = same_state(again.state_dict(), saved_opt)
         for step in range(2, 4):
             set_grads(resumed, grads_at(resumed, step))
             again.step()
-        out[("resumed", mode)] = max(
+        out[("resumed", mode, source)] = max(
             (p - q).abs().max().item()
             for p, q in zip(model.parameters(), resumed.parameters(), strict=True)
         )
@@ -174,8 +184,8 @@ def compressed_world(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
-    outs = run_world(compressed_world, 2)
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    outs = run_world(compressed_world, 2, str(tmp_path_factory.mktemp("sharded") / "ckpt"))
     assert outs[0]["identical_after_join"] == outs[1]["identical_after_join"]
     return outs[0]  # type: ignore[no-any-return]
 
@@ -207,10 +217,11 @@ def test_bytes_sent_are_the_payloads(results: dict[str, Any]) -> None:
 
 def test_a_checkpoint_resumes_exactly_and_reshards(results: dict[str, Any]) -> None:
     # The state (masters included) travels exactly, whatever the partition.
-    assert results[("reloaded_state", "greedy")]
-    assert results[("reloaded_state", "flat")]
+    for key in [("greedy", "consolidated"), ("flat", "consolidated"), ("greedy", "sharded")]:
+        assert results[("reloaded_state", *key)], key
     # Same partition: the resumed run is the run that never stopped.
-    assert results[("resumed", "greedy")] == 0.0
+    assert results[("resumed", "greedy", "consolidated")] == 0.0
+    assert results[("resumed", "greedy", "sharded")] == 0.0
     # Another partition quantizes other blocks, so the replicas move by other
     # rounding: equal within the codes' resolution, not bitwise.
-    assert results[("resumed", "flat")] < 1e-3
+    assert results[("resumed", "flat", "consolidated")] < 1e-3
