@@ -2,7 +2,7 @@
 program the simulated world runs (bitwise equal to it), every rank's
 parameters are bitwise identical, the bytes sent are the payloads', and a
 checkpoint (consolidated or sharded) resumes exactly, also resharded to
-another partition. One spawned
+another partition; and the overlapped step compresses its owners' sends. One spawned
 world runs every check (spawning is slow on 2 cores)."""
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 from _world import run_world
 from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.checkpoint import load_sharded, save_sharded
+from zerofn_torch.default_hooks import allreduce_hook
+from zerofn_torch.overlap import hook_with_zero_step
 from zerofn_torch.traffic import collective_traffic
 
 from zerofn.testing.zero import simulated_ranks, step_simulated
@@ -134,6 +137,28 @@ def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             opt.step()
     out["identical_after_join"] = gathered_equal(model)
 
+    # The overlapped step: owners send quantized differences during backward.
+    finals = {}
+    for compression in (None, "int8"):
+        ddp = DDP(make_model(), bucket_cap_mb=0.001)
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(),
+            torch.optim.Adam,
+            overlap_with_ddp=True,
+            exchange_compression=compression,
+            lr=0.01,
+        )
+        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        for step in range(6):
+            g = torch.Generator().manual_seed(900 + 10 * step + rank)
+            ddp(torch.randn(5, 9, generator=g)).square().mean().backward()
+            zero.zero_grad()
+        out[("identical_overlap", compression)] = gathered_equal(ddp.module)
+        finals[compression] = [p.detach().clone() for p in ddp.module.parameters()]
+    out["overlap_gap"] = max(
+        (a - b).abs().max().item() for a, b in zip(finals[None], finals["int8"], strict=True)
+    )
+
     # Resume: a consolidated checkpoint after 2 steps, loaded into fresh
     # optimizers (same and another partition), continued 2 steps, equals the
     # run that never stopped.
@@ -194,6 +219,13 @@ def test_every_rank_holds_the_same_parameters(results: dict[str, Any]) -> None:
     flags = {k: v for k, v in results.items() if k[0] == "identical"}
     assert flags and all(flags.values()), flags
     assert results["identical_after_join"]
+
+
+def test_the_overlapped_step_compresses_too(results: dict[str, Any]) -> None:
+    assert results[("identical_overlap", None)]
+    assert results[("identical_overlap", "int8")]
+    # Six Adam steps of lr 0.01: int8 codes resolve a step to 1/254.
+    assert 0 < results["overlap_gap"] < 1e-3
 
 
 def test_the_optimizer_runs_the_simulated_program(results: dict[str, Any]) -> None:

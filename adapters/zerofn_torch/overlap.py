@@ -101,7 +101,7 @@ class _OverlapRunner:
         # future of their averaged flat gradient (the core's state knows which
         # are waiting; only the driver holds their futures).
         self.handed: dict[int, tuple[list[torch.Tensor], torch.futures.Future[torch.Tensor]]] = {}
-        self.sending: list[tuple[tuple[int, ...], torch.futures.Future[Sent]]] = []
+        self.sending: list[tuple[tuple[int, ...], torch.futures.Future[Sent], bool]] = []
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         group = self.zero.process_group
@@ -142,7 +142,8 @@ class _OverlapRunner:
             max_norm=self.max_grad_norm,
             device=self.zero.join_device,
         )
-        program = obey(state, self.config, order, handed, self.params, checks)
+        compressed = self.binding.compressed()
+        program = obey(state, self.config, order, handed, self.params, checks, compressed)
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
         done = drive(answering(program, StepGradients, self._step), group, purpose).wait()
@@ -150,19 +151,19 @@ class _OverlapRunner:
             scaler.record(self.zero, not done.stepped)
         for indices, send in done.sends:
             purpose = "the overlapped ZeRO step: sending updated parameters from their owners"
-            self.sending.append((indices, drive(send, group, purpose)))
+            self.sending.append((indices, drive(send, group, purpose), done.differences))
         if done.reshard is not None:
             self.binding.adopt_owners(done.reshard)
 
     def _step(self, request: StepGradients) -> None:
         """Answer the program's local step with the optimizer."""
-        self.binding.step(dict(request.grads), request.factor)
+        self.binding.step(dict(request.grads), request.factor, request.write_back)
 
     def _receive(self) -> None:
         """Write the shards other ranks sent into this rank's parameters."""
         sending, self.sending = self.sending, []
-        for indices, sent in sending:
-            write_updates(self.params, indices, sent.wait())
+        for indices, sent, differences in sending:
+            write_updates(self.params, indices, sent.wait(), differences)
 
 
 def _make_hook(runner: _OverlapRunner) -> DDPHook:

@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
+from zerofn.overlap.obey import SendCompressed
 from zerofn.zero.compressed_exchange import (
     CompressedExchange,
     compressed_exchange,
@@ -152,8 +153,9 @@ class OverlapBinding:
             rank) and their state from now on.
     """
 
-    step: Callable[[dict[int, torch.Tensor], float], None]
+    step: Callable[[dict[int, torch.Tensor], float, bool], None]
     adopt_owners: Callable[[Sequence[Sequence[int]]], None]
+    compressed: Callable[[], SendCompressed | None]
 
 
 class _ZeroJoinHook(JoinHook):
@@ -217,8 +219,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             values (a master copy, in ``master_dtype`` or float32) and every
             rank applies the same decoded differences, so the parameters stay
             bitwise identical on every rank and within half a quantization
-            step of the masters (see ``docs/compressed_exchange.md``). Not
-            with ``overlap_with_ddp=True``.
+            step of the masters (see ``docs/compressed_exchange.md``). With
+            ``overlap_with_ddp=True`` the owners' sends are compressed alike.
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
@@ -230,8 +232,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             included); ``partition="flat"`` with a non-element-wise optimizer;
             ``master_dtype`` narrower than the parameters; a value in
             ``**defaults`` that ``optimizer_class`` refuses (``lr=-1``); an
-            unknown ``exchange_compression``, compression of non-float
-            parameters or with ``overlap_with_ddp=True``.
+            unknown ``exchange_compression`` or compression of non-float
+            parameters.
         RuntimeError: a manual partition, or ``overlap_with_ddp=True``, with
             more than one param group.
     """
@@ -254,11 +256,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
         first = groups[0]["params"][0]
         self._quantizer = resolve_compression(exchange_compression, first.dtype)
-        if self._quantizer is not None and overlap_with_ddp:
-            raise ValueError(
-                "exchange_compression applies to step()'s exchange; with overlap_with_ddp=True "
-                "the DDP hook moves the shards: leave exchange_compression=None"
-            )
         self._master_dtype = (
             resolve_master_dtype(first.dtype, master_dtype)
             if self._quantizer is None
@@ -361,9 +358,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         :mod:`zerofn.zero.shards`): the mode, its exchange buffers and, with
         compression, the payload buffers."""
         params = self._all_params
+        # The overlap hook sends its own payloads, bucket by bucket.
         self._exchange: CompressedExchange | None = (
             None
-            if self._quantizer is None
+            if self._quantizer is None or self._overlap_with_ddp
             else compressed_exchange(self._quantizer, self._plan, self._default_device)
         )
         self._shards: Shards = shards_for(
@@ -778,7 +776,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._overlap_attached:
             raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
         self._overlap_attached = True
-        return OverlapBinding(self._step_with_grads, self._adopt_overlap_plan)
+        return OverlapBinding(
+            self._step_with_grads, self._adopt_overlap_plan, self._send_compressed
+        )
 
     def _check_overlap_attached(self) -> None:
         """Refuse to train with ``overlap_with_ddp=True`` and no hook: the hook
@@ -804,11 +804,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "DDP fixes its buckets during the first iterations"
             )
 
-    def _step_with_grads(self, grads: dict[int, torch.Tensor], scale: float = 1.0) -> None:
+    def _send_compressed(self) -> SendCompressed | None:
+        """What the overlap hook's compressed sends read: the quantizer and
+        this rank's masters by global parameter index (``None``: no
+        compression)."""
+        if self._quantizer is None:
+            return None
+        assert self._masters is not None
+        params = self._all_params
+        index_of = {id(p): i for i, p in enumerate(params)}
+        masters: list[torch.Tensor | None] = [None] * len(params)
+        for low, master in zip(self._masters.low, self._masters.master, strict=True):
+            masters[index_of[id(low)]] = master
+        return SendCompressed(self._quantizer, masters)
+
+    def _step_with_grads(
+        self, grads: dict[int, torch.Tensor], scale: float = 1.0, write_back: bool = True
+    ) -> None:
         """Step the local optimizer with ``grads`` (global index -> gradient),
         multiplied by ``scale`` (in the masters' dtype when kept), for some of
         its parameters; the others sit this step out. Their own ``.grad`` is
-        left as it was."""
+        left as it was. Masters are cast into the parameters afterwards
+        unless ``write_back`` is ``False`` (a compressed send moves them)."""
         if scale != 1.0:
             if self._masters is None:
                 grads = {i: g * scale for i, g in grads.items()}
@@ -826,7 +843,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self.optim.step()
                 _copyhyperparameters(self.optim.param_groups, self.param_groups)
             finally:
-                self._masters.write_back(only_stepped=True)
+                if write_back:
+                    self._masters.write_back(only_stepped=True)
+                else:
+                    self._masters.drop_grads()
             return
         saved = [p.grad for p in local]
         try:

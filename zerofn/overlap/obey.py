@@ -22,15 +22,18 @@ from typing import Any
 import attrs
 import torch
 
+from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Program, Request
 from zerofn.overlap.ddp_buckets import BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
-from zerofn.overlap.step import broadcast_from_owners
+from zerofn.overlap.step import broadcast_differences_from_owners, broadcast_from_owners
+from zerofn.zero.compressed_exchange import add_difference
 from zerofn.zero.precision import step_factor_program
 
 __all__ = [
     "Handed",
     "Obeyed",
+    "SendCompressed",
     "Sent",
     "StepChecks",
     "StepGradients",
@@ -56,10 +59,28 @@ class StepGradients:
             named sit this step out).
         factor: multiply the gradients by this first (a loss scaler's
             unscaling times the clipping coefficient; 1.0 for neither).
+        write_back: masters, when kept, are cast into the parameters after
+            the step; ``False`` with a compressed exchange once the plan is
+            fixed (the parameters move only by the differences sent).
     """
 
     grads: Mapping[int, torch.Tensor]
     factor: float = 1.0
+    write_back: bool = True
+
+
+@attrs.frozen(eq=False)
+class SendCompressed:
+    """Send the owners' updates as quantized differences of their masters.
+
+    Attributes:
+        quantizer: how differences are coded.
+        masters: per global parameter, this rank's exact values of it, or
+            ``None`` for one it does not hold; read when a send starts.
+    """
+
+    quantizer: BlockQuantizer
+    masters: Sequence[torch.Tensor | None]
 
 
 @attrs.frozen
@@ -88,11 +109,14 @@ class Obeyed:
             global indices and the program sending its owners' updates.
         reshard: the parameters each rank keeps from now on (the order's),
             or ``None``.
+        differences: the sends return every shard's decoded difference, to
+            add (the rank's own shard too), not the others' values.
     """
 
     stepped: bool
     sends: tuple[tuple[tuple[int, ...], Program[Sent]], ...] = ()
     reshard: tuple[tuple[int, ...], ...] | None = None
+    differences: bool = False
 
 
 def obey(
@@ -102,6 +126,7 @@ def obey(
     handed: Handed,
     params: Sequence[torch.Tensor],
     checks: StepChecks,
+    compressed: SendCompressed | None = None,
 ) -> Generator[Request | StepGradients, Any, Obeyed]:
     """Everything rank ``config.rank`` does for ``order``.
 
@@ -113,6 +138,8 @@ def obey(
         params: every parameter, in the optimizer's order (read by the sends
             when they run: the updated values).
         checks: the loss scaler's and clipping's questions, if any.
+        compressed: send quantized differences of the masters (``None``:
+            the updated values).
 
     Returns:
         A program: the checks' collectives (none without checks, or while
@@ -137,33 +164,48 @@ def obey(
     if skip:
         return Obeyed(False, (), order.reshard)
     if grads:
-        yield StepGradients(grads, factor)
+        # While every rank steps everything, nothing is sent: the masters'
+        # values go into the parameters, the same on every rank.
+        yield StepGradients(grads, factor, write_back=compressed is None or order.everywhere)
     if order.everywhere:
         return Obeyed(True, (), order.reshard)
     plan = state.overlap.plan
     assert plan is not None  # gradients_to_step refused an order without one
-    sends = tuple(
-        (
-            handed[index][0],
-            broadcast_from_owners(plan, config.rank, index, [params[i] for i in handed[index][0]]),
-        )
-        for index in order.buckets
-    )
-    return Obeyed(True, sends, order.reshard)
+    sends = []
+    for index in order.buckets:
+        indices = handed[index][0]
+        bucket_params = [params[i] for i in indices]
+        if compressed is None:
+            send = broadcast_from_owners(plan, config.rank, index, bucket_params)
+        else:
+            masters = [compressed.masters[i] for i in indices]
+            send = broadcast_differences_from_owners(
+                plan, config.rank, index, bucket_params, masters, compressed.quantizer
+            )
+        sends.append((indices, send))
+    return Obeyed(True, tuple(sends), order.reshard, differences=compressed is not None)
 
 
-def write_updates(params: Sequence[torch.Tensor], indices: Sequence[int], sent: Sent) -> None:
+def write_updates(
+    params: Sequence[torch.Tensor], indices: Sequence[int], sent: Sent, differences: bool = False
+) -> None:
     """Write what an owners' broadcast brought into the parameters.
 
     Args:
         params: every parameter; handed over: written in place.
         indices: the bucket's parameters' global indices, in bucket order.
         sent: what the bucket's broadcast program returned.
+        differences: ``sent`` holds decoded differences to add (see
+            :class:`Obeyed`), not values to copy.
     """
     with torch.no_grad():
         for shard, flat in sent:
             owned = [params[i] for i in indices[shard.offset : shard.offset + shard.count]]
             offset = 0
             for p in owned:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                part = flat[offset : offset + p.numel()].view_as(p)
+                if differences:
+                    add_difference(p, part)
+                else:
+                    p.copy_(part)
                 offset += p.numel()

@@ -10,7 +10,10 @@ one rank. Per bucket:
 2. :func:`owned_gradients` picks the gradients this rank steps;
 3. after the owners' local step, :func:`broadcast_from_owners` sends each
    shard's updated parameters from its owner to every rank (one
-   :class:`~zerofn.comm.Broadcast` per shard).
+   :class:`~zerofn.comm.Broadcast` per shard), or, with a compressed
+   exchange, :func:`broadcast_differences_from_owners` sends each shard's
+   block-quantized difference from the replica, which every rank, the owner
+   included, adds (see :mod:`zerofn.zero.compressed_exchange`).
 
 Reduce plus broadcast move the bytes of one all-reduce, where all-reduce plus
 a ZeRO exchange would move one and a half. Ownership is decided here, once;
@@ -24,11 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
+from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Broadcast, Program, Reduce
 from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap.state import shard_element_range
 
 __all__ = [
+    "broadcast_differences_from_owners",
     "broadcast_from_owners",
     "owned_gradients",
     "reduce_to_owners",
@@ -124,3 +129,52 @@ def broadcast_from_owners(
         if shard.rank != rank:
             received.append((shard, flat))
     return received
+
+
+def broadcast_differences_from_owners(
+    plan: BucketPlan,
+    rank: int,
+    bucket: int,
+    params: Sequence[torch.Tensor],
+    masters: Sequence[torch.Tensor | None],
+    quantizer: BlockQuantizer,
+) -> Program[list[tuple[BucketShard, torch.Tensor]]]:
+    """Send every shard of bucket ``bucket`` as its owner's quantized
+    ``master - replica``.
+
+    Args:
+        plan: the fixed bucket plan.
+        rank: this rank.
+        bucket: the DDP bucket's index.
+        params: the bucket's parameters (the replica), in bucket order (read,
+            not written: :func:`zerofn.overlap.obey.write_updates` adds the
+            differences at the iteration's end).
+        masters: the exact values of the bucket's parameters this rank owns,
+            in bucket order (``None`` where another rank owns it).
+        quantizer: how differences are coded.
+
+    Returns:
+        A program returning, for every shard of the bucket (this rank's too),
+        the shard and its decoded difference as one flat ``float32`` tensor.
+
+    Raises:
+        ValueError: this rank owns a shard it holds no masters for.
+    """
+    shards = shards_of_bucket(plan, bucket)
+    decoded = []
+    for k, shard in enumerate(shards):
+        owned = params[shard.offset : shard.offset + shard.count]
+        payload = torch.empty(
+            quantizer.payload_nbytes(shard.numel), dtype=torch.uint8, device=owned[0].device
+        )
+        if shard.rank == rank:
+            exact = masters[shard.offset : shard.offset + shard.count]
+            if any(m is None for m in exact):
+                raise ValueError(f"rank {rank} owns a shard of bucket {bucket} without its masters")
+            difference = torch.cat([m.detach().reshape(-1) for m in exact if m is not None])
+            difference.sub_(torch.cat([p.detach().reshape(-1) for p in owned]))
+            quantizer.encode(difference, payload)
+        # Received in place by the other ranks (handed over).
+        yield Broadcast(payload, src=shard.rank, last=k == len(shards) - 1)
+        decoded.append((shard, quantizer.decode(payload, shard.numel)))
+    return decoded

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
+from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Program, Request, answering, split_like, watched
 from zerofn.hooks.hook import (
     BucketInfo,
@@ -44,8 +45,17 @@ from zerofn.overlap.hook import (
     StepOrder,
     zero_step_hook,
 )
-from zerofn.overlap.obey import Obeyed, Sent, StepChecks, StepGradients, obey, write_updates
+from zerofn.overlap.obey import (
+    Obeyed,
+    SendCompressed,
+    Sent,
+    StepChecks,
+    StepGradients,
+    obey,
+    write_updates,
+)
 from zerofn.testing.world import run_programs
+from zerofn.zero.compressed_exchange import compression_master_dtype, resolve_compression
 
 __all__ = ["OverlappedRun", "simulate_overlapped_step"]
 
@@ -96,13 +106,17 @@ class _OverlapRank:
         config: OverlapConfig,
         params: list[torch.Tensor],
         optimizer: torch.optim.Optimizer,
+        compressed: SendCompressed | None = None,
     ) -> None:
         self.hook, self.config = hook, config
         self.state = init_hook_state(hook)
         self.params, self.optimizer = params, optimizer
+        # With a compressed exchange the optimizer steps exact copies (the
+        # masters) and the parameters move by the differences sent.
+        self.compressed = compressed
         self.held: tuple[int, ...] | None = None  # None: every parameter
         self.handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
-        self.incoming: list[tuple[tuple[int, ...], _Sent]] = []
+        self.incoming: list[tuple[tuple[int, ...], _Sent, bool]] = []
 
     def begin(self, grads: Sequence[torch.Tensor], info: BucketInfo) -> Program[tuple[Any, Any]]:
         """Hand bucket ``info`` over: the hook's program for this rank."""
@@ -127,25 +141,41 @@ class _OverlapRank:
         local step answered by :meth:`step` (the buckets it names are taken)."""
         handed = {index: self.handed.pop(index) for index in order.buckets}
         program = obey(
-            self.state.global_state, self.config, order, handed, self.params, StepChecks()
+            self.state.global_state,
+            self.config,
+            order,
+            handed,
+            self.params,
+            StepChecks(),
+            self.compressed,
         )
         return answering(program, StepGradients, self.step)
 
     def step(self, request: StepGradients) -> None:
         """Step the optimizer with the request's gradients; the others sit out."""
         self._check_held(request.grads)
+        stepped = self.params if self.compressed is None else self.compressed.masters
         for i, grad in request.grads.items():
-            self.params[i].grad = grad.clone() * request.factor
+            target = stepped[i]
+            assert target is not None
+            target.grad = grad.to(target.dtype) * request.factor
         self.optimizer.step()
         for i in request.grads:
-            self.params[i].grad = None
+            target = stepped[i]
+            assert target is not None
+            target.grad = None
+            if request.write_back and target is not self.params[i]:
+                with torch.no_grad():
+                    self.params[i].copy_(target)
 
     def after(self, done: Obeyed) -> list[Program[_Sent]]:
         """Note the order's reshard; the sends, their results kept to write
         at the iteration's end."""
         if done.reshard is not None:
             self.held = done.reshard[self.config.rank]
-        return [self._sending(program, indices) for indices, program in done.sends]
+        return [
+            self._sending(program, indices, done.differences) for indices, program in done.sends
+        ]
 
     def _check_held(self, grads: Mapping[int, torch.Tensor]) -> None:
         """Refuse to step parameters whose optimizer state this rank gave up."""
@@ -155,17 +185,19 @@ class _OverlapRank:
                 f"{sorted(set(grads) - set(self.held))}, whose state it gave up"
             )
 
-    def _sending(self, program: Program[_Sent], indices: tuple[int, ...]) -> Program[_Sent]:
+    def _sending(
+        self, program: Program[_Sent], indices: tuple[int, ...], differences: bool
+    ) -> Program[_Sent]:
         """``program``, its result kept to write at the iteration's end."""
         sent = yield from program
-        self.incoming.append((indices, sent))
+        self.incoming.append((indices, sent, differences))
         return sent
 
     def receive(self) -> None:
         """Write what the other ranks sent into this rank's parameters."""
         incoming, self.incoming = self.incoming, []
-        for indices, sent in incoming:
-            write_updates(self.params, indices, sent)
+        for indices, sent, differences in incoming:
+            write_updates(self.params, indices, sent, differences)
 
 
 def _in_turn(programs: Sequence[Program[R]]) -> Program[list[R]]:
@@ -242,6 +274,7 @@ def simulate_overlapped_step(
     shard_buckets: bool = False,
     interleaved: bool = False,
     final_from: int = 0,
+    exchange_compression: str | BlockQuantizer | None = None,
     **defaults: Any,
 ) -> OverlappedRun:
     """Iterations of the overlapped ZeRO step (``hook_with_zero_step``) on
@@ -274,6 +307,9 @@ def simulate_overlapped_step(
         interleaved: step each bucket when the next one is handed over.
         final_from: the first iteration whose buckets are final (DDP has
             rebuilt them); it collects the plan, the next ones overlap.
+        exchange_compression: as ``ZeroRedundancyOptimizer``'s: every rank
+            steps exact copies of the parameters, and owners send quantized
+            differences once the plan is fixed.
         **defaults: the optimizer's hyperparameters.
 
     Returns:
@@ -303,8 +339,16 @@ def simulate_overlapped_step(
     for rank in range(world_size):
         mine = attrs.evolve(config, rank=rank)
         local = [p.detach().clone() for p in params]
-        optimizer = optimizer_class(local, **defaults)
-        ranks.append(_OverlapRank(zero_step_hook(hook_inner, mine), mine, local, optimizer))
+        quantizer = resolve_compression(exchange_compression, params[0].dtype)
+        compressed = None
+        stepped = local
+        if quantizer is not None:
+            wide = compression_master_dtype(params[0].dtype, None)
+            stepped = [p.detach().to(wide, copy=True) for p in params]
+            compressed = SendCompressed(quantizer, stepped)
+        optimizer = optimizer_class(stepped, **defaults)
+        hook = zero_step_hook(hook_inner, mine)
+        ranks.append(_OverlapRank(hook, mine, local, optimizer, compressed))
     requests = [
         _iteration(ranks, buckets, grads, final=iteration >= final_from)
         for iteration, grads in enumerate(grads_per_iteration_per_rank)
