@@ -115,22 +115,28 @@ class BlockQuantizer:
         scales, codes = self._parts(out, numel)
         if numel == 0:
             return
-        padded = values.new_zeros(self.blocks(numel) * self.block, dtype=torch.float32)
-        padded[:numel] = values
-        rows = padded.view(-1, self.block)
-        scales.copy_(rows.abs().amax(dim=1).div_(self.qmax))
+        whole = (numel // self.block) * self.block
+        if whole == numel and values.dtype == torch.float32:
+            rows = values.view(-1, self.block)
+        else:
+            padded = values.new_zeros(self.blocks(numel) * self.block, dtype=torch.float32)
+            padded[:numel] = values
+            rows = padded.view(-1, self.block)
+        # Two read-only reductions instead of materializing |rows|.
+        largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
+        scales.copy_(largest.div_(self.qmax))
         # An all-zero block has scale 0: its codes are 0, not 0/0.
         inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
-        q = rows.mul(inverse.unsqueeze(1)).round_().clamp_(-self.qmax, self.qmax)
-        flat = q.view(-1)[:numel].to(torch.int8)
+        # |x| <= qmax * scale, so x / scale rounds into [-qmax, qmax] unclamped.
+        q = rows.mul(inverse.unsqueeze(1)).round_().view(-1)[:numel]
         if self.bits == 8:
-            codes.copy_(flat.view(torch.uint8))
+            codes.view(torch.int8).copy_(q)
             return
-        nibbles = (flat + 8).to(torch.uint8)
+        nibbles = q.add_(8).to(torch.uint8)
         if numel % 2:
             nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
         pairs = nibbles.view(-1, 2)
-        codes.copy_(pairs[:, 0] | (pairs[:, 1] << 4))
+        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=codes)
 
     def decode(
         self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None
