@@ -13,7 +13,7 @@ $(BIN)/python:
 
 $(VENV)/.test-installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test,dev]"
+	$(PIP) -e ".[test,dev,frameworks]"
 	touch $@
 
 $(VENV)/.demo-installed: pyproject.toml constraints.txt | $(BIN)/python
