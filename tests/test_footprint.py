@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer, hooks
 from zerofn_torch.traffic import collective_traffic
 
-from zerofn.footprint import main, plan_footprint, shapes_of
+from zerofn.footprint import COLUMNS, Column, main, plan_footprint, shapes_of, table
 from zerofn.model_shapes import MODELS
 
 pytestmark = pytest.mark.timeout(180)
@@ -91,6 +92,9 @@ def test_bad_choices_are_refused() -> None:
         plan_footprint([[(3,)]], 2, hook="topk")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no trainable parameters"):
         plan_footprint([[]], 2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="powersgd_rank must be an int of at least 1"):
+            plan_footprint([[(3,)]], 2, hook="powersgd", powersgd_rank=bad)  # type: ignore[arg-type]
 
 
 def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,6 +118,109 @@ def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixtur
     assert copied["ranks"][0]["exchange_buffers"] == 4 * copied["numel"]
 
 
+def _table_rows(out: str) -> list[dict[str, str]]:
+    """The Markdown table the command printed: one dict per row, by header."""
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    header, rows = cells[0], cells[2:]
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "powersgd"])
+def test_the_table_shows_the_bytes_of_a_step(hook: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "gpt2-small", "--world-size", "8", "--world-size", "64",
+            "--partition", "greedy", "--partition", "flat", "--hook", hook]  # fmt: skip
+    main(argv)
+    rows = _table_rows(capsys.readouterr().out)
+    main([*argv, "--json"])
+    records = json.loads(capsys.readouterr().out)
+    assert [c.header for c in COLUMNS] == list(rows[0])
+    assert len(rows) == len(records) == 4
+    for row, record in zip(rows, records, strict=True):
+        payload = record["payload_bytes"]
+        assert row["all-reduce MiB/step"] == _mib(payload["all_reduce"])
+        assert row["broadcast MiB/step"] == _mib(payload["broadcast"])
+        assert (row["ranks"], row["partition"]) == (str(record["world_size"]), record["partition"])
+
+
+def test_powersgd_rank_sets_the_bytes_of_the_factors(capsys: pytest.CaptureFixture[str]) -> None:
+    # One 256 x 128 matrix, compressed at every rank drawn: r (256 + 128) float32 values.
+    for rank in (1, 2, 4):
+        plan = plan_footprint([[(256, 128)]], 2, hook="powersgd", powersgd_rank=rank)
+        assert plan.payload("all_reduce") == 4 * rank * (256 + 128)
+        assert plan.powersgd_rank == rank
+    assert plan_footprint([[(256, 128)]], 2).powersgd_rank is None
+
+    argv = [
+        "--model",
+        "gpt2-small",
+        "--world-size",
+        "8",
+        "--partition",
+        "flat",
+        "--hook",
+        "powersgd",
+    ]
+    sent = {}
+    for rank in ("1", "4"):
+        main([*argv, "--powersgd-rank", rank, "--json"])
+        (record,) = json.loads(capsys.readouterr().out)
+        assert record["powersgd_rank"] == int(rank)
+        sent[rank] = record["payload_bytes"]["all_reduce"]
+        main([*argv, "--powersgd-rank", rank])
+        out = capsys.readouterr().out
+        assert f"powersgd hook (rank {rank})" in out.splitlines()[0]
+        assert _table_rows(out)[0]["all-reduce MiB/step"] == _mib(sent[rank])
+    main([*argv, "--json"])
+    (default,) = json.loads(capsys.readouterr().out)
+    assert default["payload_bytes"]["all_reduce"] == sent["1"] < sent["4"]
+    gpt2 = [list(MODELS["gpt2-small"]())]
+    assert sent["4"] == plan_footprint(gpt2, 8, "flat", hook="powersgd", powersgd_rank=4).payload(
+        "all_reduce"
+    )
+
+
+def test_the_table_takes_its_columns_from_a_list() -> None:
+    footprints = [plan_footprint([[(64, 32)]], n) for n in (1, 2)]
+    extra = Column("collectives", lambda f: str(sum(n for _, n in f.zero_collectives)))
+    rows = _table_rows(table(footprints, (*COLUMNS, extra)))
+    assert list(rows[0]) == [*(c.header for c in COLUMNS), "collectives"]
+    assert [r["collectives"] for r in rows] == [
+        str(sum(n for _, n in f.zero_collectives)) for f in footprints
+    ]
+    assert table(footprints).splitlines()[1].count("---") == len(COLUMNS)
+
+
+# The page's tables, each with the command the page says printed it.
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "footprint.md"
+MODES = ["--partition", "greedy", "--partition", "balanced", "--partition", "flat"]
+WORLDS = ["--world-size", "8", "--world-size", "64", "--world-size", "1024"]
+LLAMA_BF16 = ["--model", "llama-7b", *WORLDS, "--partition", "flat", "--param-dtype", "bf16"]
+PAGE_TABLES = [
+    *(["--model", name, *WORLDS, *MODES, "--no-bucket-view"] for name in sorted(MODELS)),
+    [*LLAMA_BF16, "--bucket-view"],
+    [*LLAMA_BF16, "--master-dtype", "fp32", "--bucket-view"],
+    ["--model", "gpt2-small", "--world-size", "8", "--partition", "flat",
+     "--hook", "powersgd", "--powersgd-rank", "4"],
+]  # fmt: skip
+
+
+def test_the_pages_tables_are_the_commands_output(capsys: pytest.CaptureFixture[str]) -> None:
+    page = PAGE.read_text(encoding="utf-8")
+    flat_page = " ".join(page.replace("\\\n", " ").split())
+    for argv in PAGE_TABLES:
+        main(argv)
+        printed = capsys.readouterr().out.strip().splitlines()[1:]
+        assert "\n".join(printed) in page, f"docs/footprint.md lacks the table of {argv}"
+        command = " ".join(["python -m zerofn.footprint", *argv])
+        generic = command.replace(f"--model {argv[1]} ", "--model NAME ")
+        assert command in flat_page or generic in flat_page, command
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -126,6 +233,22 @@ def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixtur
         (["--model", "gpt2-small", "--world-size", "0"], "--world-size must be at least 1"),
         (["--model", "gpt2-small", "--world-size", "-4"], "--world-size must be at least 1"),
         (["--model", "gpt2-small", "--master-dtype", "bf16"], "narrower than the parameters'"),
+        (
+            ["--model", "gpt2-small", "--hook", "powersgd", "--powersgd-rank", "0"],
+            "--powersgd-rank must be at least 1, got 0",
+        ),
+        (
+            ["--model", "gpt2-small", "--hook", "powersgd", "--powersgd-rank", "-2"],
+            "--powersgd-rank must be at least 1, got -2",
+        ),
+        (
+            ["--model", "gpt2-small", "--hook", "powersgd", "--powersgd-rank", "two"],
+            "--powersgd-rank: invalid int value: 'two'",
+        ),
+        (
+            ["--model", "gpt2-small", "--powersgd-rank", "2"],
+            "--powersgd-rank applies only to --hook powersgd",
+        ),
     ],
     ids=[
         "unknown-name",
@@ -137,6 +260,10 @@ def test_command_line_prints_a_table_and_exact_json(capsys: pytest.CaptureFixtur
         "zero-ranks",
         "negative-ranks",
         "narrow-masters",
+        "zero-powersgd-rank",
+        "negative-powersgd-rank",
+        "non-integer-powersgd-rank",
+        "powersgd-rank-without-powersgd",
     ],
 )
 def test_command_line_refuses_bad_arguments_as_usage_errors(

@@ -21,6 +21,10 @@ through; with ``bucket_view``, the default under ``flat``, the parameters
 live in them, so nothing extra). And per step: the payload bytes each kind
 of collective carries on this rank, and how many collectives the ZeRO step
 issues.
+
+The command prints one Markdown table row per world size and partition, its
+columns listed in :data:`COLUMNS` (each a :class:`Column`: a header and how
+to read its cell from a :class:`Footprint`); ``--json`` prints the records.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import inspect
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 import attrs
@@ -45,7 +49,9 @@ from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.precision import resolve_master_dtype
 
 __all__ = [
+    "COLUMNS",
     "OPTIMIZERS",
+    "Column",
     "Footprint",
     "HookKind",
     "OptimizerModel",
@@ -53,6 +59,7 @@ __all__ = [
     "main",
     "plan_footprint",
     "shapes_of",
+    "table",
 ]
 
 HookKind = Literal["allreduce", "fp16", "powersgd"]
@@ -129,6 +136,8 @@ class Footprint:
         zero_collectives: collectives the ZeRO step issues per step, by kind
             (the hook's count depends on DDP's buckets: one all-reduce per
             bucket, two with PowerSGD).
+        powersgd_rank: the rank of PowerSGD's factors with the PowerSGD
+            hook, else ``None``.
     """
 
     numel: int
@@ -141,6 +150,7 @@ class Footprint:
     ranks: tuple[RankBytes, ...]
     payload_bytes: tuple[tuple[str, int], ...]
     zero_collectives: tuple[tuple[str, int], ...]
+    powersgd_rank: int | None = None
 
     @property
     def heaviest(self) -> int:
@@ -155,6 +165,11 @@ class Footprint:
     def bytes_per_parameter(self, rank: int) -> float:
         """``rank``'s bytes per model parameter."""
         return self.ranks[rank].total / self.numel if self.numel else 0.0
+
+    def payload(self, kind: str) -> int:
+        """The bytes one rank hands to collectives of ``kind`` per step (0
+        for a kind the step does not issue)."""
+        return dict(self.payload_bytes).get(kind, 0)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-ready data (exact integers)."""
@@ -211,13 +226,17 @@ def _zero_traffic(
     return {"broadcast": broadcasts}, {"broadcast": buffered}
 
 
-def _checked_groups(shapes: Shapes | torch.nn.Module, optimizer: str, hook: str) -> Shapes:
+def _checked_groups(
+    shapes: Shapes | torch.nn.Module, optimizer: str, hook: str, powersgd_rank: int
+) -> Shapes:
     """The shapes per param group, once the arguments are known good."""
     groups = shapes_of(shapes) if isinstance(shapes, torch.nn.Module) else shapes
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZERS)}")
     if hook not in get_args(HookKind):
         raise ValueError(f"unknown hook {hook!r}; choose from {get_args(HookKind)}")
+    if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank < 1:
+        raise ValueError(f"powersgd_rank must be an int of at least 1, got {powersgd_rank!r}")
     if not any(groups):
         raise ValueError("the model has no trainable parameters")
     return groups
@@ -274,7 +293,9 @@ def plan_footprint(
             ``master_dtype``); ``None`` or ``param_dtype``: none.
         optimizer: a key of :data:`OPTIMIZERS`.
         hook: DDP's communication hook (``"allreduce"`` is DDP's default).
-        powersgd_rank: the rank of PowerSGD's factors.
+        powersgd_rank: the rank of PowerSGD's factors (``r``: a compressed
+            ``n x m`` gradient sends ``r (n + m)`` elements); read only with
+            ``hook="powersgd"``.
         bucket_view: ``parameters_as_bucket_view``; ``None`` (the default)
             follows the optimizer's default: on under ``"flat"``, off otherwise.
         backend: ``"gloo"`` (broadcasts) or ``"nccl"`` (one all-gather).
@@ -286,9 +307,10 @@ def plan_footprint(
         The :class:`Footprint`.
 
     Raises:
-        ValueError: an unknown optimizer, hook or partition; no parameters.
+        ValueError: an unknown optimizer, hook or partition; no parameters;
+            a ``powersgd_rank`` below 1.
     """
-    groups = _checked_groups(shapes, optimizer, hook)
+    groups = _checked_groups(shapes, optimizer, hook, powersgd_rank)
     flat_shapes = [s for g in groups for s in g]
     sizes = [[math.prod(s) for s in g] for g in groups]
     plan = plan_shards(
@@ -312,6 +334,7 @@ def plan_footprint(
         ranks=ranks,
         payload_bytes=tuple(sorted(payload.items())),
         zero_collectives=tuple(sorted(collectives.items())),
+        powersgd_rank=powersgd_rank if hook == "powersgd" else None,
     )
 
 
@@ -388,21 +411,56 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f}"
 
 
-def table(footprints: Sequence[Footprint]) -> str:
-    """A Markdown table: one row per footprint, its heaviest rank."""
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+@attrs.frozen
+class Column:
+    """One column of the planner's table.
+
+    Attributes:
+        header: the column's heading.
+        cell: the cell's text for one footprint.
+        numeric: right-aligned (numbers) or left-aligned (words).
+    """
+
+    header: str
+    cell: Callable[[Footprint], str]
+    numeric: bool = True
+
+
+def _heaviest(part: Callable[[RankBytes], int]) -> Callable[[Footprint], str]:
+    """A cell: one kind of the heaviest rank's bytes, in GiB."""
+    return lambda f: _gib(part(f.ranks[f.heaviest]))
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("ranks", lambda f: str(f.world_size)),
+    Column("partition", lambda f: f.partition, numeric=False),
+    Column("params GiB", _heaviest(lambda r: r.parameters)),
+    Column("grads GiB", _heaviest(lambda r: r.gradients)),
+    Column("masters GiB", _heaviest(lambda r: r.master_weights)),
+    Column("optimizer state GiB", _heaviest(lambda r: r.optimizer_state)),
+    Column("exchange GiB", _heaviest(lambda r: r.exchange_buffers)),
+    Column("total GiB (heaviest)", _heaviest(lambda r: r.total)),
+    Column("bytes/param", lambda f: f"{f.bytes_per_parameter(f.heaviest):.2f}"),
+    Column("lightest total GiB", lambda f: _gib(f.ranks[f.lightest].total)),
+    Column("all-reduce MiB/step", lambda f: _mib(f.payload("all_reduce"))),
+    Column("broadcast MiB/step", lambda f: _mib(f.payload("broadcast"))),
+)
+"""The table's columns, in order: the heaviest rank's bytes by kind, then the
+payload one rank hands to each kind of collective per step (DDP's gradient
+all-reduce, the ZeRO exchange's broadcasts)."""
+
+
+def table(footprints: Sequence[Footprint], columns: Sequence[Column] = COLUMNS) -> str:
+    """A Markdown table: one row per footprint, one column per ``columns``."""
     rows = [
-        "| ranks | partition | params GiB | grads GiB | masters GiB | optimizer state GiB "
-        "| exchange GiB | total GiB (heaviest) | bytes/param | lightest total GiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| " + " | ".join(c.header for c in columns) + " |",
+        "|" + "|".join("---:" if c.numeric else "---" for c in columns) + "|",
     ]
-    for f in footprints:
-        h, low = f.ranks[f.heaviest], f.ranks[f.lightest]
-        rows.append(
-            f"| {f.world_size} | {f.partition} | {_gib(h.parameters)} | {_gib(h.gradients)} "
-            f"| {_gib(h.master_weights)} | {_gib(h.optimizer_state)} "
-            f"| {_gib(h.exchange_buffers)} | {_gib(h.total)} "
-            f"| {f.bytes_per_parameter(f.heaviest):.2f} | {_gib(low.total)} |"
-        )
+    rows.extend("| " + " | ".join(c.cell(f) for c in columns) + " |" for f in footprints)
     return "\n".join(rows)
 
 
@@ -417,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             argument the planner cannot use (a ``--model`` that names no
             built-in model and no factory of an ``nn.Module``, a
             ``--world-size`` below 1, a ``--master-dtype`` narrower than
-            ``--param-dtype``, a model without trainable parameters).
+            ``--param-dtype``, a ``--powersgd-rank`` below 1 or without
+            ``--hook powersgd``, a model without trainable parameters).
     """
     parser = argparse.ArgumentParser(
         prog="python -m zerofn.footprint", description=__doc__.splitlines()[0] if __doc__ else None
@@ -432,6 +491,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     parser.add_argument("--hook", choices=get_args(HookKind), default="allreduce")
     parser.add_argument(
+        "--powersgd-rank",
+        type=int,
+        metavar="N",
+        help="rank of PowerSGD's factors, with --hook powersgd (default: 1)",
+    )
+    parser.add_argument(
         "--bucket-view",
         action=argparse.BooleanOptionalAction,
         help="parameters_as_bucket_view (default: on under flat, off otherwise)",
@@ -441,6 +506,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     bad_sizes = [n for n in args.world_size if n < 1]
     if bad_sizes:
         parser.error(f"--world-size must be at least 1, got {bad_sizes[0]}")
+    if args.powersgd_rank is not None:
+        if args.powersgd_rank < 1:
+            parser.error(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
+        if args.hook != "powersgd":
+            parser.error(
+                f"--powersgd-rank applies only to --hook powersgd (the hook is {args.hook})"
+            )
     try:
         shapes = _load_shapes(args.model)
     except _UsageError as e:  # not the factory's own errors: those keep their traceback
@@ -455,6 +527,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 master_dtype=_DTYPES[args.master_dtype] if args.master_dtype else None,
                 optimizer=args.optimizer,
                 hook=args.hook,
+                powersgd_rank=args.powersgd_rank or 1,
                 bucket_view=args.bucket_view,
             )
             for n in args.world_size
@@ -467,9 +540,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print()
         return
     masters = f", {args.master_dtype} masters" if args.master_dtype else ""
+    rank = footprints[0].powersgd_rank
+    hook = f"{args.hook} hook" + (f" (rank {rank})" if rank is not None else "")
     print(
         f"{args.model}: {footprints[0].numel:,} parameters, {args.param_dtype}{masters}, "
-        f"{args.optimizer}"
+        f"{args.optimizer}, {hook}"
     )
     print(table(footprints))
 

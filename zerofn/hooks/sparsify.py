@@ -13,6 +13,9 @@ have grown large enough. The usual composition, in half precision::
     from zerofn.hooks.sparsify import top_k
 
     hook = cast(error_feedback(top_k(0.01)), torch.float16)
+
+:mod:`zerofn.hooks.random_k` sends entries at random positions instead, which
+every rank draws alike, so only the values travel.
 """
 
 from __future__ import annotations
