@@ -284,15 +284,18 @@ def test_command_line_refuses_bad_arguments_as_usage_errors(
 # ----- against live tensors and counted collectives, on 2 gloo ranks -----------------
 
 # (partition, bucket view (None: the default), hook, bf16 parameters with fp32 masters)
-CASES: list[tuple[str, bool | None, str, bool]] = [
-    ("greedy", False, "allreduce", False),
-    ("greedy", True, "allreduce", False),
-    ("balanced", False, "allreduce", False),
-    ("flat", False, "allreduce", False),
-    ("flat", None, "allreduce", False),
-    ("flat", True, "powersgd", False),
-    ("flat", True, "allreduce", True),
-    ("greedy", False, "allreduce", True),
+CASES: list[tuple[str, bool | None, str, bool, str | None]] = [
+    ("greedy", False, "allreduce", False, None),
+    ("greedy", True, "allreduce", False, None),
+    ("balanced", False, "allreduce", False, None),
+    ("flat", False, "allreduce", False, None),
+    ("flat", None, "allreduce", False, None),
+    ("flat", True, "powersgd", False, None),
+    ("flat", True, "allreduce", True, None),
+    ("greedy", False, "allreduce", True, None),
+    ("greedy", False, "allreduce", False, "int8"),
+    ("flat", None, "allreduce", False, "int4"),
+    ("flat", True, "allreduce", True, "int8"),
 ]
 
 
@@ -308,7 +311,7 @@ def _model() -> torch.nn.Module:
 
 
 def _measure(
-    rank: int, mode: str, bucket_view: bool | None, hook: str, bf16: bool
+    rank: int, mode: str, bucket_view: bool | None, hook: str, bf16: bool, squeeze: str | None
 ) -> dict[str, Any]:
     dtype = torch.bfloat16 if bf16 else torch.float32
     ddp = DDP(_model().to(dtype))
@@ -325,6 +328,7 @@ def _measure(
         **view,
         lr=0.01,
         master_dtype=torch.float32 if bf16 else None,
+        exchange_compression=squeeze,
     )
     for step in range(3):  # PowerSGD compresses from the third step
         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(10 * rank + step))
@@ -348,7 +352,7 @@ def measured() -> list[list[dict[str, Any]]]:
 def test_planner_equals_live_tensors_and_counted_traffic(
     measured: list[list[dict[str, Any]]], case: int
 ) -> None:
-    mode, bucket_view, hook, bf16 = CASES[case]
+    mode, bucket_view, hook, bf16, squeeze = CASES[case]
     plan = plan_footprint(
         shapes_of(_model()),
         2,
@@ -357,6 +361,7 @@ def test_planner_equals_live_tensors_and_counted_traffic(
         master_dtype=torch.float32 if bf16 else None,
         bucket_view=bucket_view,
         hook=hook,  # type: ignore[arg-type]
+        exchange_compression=squeeze,
     )
     for rank in range(2):
         got = measured[rank][case]

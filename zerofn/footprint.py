@@ -41,9 +41,15 @@ from typing import Any, Literal, get_args
 import attrs
 import torch
 
+from zerofn.blockquant import BlockQuantizer
 from zerofn.hooks.powersgd import PowerSGDConfig, bucket_layout
 from zerofn.model_shapes import MODELS
 from zerofn.zero.chunks import chunk_sizes
+from zerofn.zero.compressed_exchange import (
+    compression_master_dtype,
+    exchange_bytes,
+    resolve_compression,
+)
 from zerofn.zero.partition import FlatPartition, PartitionMode
 from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.precision import resolve_master_dtype
@@ -138,6 +144,8 @@ class Footprint:
             bucket, two with PowerSGD).
         powersgd_rank: the rank of PowerSGD's factors with the PowerSGD
             hook, else ``None``.
+        exchange_compression: the ZeRO exchange's compression (``"int8"``,
+            ``"int4"``), or ``None`` for the exact exchange.
     """
 
     numel: int
@@ -151,6 +159,7 @@ class Footprint:
     payload_bytes: tuple[tuple[str, int], ...]
     zero_collectives: tuple[tuple[str, int], ...]
     powersgd_rank: int | None = None
+    exchange_compression: str | None = None
 
     @property
     def heaviest(self) -> int:
@@ -215,15 +224,21 @@ def _hook_payload(shapes: list[Sequence[int]], hook: HookKind, rank: int, itemsi
     return bucket_layout(shapes, rank, min_rate).sent_numel * itemsize
 
 
+def _exchange_bytes(plan: ShardPlan, itemsize: int, quantizer: BlockQuantizer | None) -> int:
+    """The bytes of one exchange buffer set: values, or compressed payloads."""
+    if quantizer is None:
+        return sum(ly.numel for ly in plan.layouts) * itemsize
+    return exchange_bytes(quantizer, plan)
+
+
 def _zero_traffic(
-    plan: ShardPlan, backend: Backend, itemsize: int
+    plan: ShardPlan, backend: Backend, itemsize: int, quantizer: BlockQuantizer | None
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(collectives, payload bytes) of the ZeRO step's exchange, per kind."""
     if backend == "nccl":  # one all-gather per buffer; the payload is one segment
         return {"all_gather": len(plan.layouts)}, {}
     broadcasts = sum(1 for ly in plan.layouts for s in ly.segments if s.length)
-    buffered = sum(ly.numel for ly in plan.layouts) * itemsize
-    return {"broadcast": broadcasts}, {"broadcast": buffered}
+    return {"broadcast": broadcasts}, {"broadcast": _exchange_bytes(plan, itemsize, quantizer)}
 
 
 def _checked_groups(
@@ -249,11 +264,14 @@ def _rank_bytes(
     model: OptimizerModel,
     bucket_view: bool,
     flat_chunks: bool,
+    quantizer: BlockQuantizer | None,
 ) -> tuple[RankBytes, ...]:
     """Every rank's bytes by kind under ``plan``."""
     numel = sum(plan.partition.loads())
     state_itemsize = itemsize if masters is None else torch.empty((), dtype=masters).element_size()
     buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
+    if quantizer is not None:  # the payload buffers, beside the exchange buffers
+        buffers += exchange_bytes(quantizer, plan)
     return tuple(
         RankBytes(
             parameters=numel * itemsize,
@@ -279,6 +297,7 @@ def plan_footprint(
     bucket_view: bool | None = None,
     backend: Backend = "gloo",
     flat_chunks: bool = True,
+    exchange_compression: str | None = None,
 ) -> Footprint:
     """Every rank's bytes by kind, and the bytes and collectives of a step.
 
@@ -302,13 +321,16 @@ def plan_footprint(
         flat_chunks: under ``"flat"``, the optimizer steps the shard in
             cache-sized chunks, one scalar state each (what the adapter does
             on CPU without ``foreach``/``fused``).
+        exchange_compression: ``"int8"`` or ``"int4"``: the exchange sends
+            block-quantized differences, and each rank keeps masters of its
+            shard (float32 unless ``master_dtype`` says otherwise).
 
     Returns:
         The :class:`Footprint`.
 
     Raises:
-        ValueError: an unknown optimizer, hook or partition; no parameters;
-            a ``powersgd_rank`` below 1.
+        ValueError: an unknown optimizer, hook, partition or compression;
+            no parameters; a ``powersgd_rank`` below 1.
     """
     groups = _checked_groups(shapes, optimizer, hook, powersgd_rank)
     flat_shapes = [s for g in groups for s in g]
@@ -316,12 +338,18 @@ def plan_footprint(
     plan = plan_shards(
         sizes, ["p"] * len(flat_shapes), [True] * len(flat_shapes), world_size, partition
     )
-    masters = resolve_master_dtype(param_dtype, master_dtype)
+    quantizer = resolve_compression(exchange_compression, param_dtype)
+    masters = (
+        resolve_master_dtype(param_dtype, master_dtype)
+        if quantizer is None
+        else compression_master_dtype(param_dtype, master_dtype)
+    )
     itemsize = torch.empty((), dtype=param_dtype).element_size()
     if bucket_view is None:
         bucket_view = partition == "flat"
-    ranks = _rank_bytes(plan, itemsize, masters, OPTIMIZERS[optimizer], bucket_view, flat_chunks)
-    collectives, payload = _zero_traffic(plan, backend, itemsize)
+    model = OPTIMIZERS[optimizer]
+    ranks = _rank_bytes(plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer)
+    collectives, payload = _zero_traffic(plan, backend, itemsize, quantizer)
     payload["all_reduce"] = _hook_payload(flat_shapes, hook, powersgd_rank, itemsize)
     return Footprint(
         numel=sum(sum(g) for g in sizes),
@@ -335,6 +363,7 @@ def plan_footprint(
         payload_bytes=tuple(sorted(payload.items())),
         zero_collectives=tuple(sorted(collectives.items())),
         powersgd_rank=powersgd_rank if hook == "powersgd" else None,
+        exchange_compression=exchange_compression,
     )
 
 
@@ -501,6 +530,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         help="parameters_as_bucket_view (default: on under flat, off otherwise)",
     )
+    parser.add_argument(
+        "--exchange-compression",
+        choices=["int8", "int4"],
+        help="the ZeRO exchange sends block-quantized differences (masters kept)",
+    )
     parser.add_argument("--json", action="store_true", help="the records as JSON")
     args = parser.parse_args(argv)
     bad_sizes = [n for n in args.world_size if n < 1]
@@ -529,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 hook=args.hook,
                 powersgd_rank=args.powersgd_rank or 1,
                 bucket_view=args.bucket_view,
+                exchange_compression=args.exchange_compression,
             )
             for n in args.world_size
             for mode in args.partition or ["greedy"]
@@ -540,6 +575,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print()
         return
     masters = f", {args.master_dtype} masters" if args.master_dtype else ""
+    if args.exchange_compression:
+        masters += f", {args.exchange_compression} exchange"
     rank = footprints[0].powersgd_rank
     hook = f"{args.hook} hook" + (f" (rank {rank})" if rank is not None else "")
     print(
