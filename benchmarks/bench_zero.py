@@ -61,7 +61,7 @@ from report import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.comm import drive
+from zerofn_torch.driver import drive
 from zerofn_torch.launch import run_local_world
 from zerofn_torch.traffic import collective_traffic
 

@@ -40,7 +40,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from zerofn_torch.checkpoint_background import save_group
-from zerofn_torch.comm import Await, HookCell, ProgramPipeline, drive, foreign_hook, issue
+from zerofn_torch.driver import ProgramPipeline, drive
+from zerofn_torch.foreign_hooks import Await, foreign_hook
+from zerofn_torch.hook_cells import HookCell
+from zerofn_torch.issue import issue
 
 from zerofn.comm import AllReduce
 from zerofn.hooks.hook import BucketInfo, init_hook_state

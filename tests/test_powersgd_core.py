@@ -22,13 +22,20 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 
 from zerofn.comm import AllReduce, Program, Request, Response
 from zerofn.hooks import powersgd
-from zerofn.hooks.hook import BucketInfo, HookState, begin_bucket, init_hook_state
+from zerofn.hooks.hook import (
+    BucketInfo,
+    HookState,
+    begin_bucket,
+    finish_iteration,
+    init_hook_state,
+)
 from zerofn.hooks.powersgd import (
     PowerSGDBucketState,
     PowerSGDConfig,
     PowerSGDGlobalState,
     PowerSGDHook,
 )
+from zerofn.hooks.powersgd.keys import KeyFinder, tracked
 from zerofn.testing import strategies as zst
 from zerofn.testing.world import run_programs, simulate_iteration
 
@@ -648,3 +655,117 @@ def test_keys_are_looked_up_when_tracked_and_learned_from_the_provisional_bucket
     # Count known (a restored layout): keys at once.
     _, keys = bucket_keys(KeyFinder(), [12, 13], 4)
     assert keys == (2, 3)
+
+
+@st.composite
+def learning_cases(draw: st.DrawFn) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Parameter identities; DDP's provisional buckets of an untracked model
+    (runs in model order, taken from the model's end); rebuilt buckets (any
+    order, any cut)."""
+    n = draw(st.integers(1, 6))
+    identities = draw(st.lists(st.integers(0, 2**40), min_size=n, max_size=n, unique=True))
+
+    def cut(order: Sequence[int]) -> list[list[int]]:
+        cuts = sorted(draw(st.sets(st.integers(1, n - 1)))) if n > 1 else []
+        return [list(order[a:b]) for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+
+    provisional = list(reversed(cut(range(n))))
+    rebuilt = cut(draw(st.permutations(range(n))))
+    return identities, provisional, rebuilt
+
+
+def _memories_by_key(n: int) -> tuple[dict[int, tuple[int, ...]], PowerSGDBucketState]:
+    """A shape per parameter and an unclaimed memory each, its error filled
+    with its key (as a restored state holds them)."""
+    shapes = {k: (k + 2, 3) for k in range(n)}
+    params = tuple(
+        powersgd.ParamMemory(shapes[k], error=torch.full((numel(shapes[k]),), float(k)))
+        for k in range(n)
+    )
+    return shapes, PowerSGDBucketState(tuple(range(n)), tuple(shapes.values()), params)
+
+
+@SETTINGS
+@given(learning_cases())
+def test_keys_are_learned_in_the_hook_state_then_claim_the_memories(
+    case: tuple[list[int], list[list[int]], list[list[int]]],
+) -> None:
+    """Untracked, with no layout to count the parameters by: the provisional
+    iteration claims nothing (its buckets are keyed by position) while the
+    global state learns the keys; from the next iteration on, each bucket
+    claims the memories of exactly its parameters."""
+    identities, provisional, rebuilt = case
+    shapes, unclaimed = _memories_by_key(len(identities))
+    hook = powersgd.layerwise(config(1))
+    state = attrs.evolve(init_hook_state(hook), buckets=((powersgd.UNCLAIMED, unclaimed),))
+    for index, bucket in enumerate(provisional):
+        ids, bucket_shapes = [identities[k] for k in bucket], [shapes[k] for k in bucket]
+        state = powersgd.claim_parameters(state, index, ids, bucket_shapes)
+        assert [i for i, _ in state.buckets] == [powersgd.UNCLAIMED]
+    state = finish_iteration(hook, state)
+    assert state.global_state.parameter_keys.from_end == {}
+    for index, bucket in enumerate(rebuilt):
+        ids, bucket_shapes = [identities[k] for k in bucket], [shapes[k] for k in bucket]
+        state = powersgd.claim_parameters(state, index, ids, bucket_shapes)
+        claimed = state.bucket(index)
+        assert claimed is not None and claimed.keys == tuple(bucket)
+        errors = [m.error for m in claimed.params if m is not None and m.error is not None]
+        assert [int(e[0]) for e in errors] == bucket
+    assert state.bucket(powersgd.UNCLAIMED) is None
+
+
+@SETTINGS
+@given(learning_cases())
+def test_a_restored_layout_gives_the_keys_from_the_first_bucket(
+    case: tuple[list[int], list[list[int]], list[list[int]]],
+) -> None:
+    """A restored state knows the parameter count from its layout, so the
+    provisional iteration's buckets claim their parameters' memories at once."""
+    identities, provisional, _ = case
+    n = len(identities)
+    shapes, unclaimed = _memories_by_key(n)
+    hook = powersgd.layerwise(config(1))
+    restored = init_hook_state(hook)
+    layout = ((tuple(range(n)), tuple(shapes.values())),)
+    restored = HookState(
+        attrs.evolve(restored.global_state, reference=layout, previous=layout),
+        ((powersgd.UNCLAIMED, unclaimed),),
+    )
+    for index, bucket in enumerate(provisional):
+        ids, bucket_shapes = [identities[k] for k in bucket], [shapes[k] for k in bucket]
+        restored = powersgd.claim_parameters(restored, index, ids, bucket_shapes)
+        claimed = restored.bucket(index)
+        assert claimed is not None and claimed.keys == tuple(bucket)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two state dicts hold the same entries (tensors compared by value)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and bool(a == b)
+
+
+def test_the_state_dict_keeps_the_keys_never_the_drivers_identities() -> None:
+    """Identities belong to the process that made them: a state dict is the
+    same whatever the state knows of them, and a loaded state knows none,
+    while its memories stay under their keys."""
+    cfg = config(1)
+    hook = powersgd.layerwise(cfg)
+    shapes = [(8, 8), (8,), (6, 5)]
+    identities = [701, 33, 512]
+    state = powersgd.with_parameter_keys(compressing(hook, cfg), tracked(identities))
+    state = powersgd.claim_parameters(state, 0, identities, shapes)
+    _, (state,) = simulate_iteration(hook, random_grads([shapes], 1, 0), [state], [shapes])
+    assert state.global_state.parameter_keys.known  # the run knows them
+    saved = powersgd.to_state_dict(cfg, state)
+    forgetful = powersgd.with_parameter_keys(state, KeyFinder())
+    assert _same(saved, powersgd.to_state_dict(cfg, forgetful))
+    _, loaded = powersgd.from_state_dict(weights_only_copy(saved))
+    assert loaded.global_state.parameter_keys == KeyFinder()
+    kept = set(powersgd.memories(state))
+    assert kept and kept <= set(range(len(shapes)))  # keyed by index in the model
+    assert set(powersgd.memories(loaded)) == kept

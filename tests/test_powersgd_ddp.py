@@ -680,3 +680,26 @@ def test_restored_state_on_other_buckets_trains_identically(warm_start: bool) ->
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert restored.iter == trained.iter
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_the_parameters_keys_stay_with_the_live_state_not_its_state_dict() -> None:
+    """Which live parameter has which key is the hook state's, learnt or
+    tracked: loading a state dict keeps it (the model is the same), and a
+    state built from the dict alone knows none (its parameters are others)."""
+    shapes = [s for bucket in BUCKETS for s in bucket]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    layout = [list(reversed(range(len(shapes))))]
+    state = PowerSGDState(None, start_powerSGD_iter=START, min_compression_rate=1)
+    state.track_parameters(params)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(START + 1):
+        _keyed_iteration(state, params, layout, [torch.randn(s, generator=g) for s in shapes])
+    known = dict(state.hook_state.global_state.parameter_keys.known)
+    assert known == {id(p): i for i, p in enumerate(params)}
+    saved = weights_only(state.state_dict())
+    state.load_state_dict(saved)
+    assert state.hook_state.global_state.parameter_keys.known == known
+    fresh = PowerSGDState(None)
+    fresh.load_state_dict(saved)
+    assert fresh.hook_state.global_state.parameter_keys.known == {}

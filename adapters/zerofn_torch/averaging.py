@@ -38,7 +38,7 @@ from zerofn.averaging import (
     averager_state_from_dict,
     take_averaging_step,
 )
-from zerofn_torch.comm import drive
+from zerofn_torch.driver import drive
 
 __all__ = [
     "HierarchicalModelAverager",

@@ -47,7 +47,8 @@ from zerofn.zero.sharded_checkpoint import (
 from zerofn_torch import checkpoint_files as files
 from zerofn_torch.checkpoint_background import SaveHandle, in_flight, save_group, settle_in_flight
 from zerofn_torch.checkpoint_save import GROUPS, SIZES, group_sizes, save, shapes, snapshot
-from zerofn_torch.comm import all_gather_objects, guarded
+from zerofn_torch.collective_errors import guarded
+from zerofn_torch.object_collectives import all_gather_objects
 from zerofn_torch.zero import ZeroRedundancyOptimizer
 
 __all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]

@@ -1,7 +1,7 @@
 """The stateless DDP communication hooks and the runner for your own.
 
 Every hook here is a :class:`zerofn.hooks.hook.CommHook` from the core, run by
-:func:`zerofn_torch.comm.drive`. The PyTorch-named functions take the process
+:func:`zerofn_torch.driver.drive`. The PyTorch-named functions take the process
 group as DDP's hook state, exactly like PyTorch's, so registering them is an
 import change::
 
@@ -29,7 +29,8 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from zerofn.hooks import hook as core
 from zerofn.hooks import quantization
 from zerofn.hooks.hook import CommHook, HookState
-from zerofn_torch.comm import HookCell, for_ddp, run_stateless, then
+from zerofn_torch.futures import for_ddp, then
+from zerofn_torch.hook_cells import HookCell, run_stateless
 
 __all__ = [
     "HookRunner",
@@ -54,9 +55,9 @@ class HookRunner(Generic[G, B]):
     """The stateful shell around a :class:`zerofn.hooks.hook.CommHook`.
 
     It holds the hook's :class:`zerofn.hooks.hook.HookState` (in a
-    :class:`zerofn_torch.comm.HookCell`) and the process group; each call reads
-    the state, asks the core for the bucket's program, runs it and assigns the
-    new state.
+    :class:`zerofn_torch.hook_cells.HookCell`) and the process group; each call
+    reads the state, asks the core for the bucket's program, runs it and assigns
+    the new state.
 
     A runner serves one DDP model: its state (error feedback, statistics)
     is kept per bucket of that model. :meth:`register` refuses a second

@@ -9,17 +9,19 @@ Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``::
     ddp.register_comm_hook(state, powerSGD_hook)
 
 :class:`PowerSGDState` is a shell: it holds the process group, the
-configuration record and a :class:`zerofn_torch.comm.HookCell` with the hook's
-state records (see :mod:`zerofn.hooks.powersgd`). Each hook call reads the state,
-asks the core for the bucket's program, runs it in the cell's
-:class:`zerofn_torch.comm.ProgramPipeline` and assigns the new state, exactly
+configuration record and a :class:`zerofn_torch.hook_cells.HookCell` with the
+hook's state records (see :mod:`zerofn.hooks.powersgd`). Each hook call reads
+the state, asks the core for the bucket's program, runs it in the cell's
+:class:`zerofn_torch.driver.ProgramPipeline` and assigns the new state, exactly
 as :class:`zerofn_torch.hooks.HookRunner` does for any hook; PowerSGD adds
-only the parameters' keys (each bucket claims its parameters' memories, see
-:func:`zerofn.hooks.powersgd.claim`) and its statistics log. The pipeline
-issues every collective from the thread that calls the hook, in bucket-and-
-round order, so all ranks issue them in one order however many buckets there
-are; and a bucket's second all-reduce goes out in the next bucket's hook call,
-so backward never waits for the first.
+only its statistics log, and a claim before each bucket: the bucket's
+parameter objects, by identity, for the core to find their keys and move
+their memories to the bucket (see
+:func:`zerofn.hooks.powersgd.claim_parameters`). The pipeline issues every
+collective from the thread that calls the hook, in bucket-and-round order, so
+all ranks issue them in one order however many buckets there are; and a
+bucket's second all-reduce goes out in the next bucket's hook call, so
+backward never waits for the first.
 
 DDP checks a hook's annotations at registration, so this module keeps them as
 real objects (no postponed evaluation).
@@ -42,14 +44,8 @@ from zerofn.hooks.powersgd import (
     PowerSGDGlobalState,
     PowerSGDHook,
 )
-from zerofn.hooks.powersgd.keys import (
-    KeyFinder,
-    bucket_keys,
-    finish_iteration,
-    parameter_count,
-    tracked,
-)
-from zerofn_torch.comm import HookCell
+from zerofn.hooks.powersgd.keys import tracked
+from zerofn_torch.hook_cells import HookCell
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
@@ -164,7 +160,6 @@ class PowerSGDState:
         # Not state to checkpoint: the cell's lock and pipeline belong to this
         # process; its state is replaced by load_state_dict.
         self._cell = HookCell(initial)
-        self._keys = KeyFinder()
         self._adopt(config, initial)
 
     def track_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
@@ -177,7 +172,9 @@ class PowerSGDState:
         Args:
             parameters: the model's parameters, in the model's order.
         """
-        self._keys = tracked([id(p) for p in parameters])
+        finder = tracked([id(p) for p in parameters])
+        with self._cell.lock:
+            self._cell.state = powersgd.with_parameter_keys(self._cell.state, finder)
 
     def _adopt(self, config: PowerSGDConfig, state: _State) -> None:
         self.config = config
@@ -299,7 +296,9 @@ class PowerSGDState:
         position, error feedback and warm-start factors, kept per parameter,
         so also in a freshly built DDP model, whose first iteration runs on
         provisional buckets (see ``docs/powersgd.md`` for the batched hook).
-        The process group is kept.
+        The process group is kept, and so is what this state knows of which
+        live parameter has which key (the state dict holds keys, not the
+        parameter objects of the process that saved it).
 
         Args:
             state_dict: a dict :meth:`state_dict` made (tensors are copied).
@@ -310,7 +309,8 @@ class PowerSGDState:
         """
         config, state = powersgd.from_state_dict(state_dict)
         with self._cell.lock:
-            self._adopt(config, state)
+            finder = self._cell.state.global_state.parameter_keys
+            self._adopt(config, powersgd.with_parameter_keys(state, finder))
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickling keeps working as with PyTorch's state: everything but the
@@ -330,7 +330,6 @@ class PowerSGDState:
         )
         config, restored = powersgd.from_state_dict(state)
         self._cell = HookCell(restored)
-        self._keys = KeyFinder()
         self._adopt(config, restored)
 
     def __repr__(self) -> str:
@@ -379,18 +378,13 @@ def _run(
     state: PowerSGDState, hook: PowerSGDHook, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
-    keys = None
+    cell = state._cell
     if hasattr(bucket, "parameters"):  # a hand-made bucket: the core keys it by position
         identities = [id(p) for p in bucket.parameters()]
-        count = parameter_count(state.hook_state.global_state)
-        state._keys, keys = bucket_keys(state._keys, identities, count)
-    if keys is not None:
         shapes = [tuple(g.shape) for g in bucket.gradients()]
-        with state._cell.lock:
-            state._cell.state = powersgd.claim(state._cell.state, bucket.index(), keys, shapes)
-    before, info, result = state._cell.run(hook, bucket, group)
-    if info.is_last:
-        state._keys = finish_iteration(state._keys)
+        with cell.lock:
+            cell.state = powersgd.claim_parameters(cell.state, bucket.index(), identities, shapes)
+    before, _, result = cell.run(hook, bucket, group)
     _log_stats_if_due(state, before.global_state)
     return result
 

@@ -55,8 +55,9 @@ from zerofn.zero.step import (
     run_zero_step,
     settle_masters,
 )
-from zerofn_torch.comm import all_gather_objects, drive, gather_objects
+from zerofn_torch.driver import drive
 from zerofn_torch.join import Join, JoinHook
+from zerofn_torch.object_collectives import all_gather_objects, gather_objects
 
 __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 

@@ -14,8 +14,10 @@ The package is a composition of small modules, one idea each:
 * :mod:`~zerofn.hooks.powersgd.seeds`: :class:`SeedStream`, PyTorch's seed sequence;
 * :mod:`~zerofn.hooks.powersgd.layout`: which matrices are compressed, grouped by shape;
 * :mod:`~zerofn.hooks.powersgd.codec`: the low-rank codec (orthogonalisation, ``P``/``Q``);
-* :mod:`~zerofn.hooks.powersgd.state`: state keyed by parameter, :func:`claim`;
-* :mod:`~zerofn.hooks.powersgd.keys`: which parameter is which (its index in the model);
+* :mod:`~zerofn.hooks.powersgd.state`: state keyed by parameter, :func:`claim`,
+  :func:`claim_parameters`;
+* :mod:`~zerofn.hooks.powersgd.keys`: which parameter is which (its index in the model),
+  learned in the global state;
 * :mod:`~zerofn.hooks.powersgd.layerwise` and :mod:`~zerofn.hooks.powersgd.batched`: the hooks,
   with :mod:`zerofn.hooks.error_feedback`'s per-parameter primitives;
 * :mod:`~zerofn.hooks.powersgd.checkpoint`: versioned, weights-only state dicts.
@@ -53,12 +55,14 @@ from zerofn.hooks.powersgd.state import (
     PowerSGDGlobalState,
     SquareMemory,
     claim,
+    claim_parameters,
     compression_stats,
     end_iteration,
     fits_bucket,
     init_global_state,
     memories,
     record_compression,
+    with_parameter_keys,
 )
 
 __all__ = [
@@ -79,6 +83,7 @@ __all__ = [
     "batched",
     "bucket_layout",
     "claim",
+    "claim_parameters",
     "compression_stats",
     "draw_seed",
     "end_iteration",
@@ -95,4 +100,5 @@ __all__ = [
     "square_side",
     "to_state_dict",
     "upgrade_v1",
+    "with_parameter_keys",
 ]

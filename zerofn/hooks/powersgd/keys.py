@@ -9,6 +9,11 @@ that hold the parameters in reverse order of definition, the last ones in
 bucket 0, so each parameter's position counted from the model's end is
 known as the buckets come, and its index once the parameter count is known
 (from a restored layout, or at the end of that first iteration).
+
+The finder lives in the hook's global state
+(:attr:`~zerofn.hooks.powersgd.PowerSGDGlobalState.parameter_keys`), advanced by
+:func:`zerofn.hooks.powersgd.claim_parameters` before each bucket and by
+:func:`zerofn.hooks.powersgd.end_iteration` after the last.
 """
 
 from __future__ import annotations
@@ -17,9 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from zerofn.hooks.powersgd.state import PowerSGDGlobalState
-
-__all__ = ["KeyFinder", "bucket_keys", "finish_iteration", "parameter_count", "tracked"]
+__all__ = ["KeyFinder", "bucket_keys", "finish_iteration", "tracked"]
 
 
 @attrs.frozen
@@ -80,13 +83,3 @@ def finish_iteration(finder: KeyFinder) -> KeyFinder:
         count = len(finder.from_end)
         known.update({pid: count - 1 - e for pid, e in finder.from_end.items()})
     return KeyFinder(known, {})
-
-
-def parameter_count(state: PowerSGDGlobalState) -> int | None:
-    """The model's parameter count, as the restored (or last) layout says,
-    when its keys are indices."""
-    layout = state.reference or state.previous
-    keys = [k for bucket_keys, _ in layout for k in bucket_keys]
-    if keys and all(isinstance(k, int) for k in keys):
-        return len(keys)
-    return None

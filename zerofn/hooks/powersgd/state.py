@@ -10,12 +10,15 @@ The memories are stored in a :class:`zerofn.hooks.hook.HookState` as usual, each
 in the state of the bucket that last used it (:class:`PowerSGDBucketState`);
 before a bucket runs, a driver that knows the bucket's parameter keys calls
 :func:`claim`, which moves the memories of those keys (wherever they are) to
-that bucket. Memories nobody has claimed yet (after loading a checkpoint, or
-left behind by a layout change) wait under the pseudo-index :data:`UNCLAIMED`.
+that bucket. A driver that knows only which parameter objects the bucket holds
+calls :func:`claim_parameters` instead, which finds their keys first (see
+:mod:`zerofn.hooks.powersgd.keys`). Memories nobody has claimed yet (after
+loading a checkpoint, or left behind by a layout change) wait under the
+pseudo-index :data:`UNCLAIMED`.
 
 The global record (:class:`PowerSGDGlobalState`) holds the iteration count,
-the seed stream, the statistics and the bucket layouts the random draws
-follow (see :func:`end_iteration`).
+the seed stream, the statistics, the bucket layouts the random draws follow
+(see :func:`end_iteration`) and what is known of the parameters' keys.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import torch
 
 from zerofn.hooks.hook import BucketInfo, HookState
 from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.keys import KeyFinder, bucket_keys
+from zerofn.hooks.powersgd.keys import finish_iteration as finish_key_iteration
 from zerofn.hooks.powersgd.seeds import SeedStream
 
 __all__ = [
@@ -40,6 +45,7 @@ __all__ = [
     "PowerSGDGlobalState",
     "SquareMemory",
     "claim",
+    "claim_parameters",
     "compression_stats",
     "default_keys",
     "end_iteration",
@@ -48,6 +54,7 @@ __all__ = [
     "memories",
     "record_bucket",
     "record_compression",
+    "with_parameter_keys",
 ]
 
 Key: TypeAlias = int | str
@@ -184,6 +191,10 @@ class PowerSGDGlobalState:
         ahead: random ``Q`` factors drawn ahead, by ``reference``, in an
             iteration whose buckets differ from it: key -> ``cols x rank``.
             ``None`` when not drawing ahead.
+        parameter_keys: which of the driver's parameter identities has which
+            key (see :func:`claim_parameters`). The identities belong to the
+            driver's process, so state dicts keep the keys (with each memory
+            and in the layouts), never this.
     """
 
     iteration: int
@@ -195,6 +206,7 @@ class PowerSGDGlobalState:
     previous: tuple[BucketKeys, ...] = ()
     current: tuple[BucketKeys, ...] = ()
     ahead: tuple[tuple[Key, torch.Tensor], ...] | None = None
+    parameter_keys: KeyFinder = attrs.field(factory=KeyFinder)
 
 
 def init_global_state(config: PowerSGDConfig) -> PowerSGDGlobalState:
@@ -276,6 +288,57 @@ def claim(
     return attrs.evolve(state, buckets=(*others, (index, claimed)))
 
 
+def with_parameter_keys(
+    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None], finder: KeyFinder
+) -> HookState[PowerSGDGlobalState, PowerSGDBucketState | None]:
+    """``state`` with ``finder`` as what is known of the parameters' keys
+    (a driver's :func:`zerofn.hooks.powersgd.keys.tracked` parameters, or the
+    finder of the state it replaces)."""
+    return attrs.evolve(state, global_state=attrs.evolve(state.global_state, parameter_keys=finder))
+
+
+def claim_parameters(
+    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None],
+    index: int,
+    identities: Sequence[int],
+    shapes: Sequence[Shape],
+) -> HookState[PowerSGDGlobalState, PowerSGDBucketState | None]:
+    """Before bucket ``index`` runs: find its parameters' keys, and once they
+    are known, :func:`claim` their memories for it.
+
+    Args:
+        state: the hook's state.
+        index: the bucket's index.
+        identities: the driver's identities of the bucket's parameters, in
+            bucket order (one integer per parameter object).
+        shapes: their shapes.
+
+    Returns:
+        The state with the key finder advanced past this bucket and, when
+        every key is known, the bucket's memories claimed; while some key is
+        unknown (DDP's first iteration of an untracked model) the bucket keeps
+        its own state and is keyed by position.
+
+    Raises:
+        ValueError: if a memory was made for another shape than its key's now.
+    """
+    finder, keys = bucket_keys(
+        state.global_state.parameter_keys, identities, _parameter_count(state.global_state)
+    )
+    state = with_parameter_keys(state, finder)
+    return state if keys is None else claim(state, index, keys, shapes)
+
+
+def _parameter_count(state: PowerSGDGlobalState) -> int | None:
+    """The model's parameter count, as the restored (or last) layout says,
+    when its keys are indices."""
+    layout = state.reference or state.previous
+    keys = [k for layout_keys, _ in layout for k in layout_keys]
+    if keys and all(isinstance(k, int) for k in keys):
+        return len(keys)
+    return None
+
+
 def _square_for(
     state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None],
     index: int,
@@ -335,6 +398,7 @@ def end_iteration(state: PowerSGDGlobalState) -> PowerSGDGlobalState:
         previous=state.current,
         current=(),
         ahead=None,
+        parameter_keys=finish_key_iteration(state.parameter_keys),
     )
 
 

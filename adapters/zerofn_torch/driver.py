@@ -1,0 +1,181 @@
+"""The driver: zerofn's communication programs run with ``torch.distributed``.
+
+A program (see :mod:`zerofn.comm`) yields requests; the driver issues each
+as a collective on a process group (:func:`zerofn_torch.issue.issue`). Every
+request but the program's last is awaited before the next one is computed,
+so all collectives are issued from the caller's thread in program order:
+ranks that call hooks in bucket order issue identical sequences, whatever
+order futures complete in. The last request is left in flight and the
+program is finished in the future's callback, so DDP overlaps it with the
+rest of the backward pass. A program whose request failed is closed, never
+resumed with a result.
+
+One loop steps every program (:class:`_Running`): :func:`drive` steps one
+program to its last request at once; :class:`ProgramPipeline` steps several
+buckets' programs a request at a time, so a multi-round program does not
+block backward on its early rounds: a bucket's next round is issued at the
+next hook call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from zerofn.comm import Program, Response
+from zerofn_torch.issue import Step, issue
+
+__all__ = ["ProgramPipeline", "drive"]
+
+R = TypeVar("R")
+
+
+class _Running(Generic[R]):
+    """One program being stepped: by :func:`drive`, or inside a
+    :class:`ProgramPipeline`.
+
+    ``done`` once its last request is issued, or once it failed (a failed
+    request, or the program's own error): then :attr:`result` fails with that
+    error and the program is never resumed.
+
+    The group is held only while requests remain to issue: once ``done``,
+    the stepper lets go of this record and the last request's completion
+    callback may hold it last, on the group's worker thread, where it must
+    not be the group's last reference (see
+    :func:`zerofn_torch.collective_errors.describe_group`).
+    """
+
+    def __init__(self, program: Program[R], group: Any, purpose: str) -> None:
+        self.program = program
+        self.group = group
+        self.purpose = purpose
+        self.result: torch.futures.Future[R] = torch.futures.Future()
+        self.done = False
+        self.number = 0
+        self.pending: torch.futures.Future[Response] | None = None
+        self._step(lambda: next(program))
+
+    def _step(self, resume: Callable[[], Step]) -> None:
+        """Resume the program and issue the request it makes next."""
+        try:
+            request = resume()
+        except StopIteration as stop:
+            self._issued_all()
+            self.result.set_result(stop.value)
+            return
+        except Exception as e:  # a failed request, or the program's own error
+            self._fail(e)
+            return
+        self.pending = issue(request, self.group, f"{self.purpose}, collective #{self.number}")
+        self.number += 1
+        if request.last:
+            self._issued_all()
+            self.pending.add_done_callback(self._complete)
+
+    def _issued_all(self) -> None:
+        """Nothing is left to issue: mark it, and let go of the group."""
+        self.done = True
+        self.group = None
+
+    def _fail(self, error: Exception) -> None:
+        self._issued_all()
+        self.program.close()
+        self.result.set_exception(error)  # type: ignore[arg-type]
+
+    def _complete(self, fut: torch.futures.Future[Response]) -> None:
+        try:
+            self.program.send(fut.value())
+        except StopIteration as stop:
+            self.result.set_result(stop.value)
+            return
+        except Exception as e:
+            self._fail(e)
+            return
+        self._fail(
+            RuntimeError(
+                f"the communication program for {self.purpose} made a request after its last one"
+            )
+        )
+
+    def advance(self) -> None:
+        """Wait for the pending request, then issue the program's next one."""
+        if self.done:
+            return
+        pending = self.pending
+        assert pending is not None
+        self._step(lambda: self.program.send(pending.wait()))
+
+
+def drive(
+    program: Program[R], group: Any, purpose: str = "a communication program"
+) -> torch.futures.Future[R]:
+    """Run ``program`` against ``group``; the future yields its return value.
+
+    Args:
+        program: the communication program.
+        group: the process group.
+        purpose: what the program is for, for error messages.
+
+    Returns:
+        The future of the program's return value. It fails instead (``wait()``
+        raises) with a :class:`zerofn.errors.CollectiveError` if one of the
+        program's collectives failed (the program is closed, never resumed),
+        with the program's own exception if it raised, and with
+        ``RuntimeError`` if it made a request after one it marked ``last``.
+    """
+    running = _Running(program, group, purpose)
+    while not running.done:
+        running.advance()
+    return running.result
+
+
+class ProgramPipeline:
+    """Runs the programs of several buckets at once, from the caller's thread.
+
+    Each hook call starts its bucket's program (its first request goes out at
+    once) and then moves every older program one request on. So a multi-round
+    program's next round waits for the next hook call instead of blocking
+    backward, while every request is still issued by the caller, in an order
+    fixed by bucket and round: the same on every rank. The last bucket of an
+    iteration drains all programs. A program whose request failed stops there
+    and its future fails; the others go on (their own collectives fail in
+    turn if the group is broken).
+    """
+
+    def __init__(self) -> None:
+        self._running: list[_Running[Any]] = []
+
+    def run(
+        self, program: Program[R], group: Any, is_last: bool, purpose: str = "a DDP bucket"
+    ) -> torch.futures.Future[R]:
+        """Start ``program``; the future yields its return value.
+
+        Args:
+            program: the bucket's program.
+            group: the process group to communicate in.
+            is_last: the iteration's last bucket: finish issuing everything.
+            purpose: what the program is for, for error messages.
+
+        Returns:
+            The future of the program's result, or of the
+            :class:`zerofn.errors.CollectiveError` (or the program's own
+            error) that stopped it.
+        """
+        older = self._running
+        started = _Running(program, group, purpose)
+        for running in older:
+            running.advance()
+        self._running = [r for r in [*older, started] if not r.done]
+        if is_last:
+            self.drain()
+        return started.result
+
+    def drain(self) -> None:
+        """Issue every running program's remaining requests, oldest program
+        first, round by round (the same order on every rank)."""
+        while self._running:
+            for running in self._running:
+                running.advance()
+            self._running = [r for r in self._running if not r.done]

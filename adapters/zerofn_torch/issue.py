@@ -1,0 +1,159 @@
+"""Issuing requests as ``torch.distributed`` collectives.
+
+:func:`issue` starts the collective a request (see :mod:`zerofn.comm`) asks
+for and reads its own outcome: a failure (a dead peer, a timeout, a broken
+transport) fails the request's future with a
+:class:`zerofn.errors.CollectiveError` naming the collective, its purpose and
+the group, with the transport's error as its cause. Besides the core's
+requests it answers an :class:`~zerofn_torch.foreign_hooks.Await` of a DDP
+hook the core cannot see into.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerofn.comm import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    GatherSegments,
+    Reduce,
+    Request,
+    Response,
+    describe,
+    split_like,
+)
+from zerofn.errors import CollectiveError
+from zerofn_torch.collective_errors import collective_error, describe_group
+from zerofn_torch.foreign_hooks import Await
+from zerofn_torch.futures import all_of, failed, then
+
+__all__ = ["Step", "issue"]
+
+Step = Request | Await
+"""What a program run by the adapter's driver may yield."""
+
+
+def _work_future(work: dist.Work | None) -> torch.futures.Future[Any]:
+    if work is None:  # a rank outside the group takes no part
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        done.set_result(None)
+        return done
+    return work.get_future()
+
+
+def _flatten(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    # A request hands its tensors over, so a lone contiguous one is reduced in place.
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].detach().view(-1)
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _all_reduce(request: AllReduce, group: Any) -> torch.futures.Future[Response]:
+    dtypes = list(dict.fromkeys(t.dtype for t in request.tensors))
+    if len(dtypes) > 1:  # one collective per dtype, awaited together
+        parts = [tuple(t for t in request.tensors if t.dtype == d) for d in dtypes]
+        futures = [_all_reduce(AllReduce(p, request.op), group) for p in parts]
+
+        def merge(values: list[Response]) -> Response:
+            by_dtype = {d: list(v) for d, v in zip(dtypes, values, strict=True)}
+            return tuple(by_dtype[t.dtype].pop(0) for t in request.tensors)
+
+        return then(all_of(futures), merge)
+    flat = _flatten(request.tensors)
+    op = dist.ReduceOp.MAX if request.op == "max" else dist.ReduceOp.SUM
+    work = dist.all_reduce(flat, op=op, group=group, async_op=True)
+    world = dist.get_world_size(group)
+
+    def unpack(_: Any) -> Response:
+        if request.op == "avg":
+            flat.div_(world)
+        return split_like(flat, request.tensors)
+
+    return then(_work_future(work), unpack)
+
+
+def _gather_segments(request: GatherSegments, group: Any) -> torch.futures.Future[Response]:
+    segments = request.segments
+    if request.via == "all_gather":
+        work = dist.all_gather(list(segments), segments[request.rank], group=group, async_op=True)
+        return then(_work_future(work), lambda _: segments)
+    futures = [
+        _work_future(
+            dist.broadcast(
+                segment, src=dist.get_global_rank(group, owner), group=group, async_op=True
+            )
+        )
+        for owner, segment in enumerate(segments)
+        if segment.numel() > 0
+    ]
+    return then(all_of(futures), lambda _: segments)
+
+
+def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
+    if isinstance(request, Await):
+        return then(request.future, lambda value: (value,))
+    if isinstance(request, AllReduce):
+        return _all_reduce(request, group)
+    if isinstance(request, AllGather):
+        outputs = [torch.empty_like(request.tensor) for _ in range(dist.get_world_size(group))]
+        work = dist.all_gather(outputs, request.tensor.contiguous(), group=group, async_op=True)
+        return then(_work_future(work), lambda _: tuple(outputs))
+    if isinstance(request, Broadcast):
+        src = dist.get_global_rank(group, request.src)
+        work = dist.broadcast(request.tensor, src=src, group=group, async_op=True)
+        return then(_work_future(work), lambda _: (request.tensor,))
+    if isinstance(request, Reduce):
+        dst = dist.get_global_rank(group, request.dst)
+        work = dist.reduce(request.tensor, dst=dst, group=group, async_op=True)
+        return then(_work_future(work), lambda _: (request.tensor,))
+    return _gather_segments(request, group)
+
+
+def issue(
+    request: Step, group: Any, purpose: str = "a collective"
+) -> torch.futures.Future[Response]:
+    """Start the collective ``request`` asks for; the future yields its response.
+
+    The tensors of an :class:`~zerofn.comm.AllReduce` travel in one message
+    when they share a dtype (one collective, one round trip), else one
+    message per dtype.
+
+    Args:
+        request: the collective, or an :class:`~zerofn_torch.foreign_hooks.Await`
+            of a running hook.
+        group: the process group.
+        purpose: what the collective is for, for the error message.
+
+    Returns:
+        The future of the response, or of a
+        :class:`zerofn.errors.CollectiveError` if the collective failed on
+        this rank (raised by ``wait()``; never a partial result).
+    """
+    what = f"the DDP hook {request.hook!r}" if isinstance(request, Await) else describe(request)
+    # The callback below names the group by this string: holding the group
+    # itself could make it the last reference (see describe_group).
+    group_name = describe_group(group)
+    try:
+        started = _start(request, group)
+    except Exception as e:  # a transport that fails at once, when posting
+        return failed(collective_error(what, purpose, group_name, e))
+    out: torch.futures.Future[Response] = torch.futures.Future()
+
+    def done(fut: torch.futures.Future[Response]) -> None:
+        try:
+            response = fut.value()
+        except CollectiveError as e:  # an awaited hook's own: it names what failed
+            out.set_exception(e)  # type: ignore[arg-type]
+        except Exception as e:
+            error = collective_error(what, purpose, group_name, e)
+            out.set_exception(error)  # type: ignore[arg-type]
+        else:
+            out.set_result(response)
+
+    started.add_done_callback(done)
+    return out
