@@ -206,6 +206,8 @@ PAGE_TABLES = [
     [*LLAMA_BF16, "--master-dtype", "fp32", "--bucket-view"],
     ["--model", "gpt2-small", "--world-size", "8", "--partition", "flat",
      "--hook", "powersgd", "--powersgd-rank", "4"],
+    ["--model", "gpt2-small", "--world-size", "8", "--world-size", "64", "--partition", "flat",
+     "--exchange-compression", "int8"],
 ]  # fmt: skip
 
 

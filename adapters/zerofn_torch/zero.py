@@ -492,7 +492,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
         """Clip the gradients by their norm over the whole model, as
-        ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model.
+        ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model (the
+        same norm and factor up to the order of additions and where they
+        are rounded: last bits in float32, up to 2 bf16 ulps on bf16
+        gradients without masters; see ``docs/mixed_precision.md``).
 
         Collective: call on every rank, after backward and before :meth:`step`.
         Each rank reduces only the elements it owns; one all-reduce of one
