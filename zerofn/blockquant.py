@@ -95,17 +95,28 @@ class BlockQuantizer:
         codes = payload[scale_bytes : scale_bytes + self.code_nbytes(numel)]
         return scales, codes
 
-    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+    def padded_numel(self, numel: int) -> int:
+        """``numel`` rounded up to whole blocks: the scratch :meth:`encode` needs."""
+        return self.blocks(numel) * self.block
+
+    def encode(
+        self, values: torch.Tensor, out: torch.Tensor, work: torch.Tensor | None = None
+    ) -> None:
         """Quantize ``values`` into ``out``.
 
         Args:
-            values: a 1-D floating-point tensor (computed in ``float32``).
+            values: a 1-D floating-point tensor (computed in ``float32``); it
+                may be the start of ``work``.
             out: a 1-D ``uint8`` tensor of :meth:`payload_nbytes` bytes,
                 written in place (its start 4-byte aligned).
+            work: a 1-D ``float32`` scratch tensor of at least
+                :meth:`padded_numel` elements, overwritten (``None``: a new
+                one). Kept across calls, it spares fresh pages for every
+                encode of a large shard.
 
         Raises:
-            ValueError: ``out`` has the wrong dtype or length, or ``values``
-                is not a 1-D floating-point tensor.
+            ValueError: ``out`` or ``work`` has the wrong dtype or length, or
+                ``values`` is not a 1-D floating-point tensor.
         """
         if values.dim() != 1 or not values.is_floating_point():
             raise ValueError(
@@ -115,28 +126,40 @@ class BlockQuantizer:
         scales, codes = self._parts(out, numel)
         if numel == 0:
             return
-        whole = (numel // self.block) * self.block
-        if whole == numel and values.dtype == torch.float32:
-            rows = values.view(-1, self.block)
-        else:
-            padded = values.new_zeros(self.blocks(numel) * self.block, dtype=torch.float32)
-            padded[:numel] = values
-            rows = padded.view(-1, self.block)
+        buf = self._work(work, numel, values.device)
+        if values.dtype != torch.float32 or values.data_ptr() != buf.data_ptr():
+            buf[:numel].copy_(values)
+        buf[numel:].zero_()
+        rows = buf.view(-1, self.block)
         # Two read-only reductions instead of materializing |rows|.
         largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
         scales.copy_(largest.div_(self.qmax))
         # An all-zero block has scale 0: its codes are 0, not 0/0.
         inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
         # |x| <= qmax * scale, so x / scale rounds into [-qmax, qmax] unclamped.
-        q = rows.mul(inverse.unsqueeze(1)).round_().view(-1)[:numel]
+        rows.mul_(inverse.unsqueeze(1)).round_()
         if self.bits == 8:
-            codes.view(torch.int8).copy_(q)
+            codes.view(torch.int8).copy_(buf[:numel])
             return
-        nibbles = q.add_(8).to(torch.uint8)
+        # Codes -7..7 stored as 1..15; an odd count's last byte pads with 8 (0).
+        paired = numel + numel % 2
+        nibbles = buf[:paired].add_(8)
         if numel % 2:
-            nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
-        pairs = nibbles.view(-1, 2)
-        torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=codes)
+            nibbles[numel] = 8
+        low = nibbles[0::2].to(torch.uint8)
+        high = nibbles[1::2].to(torch.uint8).mul_(16)
+        torch.bitwise_or(low, high, out=codes)
+
+    def _work(self, work: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+        padded = self.padded_numel(numel)
+        if work is None:
+            return torch.empty(padded, dtype=torch.float32, device=device)
+        if work.dtype != torch.float32 or work.dim() != 1 or work.numel() < padded:
+            raise ValueError(
+                f"work must be a 1-D float32 tensor of at least {padded} elements, got "
+                f"{work.dtype} {tuple(work.shape)}"
+            )
+        return work[:padded]
 
     def decode(
         self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None
@@ -161,16 +184,16 @@ class BlockQuantizer:
         if numel == 0:
             return out
         if self.bits == 8:
-            q = codes.view(torch.int8)
+            out.copy_(codes.view(torch.int8))
         else:
-            both = torch.stack([codes & 0x0F, codes >> 4], dim=1).view(-1)[:numel]
-            q = both.to(torch.int8) - 8
+            out[0::2].copy_(codes[: (numel + 1) // 2] & 0x0F)
+            out[1::2].copy_(codes[: numel // 2] >> 4)
+            out.sub_(8)
         whole = (numel // self.block) * self.block
         if whole:
-            rows = out[:whole].view(-1, self.block)
-            torch.mul(q[:whole].view(-1, self.block), scales[: whole // self.block, None], out=rows)
+            out[:whole].view(-1, self.block).mul_(scales[: whole // self.block, None])
         if whole < numel:
-            torch.mul(q[whole:], scales[-1], out=out[whole:])
+            out[whole:].mul_(scales[-1])
         return out
 
 

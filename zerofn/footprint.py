@@ -46,6 +46,7 @@ from zerofn.hooks.powersgd import PowerSGDConfig, bucket_layout
 from zerofn.model_shapes import MODELS
 from zerofn.zero.chunks import chunk_sizes
 from zerofn.zero.compressed_exchange import (
+    compressed_buffer_bytes,
     compression_master_dtype,
     exchange_bytes,
     resolve_compression,
@@ -270,8 +271,8 @@ def _rank_bytes(
     numel = sum(plan.partition.loads())
     state_itemsize = itemsize if masters is None else torch.empty((), dtype=masters).element_size()
     buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
-    if quantizer is not None:  # the payload buffers, beside the exchange buffers
-        buffers += exchange_bytes(quantizer, plan)
+    if quantizer is not None:  # payloads and scratch, beside the exchange buffers
+        buffers += compressed_buffer_bytes(quantizer, plan)
     return tuple(
         RankBytes(
             parameters=numel * itemsize,

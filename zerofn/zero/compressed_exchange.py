@@ -46,6 +46,7 @@ __all__ = [
     "CompressedExchange",
     "LocalSpan",
     "add_difference",
+    "compressed_buffer_bytes",
     "compressed_exchange",
     "compressed_exchange_program",
     "compression_master_dtype",
@@ -135,6 +136,18 @@ def exchange_bytes(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
     return sum(_payload_offsets(quantizer, layout)[-1] for layout in plan.layouts)
 
 
+def _work_numel(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
+    lengths = [s.length for layout in plan.layouts for s in layout.segments]
+    return quantizer.padded_numel(max(lengths, default=0))
+
+
+def compressed_buffer_bytes(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
+    """The bytes a rank keeps for the compressed exchange: the payload
+    buffers (every rank's codes and scales) and one ``float32`` scratch as
+    long as the longest segment (the difference, then each decoded part)."""
+    return exchange_bytes(quantizer, plan) + 4 * _work_numel(quantizer, plan)
+
+
 @attrs.define(eq=False)
 class CompressedExchange:
     """The byte buffers a compressed exchange sends, one per buffer layout.
@@ -146,11 +159,15 @@ class CompressedExchange:
         payloads: per layout, every rank's payload laid end to end.
         offsets: per layout, where each rank's payload starts (and, last,
             where the buffer ends).
+        work: ``float32`` scratch for the longest segment, reused by every
+            encode and decode (fresh pages for each would cost more than the
+            arithmetic on a large shard).
     """
 
     quantizer: BlockQuantizer
     payloads: list[torch.Tensor]
     offsets: tuple[tuple[int, ...], ...]
+    work: torch.Tensor
 
     def parts(self, index: int) -> tuple[torch.Tensor, ...]:
         """Each rank's payload in buffer ``index``, as views, in rank order."""
@@ -159,17 +176,18 @@ class CompressedExchange:
         return tuple(payload[a:b] for a, b in itertools.pairwise(bounds))
 
     def nbytes(self) -> int:
-        """The payload buffers' bytes."""
-        return sum(p.numel() for p in self.payloads)
+        """The payload buffers' and the scratch's bytes."""
+        return sum(p.numel() for p in self.payloads) + 4 * self.work.numel()
 
 
 def compressed_exchange(
     quantizer: BlockQuantizer, plan: ShardPlan, device: torch.device
 ) -> CompressedExchange:
-    """Payload buffers for ``plan``'s layouts (zeroed)."""
+    """Payload buffers and scratch for ``plan``'s layouts (zeroed)."""
     offsets = tuple(_payload_offsets(quantizer, layout) for layout in plan.layouts)
     payloads = [torch.zeros(o[-1], dtype=torch.uint8, device=device) for o in offsets]
-    return CompressedExchange(quantizer, payloads, offsets)
+    work = torch.zeros(_work_numel(quantizer, plan), dtype=torch.float32, device=device)
+    return CompressedExchange(quantizer, payloads, offsets, work)
 
 
 def local_spans(
@@ -222,12 +240,13 @@ def local_spans(
 def add_difference(replica: torch.Tensor, difference: torch.Tensor) -> None:
     """Add a decoded difference (``float32``) to a replica, in place, the
     same way on every rank: in ``float32`` or wider, then rounded once to the
-    replica's dtype."""
+    replica's dtype. For a narrower replica ``difference`` is overwritten
+    (it holds the sum before the rounding)."""
     with torch.no_grad():
         if torch.finfo(replica.dtype).bits >= 32:
             replica.add_(difference)
         else:
-            replica.copy_(replica.float().add_(difference))
+            replica.copy_(difference.add_(replica))
 
 
 def compressed_exchange_program(
@@ -267,7 +286,10 @@ def compressed_exchange_program(
         own = layout.segments[rank]
         # A rank that owns nothing has no masters and sends an empty payload.
         wide = masters[0].dtype if masters else torch.float32
-        difference = torch.empty(own.length, dtype=wide, device=buffer.device)
+        if wide == torch.float32:
+            difference = exchange.work[: own.length]
+        else:  # wider masters: the difference is taken at their width
+            difference = torch.empty(own.length, dtype=wide, device=buffer.device)
         covered = 0
         for master, span in zip(masters, spans, strict=True):
             if span is not None and span.layout == index:
@@ -280,10 +302,10 @@ def compressed_exchange_program(
             )
         difference.sub_(buffer[own.offset : own.offset + own.length])
         parts = exchange.parts(index)
-        quantizer.encode(difference, parts[rank])
+        quantizer.encode(difference, parts[rank], exchange.work)
         yield GatherSegments(parts, rank, via, last=index == len(layouts) - 1)
         for segment, part in zip(layout.segments, parts, strict=True):
-            decoded = quantizer.decode(part, segment.length)
+            decoded = quantizer.decode(part, segment.length, exchange.work[: segment.length])
             if shards.bucket_view:
                 # The parameters are views of the buffer: one add covers them.
                 add_difference(buffer[segment.offset : segment.offset + segment.length], decoded)
