@@ -26,6 +26,7 @@ QUOTED: dict[str, tuple[str, ...]] = {
     "docs/powersgd.md": ("powersgd",),
     "docs/overlap.md": ("overlap",),
     "docs/zero.md": ("zero-step", "modes"),
+    "docs/compressed_exchange.md": ("compressed-bytes", "compressed-step", "compressed-soak"),
 }
 """Each page that quotes measured numbers, and its blocks: ``summary`` is
 every benchmark's summary rows, any other name one benchmark's (a key of

@@ -104,6 +104,8 @@ class Headline:
         target: the goal it is held to ("<= 0.8"), or "" when none.
         met: whether the median meets the target; ``None`` when there is none.
         short: a few words naming the row in the figure ("" = ``benchmark``).
+        why: for a missed target, one line saying why (what bound the value
+            sits near on this machine).
     """
 
     benchmark: str
@@ -112,6 +114,15 @@ class Headline:
     target: str = ""
     met: bool | None = None
     short: str = ""
+    why: str = ""
+
+
+def _met(h: Headline) -> str:
+    if h.met is None:
+        return "-"
+    if h.met:
+        return "yes"
+    return f"no: {h.why}" if h.why else "no"
 
 
 @attrs.frozen
@@ -187,7 +198,7 @@ def headline_table(headlines: Sequence[Headline]) -> str:
             h.measure,
             h.value.fmt(),
             h.target or "-",
-            {None: "-", True: "yes", False: "no"}[h.met],
+            _met(h),
         ]
         for h in headlines
     ]
