@@ -27,6 +27,7 @@ QUOTED: dict[str, tuple[str, ...]] = {
     "docs/overlap.md": ("overlap",),
     "docs/zero.md": ("zero-step", "modes"),
     "docs/compressed_exchange.md": ("compressed-bytes", "compressed-step", "compressed-soak"),
+    "docs/diloco.md": ("diloco",),
 }
 """Each page that quotes measured numbers, and its blocks: ``summary`` is
 every benchmark's summary rows, any other name one benchmark's (a key of

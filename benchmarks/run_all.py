@@ -5,13 +5,16 @@ PowerSGD, overlap, mixed precision (bytes per parameter, exchange bytes and
 step time of bf16 + fp32 masters against PyTorch's ZeRO on fp32), the
 compressed exchange (int8/int4 bytes per step against the exact exchange, the
 step against PyTorch's ZeRO and its floor, and a 1,000-step error soak on the
-simulated world), partition imbalance and core scaling benchmarks, saving
+simulated world), DiLoCo (bytes per inner step against DDP, peak bytes with
+fragments, outer state per rank, step time with a delayed sync), partition
+imbalance and core scaling benchmarks, saving
 while training (a background sharded save against a blocking one), then the
 soak (2,000 steps of DDP + PowerSGD + the overlapped ZeRO step: replicas
 bitwise equal, memory flat) and the kill-and-restart soak under torchrun
 (steps lost per kill, restart time), each also runnable alone
 (``bench_zero.py``, ``bench_modes.py``, ``bench_hooks.py``,
 ``bench_overlap.py``, ``bench_precision.py``, ``bench_compressed.py``,
+``bench_diloco.py``,
 ``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``); prints
 each section as it ends, and writes:
 
@@ -22,8 +25,8 @@ each section as it ends, and writes:
   ranges, bytes per parameter against world size, partition imbalance against
   world size, planning time against model size, the soak's resident memory
   against step.
-* the figures README.md, docs/zero.md, docs/overlap.md, docs/powersgd.md and
-  docs/compressed_exchange.md
+* the figures README.md, docs/zero.md, docs/overlap.md, docs/powersgd.md,
+  docs/compressed_exchange.md and docs/diloco.md
   quote, in their ``<!-- bench:NAME:begin -->`` blocks (full runs only;
   see ``generated_blocks.py``).
 * ``docs/resilience.md``: the kill-and-restart soak's table, between its
@@ -41,6 +44,7 @@ from collections.abc import Callable, Sequence
 
 import bench_checkpoint
 import bench_compressed
+import bench_diloco
 import bench_hooks
 import bench_modes
 import bench_overlap
@@ -67,6 +71,7 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     "overlap": bench_overlap.bench_overlap,
     "precision": bench_precision.bench_precision,
     **bench_compressed.BENCHES,
+    "diloco": bench_diloco.bench_diloco,
     "imbalance": bench_zero.bench_imbalance,
     "scaling": bench_zero.bench_scaling,
     "checkpoint": bench_checkpoint.bench_checkpoint,

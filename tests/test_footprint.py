@@ -388,3 +388,17 @@ def test_bf16_with_fp32_masters_costs_two_plus_two_plus_twelve_over_d(world: int
     assert plan.bytes_per_parameter(plan.heaviest) == pytest.approx(2 + 2 + 12 / world, abs=1e-3)
     fp32 = plan_footprint(gpt2, world, "flat", bucket_view=True)
     assert fp32.bytes_per_parameter(fp32.heaviest) == pytest.approx(4 + 4 + 8 / world, abs=1e-3)
+
+
+def test_diloco_fragments_add_the_outer_state_column(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerofn.diloco.footprint import outer_state_bytes_per_rank
+
+    main(["--model", "gpt2-small", "--world-size", "8", "--diloco-fragments", "4"])
+    header, _, row = capsys.readouterr().out.strip().splitlines()[1:]
+    assert header.split("|")[-2].strip() == "DiLoCo outer GiB (P=4)"
+    expected = outer_state_bytes_per_rank(124_439_808, 8, 4) / 2**30
+    assert row.split("|")[-2].strip() == f"{expected:.2f}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "gpt2-small", "--world-size", "8", "--diloco-fragments", "0"])
+    assert exit_info.value.code == 2
+    assert "--diloco-fragments must be at least 1" in capsys.readouterr().err

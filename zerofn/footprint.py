@@ -42,6 +42,7 @@ import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer
+from zerofn.diloco.footprint import outer_state_bytes_per_rank
 from zerofn.hooks.powersgd import PowerSGDConfig, bucket_layout
 from zerofn.model_shapes import MODELS
 from zerofn.zero.chunks import chunk_sizes
@@ -484,6 +485,15 @@ payload one rank hands to each kind of collective per step (DDP's gradient
 all-reduce, the ZeRO exchange's broadcasts)."""
 
 
+def _diloco_column(fragments: int) -> Column:
+    """DiLoCo's outer state on its heaviest rank (:mod:`zerofn.diloco.footprint`)."""
+
+    def cell(f: Footprint) -> str:
+        return _gib(outer_state_bytes_per_rank(f.numel, f.world_size, fragments))
+
+    return Column(f"DiLoCo outer GiB (P={fragments})", cell)
+
+
 def table(footprints: Sequence[Footprint], columns: Sequence[Column] = COLUMNS) -> str:
     """A Markdown table: one row per footprint, one column per ``columns``."""
     rows = [
@@ -536,11 +546,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=["int8", "int4"],
         help="the ZeRO exchange sends block-quantized differences (masters kept)",
     )
+    parser.add_argument(
+        "--diloco-fragments",
+        type=int,
+        metavar="P",
+        help="add DiLoCo's outer state per rank (anchor and SGD momentum, sharded over the "
+        "ranks, synced in P fragments)",
+    )
     parser.add_argument("--json", action="store_true", help="the records as JSON")
     args = parser.parse_args(argv)
     bad_sizes = [n for n in args.world_size if n < 1]
     if bad_sizes:
         parser.error(f"--world-size must be at least 1, got {bad_sizes[0]}")
+    if args.diloco_fragments is not None and args.diloco_fragments < 1:
+        parser.error(f"--diloco-fragments must be at least 1, got {args.diloco_fragments}")
     if args.powersgd_rank is not None:
         if args.powersgd_rank < 1:
             parser.error(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
@@ -584,7 +603,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{args.model}: {footprints[0].numel:,} parameters, {args.param_dtype}{masters}, "
         f"{args.optimizer}, {hook}"
     )
-    print(table(footprints))
+    columns = COLUMNS
+    if args.diloco_fragments is not None:
+        columns = (*COLUMNS, _diloco_column(args.diloco_fragments))
+    print(table(footprints, columns))
 
 
 if __name__ == "__main__":

@@ -38,9 +38,11 @@ from zerofn.averaging import (
     averager_state_from_dict,
     take_averaging_step,
 )
+from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.driver import drive
 
 __all__ = [
+    "DiLoCoOptimizer",
     "HierarchicalModelAverager",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",

@@ -27,7 +27,7 @@ import torch
 from zerofn.comm import Program, Response
 from zerofn_torch.issue import Step, issue
 
-__all__ = ["ProgramPipeline", "drive"]
+__all__ = ["PolledProgram", "ProgramPipeline", "drive"]
 
 R = TypeVar("R")
 
@@ -129,6 +129,34 @@ def drive(
     while not running.done:
         running.advance()
     return running.result
+
+
+class PolledProgram(Generic[R]):
+    """A program moved on from the caller's thread without blocking: each
+    :meth:`poll` issues the requests whose predecessors have completed, and
+    :meth:`wait` runs it to its end. Every request is issued by the caller,
+    in program order, so ranks issue identical sequences (DiLoCo's delayed
+    syncs run this way, overlapped with inner steps)."""
+
+    def __init__(self, program: Program[R], group: Any, purpose: str) -> None:
+        self._running = _Running(program, group, purpose)
+
+    def poll(self) -> None:
+        """Issue every request whose predecessor has completed; never waits."""
+        running = self._running
+        while not running.done and running.pending is not None and running.pending.done():
+            running.advance()
+
+    def wait(self) -> R:
+        """Run the program to its end; its return value.
+
+        Raises:
+            zerofn.errors.CollectiveError: one of its collectives failed (or
+                the program's own error).
+        """
+        while not self._running.done:
+            self._running.advance()
+        return self._running.result.wait()
 
 
 class ProgramPipeline:

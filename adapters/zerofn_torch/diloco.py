@@ -1,0 +1,447 @@
+"""DiLoCo: local inner steps, an outer optimizer on pseudo-gradients, sharded outer state.
+
+``DiLoCoOptimizer`` wraps any optimizer the way ``PostLocalSGDOptimizer``
+does::
+
+    from zerofn_torch.averaging import DiLoCoOptimizer
+
+    opt = DiLoCoOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=50)
+
+Inner steps communicate nothing. After every ``sync_every``-th one, each
+fragment of the parameters is synced (the core's program,
+:mod:`zerofn.diloco.sync` or :mod:`zerofn.diloco.compressed_sync`): the
+owners of its slices step the outer optimizer on the pseudo-gradient
+``anchor - mean over ranks of the parameters``, and every rank merges the
+new anchor into its parameters (:mod:`zerofn.diloco.merge`), at once or
+``delay`` inner steps later. When a sync starts and when its result is
+applied is the core's :func:`zerofn.diloco.state.take_inner_step`.
+
+This shell holds the live tensors (anchor slices, the outer optimizer, the
+compressed mode's replica and residual) and the one sync in flight, which it
+moves on, request by request, whenever it gets the chance without waiting:
+at each ``step`` and ``zero_grad`` and as gradients accumulate during
+backward; it waits only when the result is due. A failed collective raises
+:class:`zerofn.errors.CollectiveError` there, on every live rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from zerofn.diloco.checkpoint import check_layout, consolidate, rank_state_dict, shard
+from zerofn.diloco.compressed_sync import compressed_sync_program
+from zerofn.diloco.config import Compression, DiLoCoConfig
+from zerofn.diloco.fragments import plan_fragments, read_fragment, write_fragment
+from zerofn.diloco.merge import merge
+from zerofn.diloco.outer import (
+    OuterOptimizerFactory,
+    OuterStep,
+    check_outer_optimizer,
+    default_outer_optimizer,
+    outer_step,
+)
+from zerofn.diloco.start import agree_program
+from zerofn.diloco.state import DiLoCoState, InFlight, state_from_dict, take_inner_step
+from zerofn.diloco.sync import SyncProgram, run_sync, sync_program
+from zerofn_torch.default_hooks import noop_hook
+from zerofn_torch.driver import PolledProgram, drive
+from zerofn_torch.object_collectives import all_gather_objects
+
+__all__ = ["DiLoCoOptimizer"]
+
+_NOOP_HOOKS = (noop_hook, debugging_hooks.noop_hook)
+
+
+def _remove(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
+
+
+def _is_noop(ddp: DistributedDataParallel) -> bool:
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks is None:  # a DDP that does not say which hook it runs: nothing to check
+        return True
+    return len(hooks) == 1 and hooks[0][0] in _NOOP_HOOKS
+
+
+def _subclasses(kind: type) -> set[type]:
+    found: set[type] = {kind}
+    subs: list[type] = type.__subclasses__(kind)
+    for sub in subs:
+        found |= _subclasses(sub)
+    return found
+
+
+def _refuse_all_reducing_ddp(params: list[torch.Tensor], group: Any) -> None:
+    """Refuse parameters whose DDP model would all-reduce across DiLoCo workers."""
+    mine = {id(p) for p in params}
+    outer = set(dist.get_process_group_ranks(group))
+    kinds = _subclasses(DistributedDataParallel)
+    # Parameters do not point to the DDP model that wraps them; the models do.
+    for obj in gc.get_objects():
+        if type(obj) not in kinds:
+            continue
+        if not any(id(p) in mine for p in obj.module.parameters()):
+            continue
+        shared = outer & set(dist.get_process_group_ranks(obj.process_group))
+        if len(shared) > 1 and not _is_noop(obj):
+            raise ValueError(
+                f"the inner optimizer's parameters belong to a DistributedDataParallel model "
+                f"that averages gradients over DiLoCo workers (ranks {sorted(shared)}), so every "
+                "inner step would all-reduce. Register a no-op hook "
+                "(model.register_comm_hook(None, zerofn_torch.hooks.noop_hook)), do not wrap "
+                "the model in DDP, or run DDP over a group of ranks inside each worker and pass "
+                "the group across workers as process_group"
+            )
+
+
+class DiLoCoOptimizer(torch.optim.Optimizer):
+    """DiLoCo and Streaming DiLoCo around any inner optimizer.
+
+    Each :meth:`step` steps ``optim`` alone; the fragments' syncs start and
+    are applied as :class:`zerofn.diloco.config.DiLoCoConfig` describes.
+    All ranks of ``process_group`` start from its rank 0's parameters (one
+    broadcast, at construction) and step in lockstep. The anchor and the
+    outer optimizer's state are sharded: each rank keeps the slices it owns.
+
+    Args:
+        optim: the inner optimizer (its parameters are what DiLoCo syncs).
+        sync_every: inner steps between two syncs of a fragment (H).
+        outer_optimizer: ``tensors -> torch.optim.Optimizer`` over exactly
+            the tensors given (this rank's anchor slices); an element-wise
+            optimizer. Default: SGD, lr 0.7, Nesterov momentum 0.9.
+        fragments: fragments synced in turn (P); must divide ``sync_every``.
+        delay: inner steps a sync overlaps before its result is applied
+            (tau); below ``sync_every // fragments``.
+        compression: ``None``, ``"int8"``, ``"int4"`` or a
+            :class:`zerofn.blockquant.BlockQuantizer`: pseudo-gradients and
+            anchor updates travel quantized, with error feedback (8 more
+            bytes per parameter on every rank: the anchor's replica and the
+            residual).
+        process_group: the group across DiLoCo workers (default: the
+            world). A model under DDP over groups inside each worker is fine.
+        mixing: the weight of the local values when a result is applied
+            (0: take the global values, as DiLoCo; 0.5: Streaming DiLoCo's).
+
+    Raises:
+        ValueError, TypeError: a bad configuration (see
+            :class:`~zerofn.diloco.config.DiLoCoConfig`), more fragments than
+            parameter elements, a rank outside ``process_group``, an outer
+            optimizer that is not element-wise or not over the given
+            tensors, or parameters under a DDP model that averages gradients
+            across workers.
+        zerofn.errors.CollectiveError: the starting broadcast failed.
+    """
+
+    def __init__(
+        self,
+        optim: torch.optim.Optimizer,
+        sync_every: int,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        compression: Compression = None,
+        process_group: Any | None = None,
+        *,
+        mixing: float = 0.0,
+    ) -> None:
+        # Deliberately no Optimizer.__init__: the inner optimizer owns the
+        # parameters and their state; this class shares its param groups.
+        self.config = DiLoCoConfig(sync_every, fragments, delay, mixing, compression)
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(
+                "this rank is not in process_group: build DiLoCoOptimizer on the ranks of "
+                "the group it syncs over"
+            )
+        params = [p for g in optim.param_groups for p in g["params"]]
+        plan = plan_fragments([p.numel() for p in params], fragments, dist.get_world_size(group))
+        _refuse_all_reducing_ddp(params, group)
+        self.optim = optim
+        self.param_groups = optim.param_groups
+        self.process_group = group
+        self._params = params
+        self._plan = plan
+        self._rank = rank
+        # The outer optimizer is built (and checked) before anything changes;
+        # its tensors are filled once the ranks agree on the parameters.
+        self._anchors = [
+            torch.empty(f.lengths[rank], dtype=torch.float32, device=params[0].device)
+            for f in plan.fragments
+        ]
+        factory = outer_optimizer if outer_optimizer is not None else default_outer_optimizer
+        self.outer = check_outer_optimizer(factory(self._anchors), self._anchors)
+        drive(agree_program(params), group, "DiLoCo: starting from rank 0's parameters").wait()
+        start = [read_fragment(f, params) for f in plan.fragments]
+        for anchor, f, values in zip(self._anchors, plan.fragments, start, strict=True):
+            anchor.copy_(values[f.owned(rank)])
+        self._replica: torch.Tensor | None = None
+        self._residual: torch.Tensor | None = None
+        if self.config.compression is not None:
+            self._replica = torch.cat(start)
+            self._residual = torch.zeros_like(self._replica)
+        self._state = DiLoCoState()
+        self._flight: PolledProgram[torch.Tensor] | None = None
+        self._result: torch.Tensor | None = None
+        self._hooks = self._poll_during_backward()
+
+    # ----- the optimizer's face ------------------------------------------------------
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's per-parameter state."""
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's default hyperparameters."""
+        return self.optim.defaults
+
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps taken so far."""
+        return self._state.step
+
+    def __repr__(self) -> str:
+        return f"DiLoCoOptimizer({self.config}, inner={self.optim!r}, outer={self.outer!r})"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the fragments and the outer state are cut for the
+        parameters given at construction.
+
+        Raises:
+            ValueError: always; add every group to the inner optimizer before
+                wrapping it.
+        """
+        raise ValueError(
+            "DiLoCoOptimizer cuts its fragments and outer state for the parameters it was "
+            "built over; add every param group to the inner optimizer before wrapping it"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the inner optimizer's gradients (and move a sync in flight on)."""
+        self._poll()
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """One inner step; then start a fragment's sync and apply a due
+        result, as the schedule says.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The inner optimizer's return value.
+
+        Raises:
+            zerofn.errors.CollectiveError: a sync whose result is due now
+                failed (a peer died or hung), on every live rank.
+        """
+        self._poll()
+        loss = self.optim.step() if closure is None else self.optim.step(closure)
+        after, actions = take_inner_step(self.config, self._state)
+        if actions.start is not None:
+            self._start(actions.start, after.step)
+        if actions.apply is not None:
+            self._apply(actions.apply)
+        self._state = after
+        return loss
+
+    # ----- the sync in flight ------------------------------------------------------------
+
+    def _poll(self) -> None:
+        if self._flight is not None:
+            self._flight.poll()
+
+    def _poll_during_backward(self) -> list[Any]:
+        # Gradients accumulate all through backward: each is a chance to move
+        # a sync on without waiting. The hook holds this optimizer weakly.
+        me = weakref.ref(self)
+
+        def poll(_: torch.Tensor) -> None:
+            alive = me()
+            if alive is not None:
+                alive._poll()
+
+        hooks = [
+            p.register_post_accumulate_grad_hook(poll) for p in self._params if p.requires_grad
+        ]
+        weakref.finalize(self, _remove, hooks)
+        return hooks
+
+    def _start(self, fragment: int, t: int) -> None:
+        f = self._plan.fragments[fragment]
+        values = read_fragment(f, self._params)
+        program: SyncProgram
+        if self.config.compression is None:
+            program = sync_program(f, self._rank, values, self._anchors[fragment])
+        else:
+            assert self._replica is not None and self._residual is not None
+            span = slice(f.start, f.start + f.numel)
+            program = compressed_sync_program(
+                f,
+                self._rank,
+                values,
+                self._replica[span],
+                self._residual[span],
+                self._anchors[fragment],
+                self.config.compression,
+            )
+
+        def answer(request: OuterStep) -> torch.Tensor:
+            return outer_step(self.outer, self._anchors, request)
+
+        purpose = f"DiLoCo sync of fragment {fragment} (after inner step {t})"
+        self._flight = PolledProgram(run_sync(program, answer), self.process_group, purpose)
+        self._result = None
+
+    def drain(self) -> None:
+        """Finish the communication of the sync in flight, if any; its result
+        is still applied at its due step.
+
+        Raises:
+            zerofn.errors.CollectiveError: the sync failed.
+        """
+        if self._flight is not None:
+            flight, self._flight = self._flight, None
+            self._result = flight.wait()
+
+    def _apply(self, flight: InFlight) -> None:
+        self.drain()
+        assert self._result is not None
+        fragment = self._plan.fragments[flight.fragment]
+        local = read_fragment(fragment, self._params)
+        write_fragment(fragment, self._params, merge(local, self._result, self.config.mixing))
+        self._result = None
+
+    # ----- memory and checkpoints --------------------------------------------------------
+
+    def memory_bytes(self) -> int:
+        """Bytes of outer state on this rank: anchor slices, the outer
+        optimizer's state tensors, and (compressed) the replica and residual.
+        A sync in flight holds one fragment's values on top, until applied."""
+        tensors = [*self._anchors]
+        tensors += [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
+        tensors += [t for t in (self._replica, self._residual) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _own(self) -> dict[str, Any]:
+        """This rank's DiLoCo state dict (see :mod:`zerofn.diloco.checkpoint`)."""
+        self.drain()
+        return rank_state_dict(
+            self._plan,
+            self._rank,
+            self._state,
+            self._result,
+            self._anchors,
+            self.outer.state_dict(),
+            self._replica,
+            self._residual,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict with this rank's DiLoCo state
+        under ``"diloco"`` (plain tensors, ints and lists: safe for
+        ``torch.load(weights_only=True)``). A sync in flight is finished
+        first and its result saved, so a resumed run applies it at the same
+        step. Loads on this rank of an outer group of the same size.
+
+        Raises:
+            zerofn.errors.CollectiveError: the sync in flight failed.
+        """
+        saved = self.optim.state_dict()
+        saved["diloco"] = self._own()
+        return saved
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """Like :meth:`state_dict`, with the DiLoCo state joined over the
+        outer group (whole anchor and outer-state tensors, the mean
+        residual), so it loads on an outer group of any size; the inner
+        optimizer's state is this rank's. Collective: call on every rank.
+
+        Raises:
+            zerofn.errors.CollectiveError: the sync in flight, or the
+                gathering, failed.
+        """
+        saved = self.optim.state_dict()
+        every = all_gather_objects(self._own(), self.process_group, "DiLoCo: consolidating")
+        saved["diloco"] = consolidate(self._plan, every)
+        return saved
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (same rank and world size) or
+        :meth:`consolidated_state_dict` (any world size).
+
+        A sync in flight here is finished first (every rank must). Nothing
+        changes when the state dict is refused.
+
+        Raises:
+            ValueError: no ``"diloco"`` entry, or one that does not fit this
+                optimizer (other parameters, fragments, compression or
+                schedule; another rank's or world size's per-rank state).
+            zerofn.errors.CollectiveError: the sync in flight failed.
+        """
+        if "diloco" not in state_dict:
+            raise ValueError(
+                "the state dict has no 'diloco' entry: load one saved by "
+                "DiLoCoOptimizer.state_dict() or consolidated_state_dict()"
+            )
+        self.drain()
+        saved = state_dict["diloco"]
+        compressed = self.config.compression is not None
+        if saved.get("world_size", 0) is None:
+            saved = shard(self._plan, saved, self._rank)
+        check_layout(self._plan, saved, self._rank, compressed)
+        state = state_from_dict(self.config, saved["state"])
+        self._check_tensors(saved, state)
+        inner = {k: v for k, v in state_dict.items() if k != "diloco"}
+        before = copy.deepcopy(self.outer.state_dict())
+        self.outer.load_state_dict(saved["outer"])
+        try:
+            self.optim.load_state_dict(inner)
+        except Exception:
+            self.outer.load_state_dict(before)
+            raise
+        with torch.no_grad():
+            for anchor, value in zip(self._anchors, saved["anchor"], strict=True):
+                anchor.copy_(value)
+            for mine, value in (
+                (self._replica, saved["replica"]),
+                (self._residual, saved["residual"]),
+            ):
+                if mine is not None:
+                    mine.copy_(value)
+        self._result = None if saved["result"] is None else saved["result"].clone()
+        self._state = state
+
+    def _check_tensors(self, saved: Mapping[str, Any], state: DiLoCoState) -> None:
+        """Refuse tensors of the wrong shape before anything is changed."""
+        expected = [a.shape for a in self._anchors]
+        got = [tuple(t.shape) for t in saved["anchor"]]
+        if got != [tuple(s) for s in expected]:
+            raise ValueError(f"anchor slices of shapes {got}; this rank owns {expected}")
+        for name in ("replica", "residual"):
+            value = saved[name]
+            if value is not None and tuple(value.shape) != (self._plan.numel,):
+                raise ValueError(f"a {name} of shape {tuple(value.shape)} for {self._plan.numel}")
+        result = saved["result"]
+        if state.in_flight is None:
+            if result is not None:
+                raise ValueError("the state dict has a sync result but no sync in flight")
+            return
+        numel = self._plan.fragments[state.in_flight.fragment].numel
+        if result is None or tuple(result.shape) != (numel,):
+            raise ValueError(
+                f"the sync in flight (fragment {state.in_flight.fragment}) needs its result "
+                f"of {numel} elements in the state dict"
+            )

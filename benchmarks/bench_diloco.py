@@ -1,0 +1,228 @@
+"""DiLoCo: bytes per inner step against DDP, peak bytes with fragments, and step time.
+
+Two gloo ranks on CPU train an MLP with AdamW as the inner optimizer. Counted
+per rank from the collectives each side calls (ring estimate on 2 ranks, as
+``zerofn_torch.traffic`` weighs them):
+
+* bytes per inner step of DiLoCo at ``sync_every`` H against DDP's gradient
+  all-reduce every step (DDP runs zerofn's averaging hook, so that its
+  all-reduce is visible to the counter);
+* the largest single sync with ``fragments`` P against P = 1 (peak
+  bandwidth), and an int8 sync against an fp32 one;
+* the outer state each rank keeps (``memory_bytes()``) against the anchor and
+  momentum a replicated implementation keeps (8 bytes per parameter).
+
+Timed: windows of H inner steps (forward, backward, step) of Streaming
+DiLoCo with ``delay=1`` (and ``delay=0``) against the same inner optimizer
+with no communication at all, taking turns window by window. Prints
+Markdown; no timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from report import Headline, Section, Spread, md_table, paired_ratios, standalone_main, take_turns
+from torch.nn.parallel import DistributedDataParallel as DDP
+from zerofn_torch.averaging import DiLoCoOptimizer
+from zerofn_torch.hooks import allreduce_hook
+from zerofn_torch.launch import run_local_world
+from zerofn_torch.traffic import collective_traffic
+
+SYNC_EVERY = (10, 50)
+FRAGMENTS = 4
+TIMED_H = 8  # H of the timed runs: 4 fragments, one sync every 2 steps
+
+
+def make_model(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+        opt.step()
+
+
+def window(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, n: int
+) -> Callable[[], None]:
+    """``n`` inner steps, as a call."""
+    return lambda: _steps(model, opt, batch, n)
+
+
+def sent(fn: Callable[[], None]) -> float:
+    """Bytes this rank sends while ``fn`` runs (ring estimate, 2 ranks)."""
+    with collective_traffic() as traffic:
+        fn()
+    return traffic.sent_bytes(2)
+
+
+def _bytes(rank: int, width: int, depth: int, batch: torch.Tensor) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ddp = DDP(make_model(width, depth), bucket_cap_mb=4)
+    ddp.register_comm_hook(None, allreduce_hook)
+    ddp_opt = adamw(ddp)
+    _steps(ddp, ddp_opt, batch, 1)  # DDP rebuilds its buckets after the first iteration
+    out["ddp"] = sent(window(ddp, ddp_opt, batch, 1))
+    del ddp, ddp_opt
+
+    for h in SYNC_EVERY:
+        model = make_model(width, depth)
+        opt = DiLoCoOptimizer(adamw(model), sync_every=h)
+        out[f"H={h}"] = sent(window(model, opt, batch, h)) / h
+
+    for fragments, compression in ((1, None), (FRAGMENTS, None), (1, "int8")):
+        model = make_model(width, depth)
+        opt = DiLoCoOptimizer(
+            adamw(model), sync_every=FRAGMENTS, fragments=fragments, compression=compression
+        )
+        # The largest sync: each step's bytes, one sync at most per step.
+        per_step = [sent(window(model, opt, batch, 1)) for _ in range(FRAGMENTS)]
+        out[f"peak P={fragments} {compression}"] = max(per_step)
+        out[f"memory P={fragments} {compression}"] = opt.memory_bytes()
+    out["numel"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(rank)
+    batch = torch.randn(32, width, generator=gen)
+    out = _bytes(rank, width, depth, batch)
+
+    local = make_model(width, depth)
+    local_opt = adamw(local)
+    streams = {}
+    for delay in (1, 0):
+        model = make_model(width, depth)
+        streams[delay] = (
+            model,
+            DiLoCoOptimizer(adamw(model), sync_every=TIMED_H, fragments=FRAGMENTS, delay=delay),
+        )
+    runs: dict[str, Callable[[], object]] = {
+        "no communication": window(local, local_opt, batch, TIMED_H),
+        "DiLoCo delay 1": window(*streams[1], batch, TIMED_H),
+        "DiLoCo delay 0": window(*streams[0], batch, TIMED_H),
+    }
+    out["times"] = take_turns(runs, rounds, warmup=2)
+    return out
+
+
+def bench_diloco(quick: bool) -> Section:
+    width, depth, rounds = (256, 2, 4) if quick else (1024, 4, 15)
+    r0 = run_local_world(_rank, 2, width, depth, rounds)[0]
+    numel = r0["numel"]
+    model = f"MLP {numel / 1e6:.2f}M params, AdamW inner, 2 gloo ranks"
+    ddp = r0["ddp"]
+    byte_rows = [["DDP all-reduce, every step", f"{ddp:,.0f}", "1.000"]]
+    headlines = []
+    for h in SYNC_EVERY:
+        ratio = r0[f"H={h}"] / ddp
+        byte_rows.append([f"DiLoCo, H = {h}", f"{r0[f'H={h}']:,.0f}", f"{ratio:.3f}"])
+        headlines.append(
+            Headline(
+                f"DiLoCo H={h} ({model})",
+                "bytes per inner step: DiLoCo / DDP all-reduce",
+                Spread.exact(ratio),
+                f"<= {1 / h:.3f}",
+                ratio <= 1 / h * 1.001,
+                short=f"DiLoCo H={h} bytes",
+            )
+        )
+    whole, streamed = r0["peak P=1 None"], r0[f"peak P={FRAGMENTS} None"]
+    int8 = r0["peak P=1 int8"]
+    peak_rows = [
+        ["P = 1, fp32", f"{whole:,.0f}", "1.000", f"{r0['memory P=1 None']:,}"],
+        [
+            f"P = {FRAGMENTS}, fp32",
+            f"{streamed:,.0f}",
+            f"{streamed / whole:.3f}",
+            f"{r0[f'memory P={FRAGMENTS} None']:,}",
+        ],
+        ["P = 1, int8", f"{int8:,.0f}", f"{int8 / whole:.3f}", f"{r0['memory P=1 int8']:,}"],
+    ]
+    replicated = 8 * numel
+    memory = r0["memory P=1 None"] / replicated
+    headlines += [
+        Headline(
+            f"Streaming DiLoCo P={FRAGMENTS} ({model})",
+            f"peak bytes per sync: P={FRAGMENTS} / P=1",
+            Spread.exact(streamed / whole),
+            f"<= {1 / FRAGMENTS * 1.01:.3f}",
+            streamed / whole <= 1 / FRAGMENTS * 1.01,
+            short="DiLoCo peak bytes",
+        ),
+        Headline(
+            f"DiLoCo int8 ({model})",
+            "bytes per sync: int8 / fp32",
+            Spread.exact(int8 / whole),
+            "<= 0.3",
+            int8 / whole <= 0.3,
+            short="DiLoCo int8 bytes",
+        ),
+        Headline(
+            f"DiLoCo ({model})",
+            "outer state per rank / replicated anchor and momentum",
+            Spread.exact(memory),
+            "<= 0.5",
+            memory <= 0.5,
+        ),
+    ]
+    times = r0["times"]
+    quiet = times["no communication"]
+    step = {
+        name: paired_ratios(t, quiet) for name, t in times.items() if name != "no communication"
+    }
+    delayed = step["DiLoCo delay 1"]
+    headlines.append(
+        Headline(
+            f"Streaming DiLoCo H={TIMED_H} P={FRAGMENTS} delay=1 ({model})",
+            "step time: DiLoCo / no communication",
+            delayed,
+            "<= 1.05",
+            delayed.median <= 1.05,
+            short="DiLoCo delay=1 step",
+        )
+    )
+    spreads = {name: Spread.of(t).scaled(1e3 / TIMED_H) for name, t in times.items()}
+    time_rows = [
+        [name, spreads[name].fmt(1), "1.00" if name == "no communication" else step[name].fmt()]
+        for name in times
+    ]
+    body = "\n\n".join(
+        [
+            f"{numel / 1e6:.2f}M parameters, AdamW as the inner optimizer, default outer "
+            "optimizer (SGD, Nesterov). Bytes are what one rank sends, estimated for ring "
+            "algorithms from the collectives called (all-reduce 2(W-1)/W, reduce and "
+            "broadcast (W-1)/W of the payload).",
+            md_table(["communication", "bytes per inner step", "/ DDP"], byte_rows),
+            md_table(
+                ["sync", "largest sync (bytes)", "/ P = 1, fp32", "outer state per rank (bytes)"],
+                peak_rows,
+            ),
+            f"A replicated anchor with momentum would keep {replicated:,} bytes per rank.",
+            f"Step time (ms per inner step), windows of {TIMED_H} inner steps with "
+            f"{FRAGMENTS} fragments (one sync every {TIMED_H // FRAGMENTS} steps), "
+            f"{rounds} timed rounds taking turns:",
+            md_table(["run", "ms per inner step", "/ no communication"], time_rows),
+        ]
+    )
+    return Section("DiLoCo (2 gloo ranks, CPU)", body, headlines)
+
+
+BENCHES: dict[str, Callable[[bool], Section]] = {"diloco": bench_diloco}
+
+
+if __name__ == "__main__":
+    standalone_main(BENCHES, __doc__)

@@ -1,0 +1,138 @@
+"""One fragment's sync with block-quantized payloads and error feedback.
+
+The fp32 sync (:mod:`zerofn.diloco.sync`) sums the parameters on the owners,
+which needs no anchor anywhere else. Quantized codes cannot be summed in
+flight, so here every rank forms its *own* pseudo-gradient, and for that it
+keeps a full copy of the anchor, the *replica*, identical on every rank:
+
+1. ``g = replica - values + residual``: this rank's pseudo-gradient of the
+   fragment plus what earlier syncs failed to carry (error feedback).
+2. Each owner's slice of ``g`` is encoded (:mod:`zerofn.blockquant`); the new
+   residual is ``g`` minus what those codes decode to (zero on the rank's
+   own slice, which never leaves it).
+3. ``W - 1`` rounds of :class:`~zerofn.comm.GatherSegments`: in round ``k``,
+   rank ``i`` sends its codes for owner ``(i + k) % W``, so every owner
+   receives every other rank's codes for its slice and sums them, decoded,
+   with its own exact slice.
+4. The owner's outer step (:class:`~zerofn.diloco.outer.OuterStep`) on its
+   exact anchor slice, the *master*, with the mean as gradient.
+5. The owner encodes ``master - replica`` of its slice; one more
+   :class:`~zerofn.comm.GatherSegments` brings every owner's codes to every
+   rank, and every rank adds them, decoded, to its replica. Decoding depends
+   on the bytes alone, so the replicas stay bitwise identical; what the
+   codes leave out stays in ``master - replica`` and travels with the next
+   sync (the compressed ZeRO exchange does the same,
+   :mod:`zerofn.zero.compressed_exchange`).
+
+Memory: the replica and the residual cost 8 bytes per parameter on every
+rank, on top of the owners' 4-byte master slices and the optimizer state.
+Bytes: every round moves each rank's codes to every rank, so a rank hands
+over ``W`` times the codes of one fragment (:func:`compressed_sync_bytes`).
+With int8 codes (one byte per element and a 4-byte scale per block of ``b``
+elements) that is ``(1 + 4 / b) * W / 8`` of the fp32 sync's bytes: about a
+quarter with two workers, growing with more (a point-to-point exchange
+would keep it there at any ``W``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerofn.blockquant import BlockQuantizer
+from zerofn.comm import GatherSegments
+from zerofn.diloco.fragments import Fragment
+from zerofn.diloco.outer import OuterStep
+from zerofn.diloco.sync import SyncProgram
+from zerofn.zero.exchange import ExchangeVia
+
+__all__ = ["compressed_sync_bytes", "compressed_sync_program"]
+
+
+def _payloads(
+    quantizer: BlockQuantizer, lengths: tuple[int, ...], device: torch.device
+) -> list[torch.Tensor]:
+    return [
+        torch.empty(quantizer.payload_nbytes(n), dtype=torch.uint8, device=device) for n in lengths
+    ]
+
+
+def compressed_sync_program(
+    fragment: Fragment,
+    rank: int,
+    values: torch.Tensor,
+    replica: torch.Tensor,
+    residual: torch.Tensor,
+    master: torch.Tensor,
+    quantizer: BlockQuantizer,
+    via: ExchangeVia = "broadcasts",
+) -> SyncProgram:
+    """Sync one fragment on rank ``rank``, sending quantized codes.
+
+    Args:
+        fragment: the fragment, with its owners' slices.
+        rank: this rank's index in the outer group.
+        values: this rank's values of the fragment (``float32``; only read).
+        replica: this rank's copy of the fragment's anchor (``float32``),
+            handed over: every owner's decoded update is added to it.
+        residual: this rank's error feedback for the fragment (``float32``),
+            handed over: replaced by what this sync's codes leave out.
+        master: this rank's exact anchor slice (the outer optimizer's
+            tensor); stepped by the answer to the outer step.
+        quantizer: how payloads are coded.
+        via: how the payloads move.
+
+    Returns:
+        A program whose result is ``replica``, holding the fragment's new
+        anchor (the same on every rank).
+
+    Raises:
+        ValueError: a tensor that does not fit the fragment.
+    """
+    lengths = fragment.lengths
+    world_size = len(lengths)
+    for name, tensor in (("values", values), ("replica", replica), ("residual", residual)):
+        if tensor.shape != (fragment.numel,) or tensor.dtype != torch.float32:
+            raise ValueError(
+                f"fragment {fragment.index}: {name} must be float32 of shape ({fragment.numel},), "
+                f"got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+    if master.shape != (lengths[rank],):
+        raise ValueError(
+            f"fragment {fragment.index}: rank {rank}'s master slice has {lengths[rank]} "
+            f"elements, got shape {tuple(master.shape)}"
+        )
+    device = values.device
+    gradient = replica - values + residual
+    mine = _payloads(quantizer, lengths, device)
+    for owner, (part, payload) in enumerate(zip(fragment.slices(gradient), mine, strict=True)):
+        quantizer.encode(part, payload)
+        carried = part if owner == rank else quantizer.decode(payload, part.numel())
+        residual[fragment.owned(owner)] = part - carried
+
+    total = fragment.slices(gradient)[rank].clone()
+    for k in range(1, world_size):
+        # Rank i's segment holds its codes for owner (i + k) % W.
+        shares = tuple((i + k) % world_size for i in range(world_size))
+        segments = _payloads(quantizer, tuple(lengths[o] for o in shares), device)
+        segments[rank] = mine[shares[rank]]
+        yield GatherSegments(tuple(segments), rank, via)
+        total += quantizer.decode(segments[(rank - k) % world_size], lengths[rank])
+
+    stepped = yield OuterStep(fragment.index, total / world_size)
+    own = fragment.slices(replica)[rank]
+    updates = _payloads(quantizer, lengths, device)
+    quantizer.encode(stepped - own, updates[rank])
+    yield GatherSegments(tuple(updates), rank, via, last=True)
+    with torch.no_grad():
+        for part, payload in zip(fragment.slices(replica), updates, strict=True):
+            part.add_(quantizer.decode(payload, part.numel()))
+    return replica
+
+
+def compressed_sync_bytes(fragment: Fragment, quantizer: BlockQuantizer) -> int:
+    """The bytes one rank hands to the collectives of a compressed sync of
+    ``fragment`` (:func:`zerofn.comm.request_bytes` summed): ``W`` exchanges
+    (``W - 1`` of pseudo-gradient codes, one of anchor updates), each
+    holding every owner's codes once."""
+    codes = sum(quantizer.payload_nbytes(n) for n in fragment.lengths)
+    return len(fragment.lengths) * codes

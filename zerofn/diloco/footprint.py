@@ -1,0 +1,62 @@
+"""What DiLoCo keeps per rank: the outer state's bytes, for the planner.
+
+Per parameter element and rank, DiLoCo keeps the anchor (``float32``) and
+the outer optimizer's state (``float32`` tensors: one for SGD with momentum,
+two for Adam) only for the slices that rank owns, about ``1 / W`` of the
+elements on each of ``W`` ranks: ``4 * (1 + state_tensors) / W`` bytes per
+parameter, where a replicated anchor costs ``4 * (1 + state_tensors)``.
+Compression adds the anchor's replica and the error-feedback residual,
+``8`` bytes per parameter on every rank (see
+:mod:`zerofn.diloco.compressed_sync`). A sync in flight holds one
+fragment's ``float32`` values on top (``4 * N / P`` bytes), until applied.
+"""
+
+from __future__ import annotations
+
+from zerofn.diloco.fragments import FragmentPlan, plan_fragments
+
+__all__ = ["outer_state_bytes", "outer_state_bytes_per_rank"]
+
+
+def outer_state_bytes(
+    plan: FragmentPlan, rank: int, compressed: bool, state_tensors: int = 1
+) -> int:
+    """The outer state's bytes on rank ``rank``.
+
+    Args:
+        plan: how the parameters are cut.
+        rank: the rank, in the outer group.
+        compressed: whether syncs are compressed (a replica and a residual
+            of every parameter).
+        state_tensors: ``float32`` state tensors the outer optimizer keeps
+            per element (SGD with momentum: 1; without: 0; Adam: 2).
+
+    Raises:
+        ValueError: a negative ``state_tensors`` or a rank outside the plan.
+    """
+    if state_tensors < 0:
+        raise ValueError(f"state_tensors must be >= 0, got {state_tensors}")
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank {rank} is outside an outer group of {plan.world_size}")
+    owned = 4 * (1 + state_tensors) * plan.owned_numel(rank)
+    return owned + (8 * plan.numel if compressed else 0)
+
+
+def outer_state_bytes_per_rank(
+    numel: int,
+    world_size: int,
+    fragments: int = 1,
+    compressed: bool = False,
+    state_tensors: int = 1,
+) -> int:
+    """The outer state's bytes on the rank that keeps the most, for a model
+    of ``numel`` elements on an outer group of ``world_size`` ranks.
+
+    Raises:
+        ValueError: as :func:`zerofn.diloco.fragments.plan_fragments` and
+            :func:`outer_state_bytes`.
+    """
+    plan = plan_fragments([numel], fragments, world_size)
+    return max(
+        outer_state_bytes(plan, rank, compressed, state_tensors) for rank in range(world_size)
+    )
