@@ -93,6 +93,53 @@ def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) ->
     return Spread.of([a / b for a, b in zip(numerators, denominators, strict=True)])
 
 
+def share_of(part: Sequence[float], whole: Sequence[float]) -> float:
+    """How much of ``whole`` a part takes: the median over rounds of
+    ``part[i] / whole[i]`` (samples aligned round by round)."""
+    return paired_ratios(part, whole).median
+
+
+def round_sums(*samples: Sequence[float]) -> list[float]:
+    """Round-by-round sums of aligned samples (parts adding up to a floor)."""
+    return [sum(values) for values in zip(*samples, strict=True)]
+
+
+def floor_verdict(
+    names: tuple[str, str],
+    step: Sequence[float],
+    floor: Sequence[float],
+    reference: Sequence[float],
+    reference_floor: Sequence[float] | None = None,
+) -> str:
+    """The clause that ends a missed ratio's why line: where ``step`` (the
+    numerator, named ``names[0]``) sits against its floor and against
+    ``reference`` (the denominator, ``names[1]``), all aligned round by round.
+
+    With one floor for both (``reference_floor`` omitted) and the two steps
+    apart by no more than the floor's own interquartile range, it says both
+    sit at the same floor and how far ``step`` is from it; otherwise it gives
+    each one's multiple of its floor.
+    """
+    name, ref = names
+    over_ms = statistics.median(s - f for s, f in zip(step, floor, strict=True)) * 1e3
+    if reference_floor is None:
+        gap_ms = statistics.median(s - r for s, r in zip(step, reference, strict=True)) * 1e3
+        spread_ms = Spread.of(floor).iqr * 1e3
+        if abs(gap_ms) <= spread_ms:
+            return (
+                f"{name}'s step is {gap_ms:+.1f} ms from {ref}'s, within the floor's own "
+                f"spread ({spread_ms:.1f} ms), so both sit at the same floor, {name} "
+                f"{over_ms:+.1f} ms from it (overhead and noise)"
+            )
+        reference_floor = floor
+    mine = paired_ratios(step, floor).median
+    theirs = paired_ratios(reference, reference_floor).median
+    return (
+        f"{name} runs {mine:.2f}x its floor ({over_ms:+.1f} ms a step) and {ref} "
+        f"{theirs:.2f}x {'the same' if reference_floor is floor else 'its own'}"
+    )
+
+
 @attrs.frozen
 class Headline:
     """One row of the summary table: a ratio (or a measured quantity) and its target.

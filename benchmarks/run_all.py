@@ -90,8 +90,9 @@ def page(sections: Sequence[Section], image: str, quick: bool, seconds: float) -
         "and PyTorch (or two zerofn set-ups) taking turns in the same process group, and "
         "every ratio's spread is over those rounds: median [first quartile, third "
         "quartile]. No test asserts on time; these numbers are what this machine showed. "
-        "Where a target is missed, the feature's page says why: [ZeRO](zero.md#speed), "
-        "[overlap](overlap.md#what-is-better-than-pytorchs), [PowerSGD](powersgd.md#speed).",
+        "Where a target is missed, the summary's last column says why, from parts timed in "
+        "the same rounds (the local update alone, the bytes alone); each section below "
+        "gives the parts.",
         "## Summary",
         headline_table(headlines),
         f"![Benchmark summary]({image})",

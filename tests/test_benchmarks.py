@@ -3,8 +3,10 @@
 The timed sections run in CI through ``make bench BENCH_ARGS=--quick``; here
 only what is pure: the summary records, the Markdown writer, the partition
 and scaling sections (which must keep meeting their own claims), the soak's
-growth and section from made-up traces, and the mixed-precision benchmark's
-model, planned bytes and live-tensor count (on one in-process rank).
+growth and section from made-up traces, the lines that say why a timed
+target was missed (from made-up timings), and the mixed-precision
+benchmark's model, planned bytes and live-tensor count (on one in-process
+rank).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
 import bench_modes
+import bench_overlap
 import bench_precision
 import bench_soak
 import bench_zero
 import generated_blocks
-from report import Spread, md_table, paired_ratios
+from report import Headline, Spread, floor_verdict, headline_table, md_table, paired_ratios
 
 from zerofn.model_shapes import MODELS
 
@@ -233,3 +236,130 @@ def test_every_page_that_quotes_figures_has_its_generated_blocks(page: str) -> N
         text = f.read()
     for name in generated_blocks.QUOTED[page]:
         generated_blocks.rewrite_text(text, name, "")  # raises unless exactly one block
+
+
+# ----------------------------------------------------------------------------
+# Why a timed target was missed, from made-up rounds (seconds per round)
+
+
+def test_a_missed_headline_shows_its_why_in_the_met_column() -> None:
+    missed = Headline("b", "m", Spread.exact(1.2), "<= 1.0", False, why="the parts say so")
+    bare = Headline("b", "m", Spread.exact(1.2), "<= 1.0", False)
+    rows = headline_table([missed, bare]).splitlines()[2:]
+    assert rows[0].endswith("| no: the parts say so |")
+    assert rows[1].endswith("| no |")
+
+
+@given(samples, samples)
+def test_equal_steps_sit_at_one_shared_floor(steps: list[float], floor: list[float]) -> None:
+    n = min(len(steps), len(floor))
+    verdict = floor_verdict(("a", "b"), steps[:n], floor[:n], steps[:n])
+    assert "same floor" in verdict and "+0.0 ms from b's" in verdict
+
+
+@given(samples, samples)
+def test_steps_with_their_own_floors_are_each_held_to_theirs(
+    steps: list[float], floor: list[float]
+) -> None:
+    n = min(len(steps), len(floor))
+    verdict = floor_verdict(("a", "b"), steps[:n], floor[:n], steps[:n], floor[:n])
+    assert "same floor" not in verdict and verdict.endswith("x its own")
+
+
+def test_steps_apart_beyond_the_floor_spread_get_their_multiples() -> None:
+    verdict = floor_verdict(("a", "b"), [0.3, 0.3, 0.3], [0.1, 0.1, 0.1], [0.2, 0.2, 0.2])
+    assert verdict == "a runs 3.00x its floor (+200.0 ms a step) and b 2.00x the same"
+
+
+def _zero_parts(update: float, sent: float) -> dict[str, list[float]]:
+    return {
+        bench_zero.UPDATE: [update] * 3,
+        bench_zero.BYTES: [sent] * 3,
+        bench_zero.COPY: [0.01] * 3,
+    }
+
+
+def test_zero_step_miss_names_its_parts_and_their_floor() -> None:
+    # The update and the bytes alone fill 0.9 of PyTorch's step: above the target.
+    line = bench_zero.missed_step_line([0.1] * 3, [0.1] * 3, _zero_parts(0.05, 0.04), True)
+    assert "update alone takes 0.50 of PyTorch's step" in line
+    assert "fp32 bytes alone 0.40, 0.90 together" in line
+    assert "no step doing both in turn goes below that" in line
+    assert "same floor" in line and "copies" not in line
+
+
+def test_zero_step_miss_without_bucket_views_names_the_copy() -> None:
+    # Floor 0.5 of PyTorch's step; zerofn twice as far above it as PyTorch.
+    line = bench_zero.missed_step_line([0.2] * 3, [0.1] * 3, _zero_parts(0.03, 0.02), False)
+    assert "no step doing both" not in line
+    assert "copies the model through its flat buffer (0.10 alone)" in line
+    assert line.endswith(
+        "zerofn runs 4.00x its floor (+150.0 ms a step) and PyTorch 2.00x the same"
+    )
+
+
+def _mode_times(rounds: int = 3) -> dict[str, list[float]]:
+    times = {label: [0.2] * rounds for label, *_ in bench_modes.SETTINGS}
+    times |= {label: [0.4] * rounds for label in bench_modes.PYTORCH}
+    for kernel in bench_modes.KERNELS:
+        times[f"update alone, {kernel}"] = [0.05] * rounds
+        times[bench_modes.whole(kernel)] = [0.08] * rounds
+    times[bench_modes.EXCHANGE] = [0.05] * rounds
+    times[bench_modes.COPY] = [0.01] * rounds
+    return times
+
+
+def test_copies_without_bucket_views_are_every_share_and_flat_its_own_again() -> None:
+    assert bench_modes.copied_shares("greedy", True) == bench_modes.copied_shares("flat", True) == 0
+    assert bench_modes.copied_shares("balanced", False, world_size=4) == 4
+    assert bench_modes.copied_shares("flat", False, world_size=4) == 5
+
+
+def test_worst_mode_miss_adds_up_the_settings_own_parts() -> None:
+    line = bench_modes.worst_line(_mode_times(), "zerofn flat, bucket_view=False, fused")
+    assert "the floor (100.0 ms) is the fused update alone (0.50 of it)" in line
+    assert "update over whole tensors alone takes 0.80" in line
+    assert "its copies of 3 shares without bucket views 0.30" in line
+    # 0.8 + 0.5 + 0.3 of the floor; the step is 2.0 of it: 40 ms left, no spread.
+    assert "own parts come to 1.60 of the floor and the step 2.00" in line
+    assert "the rest (40.0 ms a step) beyond the floor's own spread (0.0 ms)" in line
+
+
+def test_worst_mode_miss_of_flat_per_tensor_loop_keeps_the_floors_update() -> None:
+    line = bench_modes.worst_line(_mode_times(), "zerofn flat, bucket_view=True, default")
+    assert "whole tensors" not in line and "copies" not in line
+    assert "own parts come to 1.00 of the floor" in line
+
+
+def test_flat_over_greedy_miss_names_what_differs_between_them() -> None:
+    times = _mode_times()
+    times["zerofn flat, bucket_view=False, default"] = [0.25] * 3
+    line = bench_modes.flat_greedy_line(times, "default", bucket_view=False)
+    assert "update alone (0.25 of greedy's step) plus the exchange alone (0.25)" in line
+    assert "greedy's, over whole tensors, takes 0.40 alone" in line
+    assert "flat copies 1 share more a step than greedy (0.05 alone)" in line
+    assert line.endswith("flat runs 2.50x its floor (+150.0 ms a step) and greedy 2.00x the same")
+    fused = bench_modes.flat_greedy_line(times, "fused", bucket_view=True)
+    assert "whole tensors" not in fused and "same floor" in fused
+
+
+def test_overlap_miss_sets_the_reduction_against_the_all_reduce() -> None:
+    times = {name: [0.1] * 3 for name in bench_overlap.PARTS}
+    times[bench_overlap.ALL_REDUCE] = [0.2] * 3
+    times |= {"overlapped": [1.2] * 3, "pytorch": [1.0] * 3}
+    line = bench_overlap.missed_time_line(times, "pytorch", "the PyTorch iteration")
+    assert "forward + backward alone take 0.10 of the PyTorch iteration" in line
+    assert "gradients 0.10 reduced to their owners (0.20 all-reduced)" in line
+    assert "0.40 in all (0.50 with the all-reduce)" in line
+    assert line.endswith(
+        "overlapped iteration runs 3.00x its floor (+800.0 ms a step) and the "
+        "PyTorch iteration 2.00x its own"
+    )
+
+
+def test_overlap_bytes_miss_says_what_the_collectives_carried() -> None:
+    line = bench_overlap.missed_bytes_line({"reduce": 400, "broadcast": 400}, 400.0, 300.0)
+    assert line == (
+        "its collectives carried broadcast 400 bytes, reduce 400 bytes, which a ring on 2 "
+        "ranks sends as 400 bytes against 300 for one all-reduce of the gradients"
+    )
