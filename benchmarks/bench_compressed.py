@@ -250,12 +250,15 @@ def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
     if isinstance(opt, ZeroRedundancyOptimizer):
         params = [p for group in opt.param_groups for p in group["params"]]
         compressed = None
-        if opt._exchange is not None:
-            assert opt._masters is not None
-            compressed = Compressed(opt._exchange, opt._masters.master)
+        setup = opt.setup
+        if setup.exchange is not None:
+            assert setup.masters is not None
+            compressed = Compressed(setup.exchange, setup.masters.master)
 
         def exchange() -> None:
-            program = run_zero_step(opt._shards, params, opt._via, lambda _: None, compressed)
+            program = run_zero_step(
+                setup.shards, params, setup.options.via, lambda _: None, compressed
+            )
             drive(program, opt.process_group, "the exchange alone").wait()
 
         return exchange

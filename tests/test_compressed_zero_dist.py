@@ -123,7 +123,7 @@ def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         with collective_traffic() as seen:
             o.step()
         out[("bytes", name)] = sum(seen.payload_bytes.values())
-    out["planned_bytes"] = exchange_bytes(squeezed._quantizer, squeezed.shard_plan)  # type: ignore[arg-type]
+    out["planned_bytes"] = exchange_bytes(squeezed.setup.quantizer, squeezed.shard_plan)  # type: ignore[arg-type]
 
     # Clipping and a joined rank (its step sends only what it owes).
     model = make_model()

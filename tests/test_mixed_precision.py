@@ -233,7 +233,7 @@ def _inject_inf(opt: ZeroRedundancyOptimizer, model: torch.nn.Module, rank: int)
     last = len(params) - 1
     owns = any(
         piece.param == last and piece.stop == params[last].numel()
-        for piece in opt._plan.partition.pieces_of(rank)
+        for piece in opt.shard_plan.partition.pieces_of(rank)
     )
     if owns:
         params[last].grad.view(-1)[-1] = float("inf")  # type: ignore[union-attr]

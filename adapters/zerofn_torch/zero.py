@@ -1,20 +1,18 @@
 """``ZeroRedundancyOptimizer``: ZeRO stage 1 as a real ``torch.optim.Optimizer``.
 
-The shell holds three things: the live parameters (in ``param_groups``), the
-local optimizer over this rank's shard (``optim``), and a
-:class:`zerofn.zero.plan.ShardPlan` saying who owns what and how shards travel.
-Every decision is made by the pure core; this class reads live state, calls
-the core, runs the collectives it asks for and writes the result back.
+A thin shell: it holds the live parameters (in ``param_groups``), the local
+optimizer over this rank's shard (``optim``) and one record of its ZeRO state
+(:class:`zerofn_torch.zero_setup.ZeroSetup`: plan, shards, masters, overlap
+status), replaced whole when it changes. Every decision is the pure core's;
+each method hands its inputs to a function of a ``zero_*`` module by idea.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
@@ -22,141 +20,36 @@ from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
 from zerofn.overlap.obey import SendCompressed
-from zerofn.zero.compressed_exchange import (
-    CompressedExchange,
-    compressed_exchange,
-    compression_master_dtype,
-    resolve_compression,
-)
-from zerofn.zero.exchange import ExchangeVia
-from zerofn.zero.masters import Masters, make_masters, with_masters, without_masters
-from zerofn.zero.optimizers import check_elementwise
-from zerofn.zero.params import (
-    StateDict,
-    check_same_dense_type,
-    global_groups,
-    hyperparameters,
-    normalize_params,
-)
-from zerofn.zero.plan import ShardPlan, plan_shards, with_trainable
-from zerofn.zero.precision import (
-    clip_coefficient,
-    global_norm_program,
-    local_norm_power,
-    nonfinite_program,
-    resolve_master_dtype,
-)
-from zerofn.zero.shard_state import consolidate, shard, validate_global
-from zerofn.zero.shards import Shards, shards_for
-from zerofn.zero.step import (
-    Compressed,
-    LocalStep,
-    load_step_grads,
-    run_zero_step,
-    settle_masters,
-)
+from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
+from zerofn.zero.params import StateDict, normalize_params
+from zerofn.zero.plan import ShardPlan
+from zerofn.zero.shard_state import validate_global
+from zerofn.zero.step import Compressed, LocalStep, run_zero_step, settle_masters
+from zerofn_torch import zero_overlap_binding as overlap
+from zerofn_torch import zero_state_dicts as states
 from zerofn_torch.driver import drive
 from zerofn_torch.join import Join, JoinHook
-from zerofn_torch.object_collectives import all_gather_objects, gather_objects
+from zerofn_torch.zero_gradients import clip_grad_norm, hand_grads, unscale_gradients
+from zerofn_torch.zero_local import (
+    new_local_optimizer,
+    sync_hyperparameters,
+    synced_hyperparameters,
+)
+from zerofn_torch.zero_memory import memory_bytes
+from zerofn_torch.zero_overlap_binding import OverlapBinding
+from zerofn_torch.zero_param_groups import grown
+from zerofn_torch.zero_setup import (
+    OverlapStatus,
+    ZeroSetup,
+    build_setup,
+    flat_params,
+    with_current_trainable,
+    zero_options,
+)
 
 __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _copyhyperparameters(src: Sequence[dict[str, Any]], dst: Sequence[dict[str, Any]]) -> None:
-    for s, d in zip(src, dst, strict=True):
-        d.update(hyperparameters(s))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _key(t: torch.Tensor) -> str:
-    return f"{t.device}/{t.dtype}"
-
-
-def _cpu_copy(value: Any) -> Any:
-    """A snapshot of ``value`` with every tensor copied to the CPU, so that
-    later steps cannot change it through shared storage."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cpu_copy(v) for v in value)
-    return value
-
-
-def _check_arguments(
-    groups: Sequence[dict[str, Any]],
-    optimizer_class: type[Optimizer],
-    overlap_with_ddp: bool,
-    partition: str | Sequence[Sequence[torch.Tensor]],
-    elementwise: bool,
-) -> None:
-    """Refuse what the constructor cannot build, before anything is built."""
-    check_same_dense_type([p for g in groups for p in g["params"]])
-    if overlap_with_ddp and len(groups) != 1:
-        raise RuntimeError(
-            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
-            f"group, got {len(groups)}"
-        )
-    if overlap_with_ddp and partition != "greedy":
-        raise ValueError(
-            "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
-            "at its default"
-        )
-    if partition == "flat":
-        check_elementwise(optimizer_class, elementwise)
-
-
-def _check_local_optimizer(
-    groups: Sequence[dict[str, Any]],
-    optimizer_class: type[Optimizer],
-    defaults: dict[str, Any],
-    probe: torch.Tensor,
-) -> None:
-    """Let ``optimizer_class`` check its hyperparameters before anything is built.
-
-    The local optimizer is made last, after the exchange buffers, and with
-    ``parameters_as_bucket_view`` the parameters' storage has moved into
-    them by then; so its own checks (a negative ``lr``, an unknown option)
-    run first here, on one throwaway tensor per param group, each group
-    with its own options as the local optimizer will see them.
-
-    Args:
-        groups: the param groups (their tensors are not touched).
-        optimizer_class: the local optimizer's class.
-        defaults: the keyword arguments it will get.
-        probe: a one-element tensor of the local optimizer's dtype and
-            device (each group gets a copy).
-
-    Raises:
-        ValueError: ``optimizer_class`` refuses a value (``torch.optim``'s
-            checks: a negative ``lr``, ``betas`` out of range, ...).
-        TypeError: ``optimizer_class`` takes no option of that name.
-    """
-    probes = [{**hyperparameters(g), "params": [probe.clone()]} for g in groups]
-    optimizer_class(probes, **defaults)
-
-
-@attrs.frozen
-class OverlapBinding:
-    """What the overlap hook may do to the optimizer it drives
-    (:meth:`ZeroRedundancyOptimizer.bind_overlap_hook`).
-
-    Attributes:
-        step: step the local optimizer with ``{global index: gradient}``,
-            multiplied by a factor; the parameters not named sit out.
-        adopt_owners: keep only this rank's parameters (global indices per
-            rank) and their state from now on.
-    """
-
-    step: Callable[[dict[int, torch.Tensor], float, bool], None]
-    adopt_owners: Callable[[Sequence[Sequence[int]]], None]
-    compressed: Callable[[], SendCompressed | None]
 
 
 class _ZeroJoinHook(JoinHook):
@@ -254,160 +147,46 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         groups = normalize_params(params)
-        _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
-        first = groups[0]["params"][0]
-        self._quantizer = resolve_compression(exchange_compression, first.dtype)
-        self._master_dtype = (
-            resolve_master_dtype(first.dtype, master_dtype)
-            if self._quantizer is None
-            else compression_master_dtype(first.dtype, master_dtype)
-        )
-        probe = torch.zeros(1, dtype=self._master_dtype or first.dtype, device=first.device)
-        _check_local_optimizer(groups, optimizer_class, defaults, probe)
-        self._masters: Masters | None = None
-        self._initialized = False
+        check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
+        group = process_group if process_group is not None else dist.group.WORLD
+        options = zero_options(
+            groups, optimizer_class, defaults, group, parameters_as_bucket_view,
+            overlap_with_ddp, partition, master_dtype, exchange_compression,
+        )  # fmt: skip
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)
-
-        self.process_group: Any = process_group if process_group is not None else dist.group.WORLD
-        self.world_size: int = dist.get_world_size(self.process_group)
-        self.rank: int = dist.get_rank(self.process_group)
-        # gloo's all-gather measured 2-3.5x slower than broadcasts of the same
-        # bytes on CPU; NCCL's all-gather is its best path.
-        gloo = dist.get_backend(self.process_group) == "gloo"
-        self._via: ExchangeVia = "broadcasts" if gloo else "all_gather"
-        if parameters_as_bucket_view is None:
-            parameters_as_bucket_view = partition == "flat"
-        self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
-        self._optimizer_class = optimizer_class
-        self._optim_defaults = defaults
-        self._default_device = self._all_params[0].device
-        self._overlap_with_ddp = overlap_with_ddp
-        self._overlap_attached = False  # a hook drives the step
-        self._overlap_sharded = False  # the hook fixed the bucket plan
+        self.process_group: Any = group
+        self.world_size: int = options.world_size
+        self.rank: int = options.rank
+        self.parameters_as_bucket_view = options.bucket_view
         if overlap_with_ddp:
             # Until DDP's buckets are final this rank steps every parameter.
-            everything = list(range(len(self._all_params)))
             partition = [[] for _ in range(self.world_size)]
-            partition[self.rank] = [self._all_params[i] for i in everything]
-        self._plan = self._new_plan(partition)
-        self._set_shards(rebuilt=False)
-        self.optim: Optimizer = self._new_local_optimizer()
-        _copyhyperparameters(self.optim.param_groups, self.param_groups)
+            partition[self.rank] = flat_params(self.param_groups)
+        plan = plan_for(self.param_groups, self.world_size, partition)
+        status: OverlapStatus = "unattached" if overlap_with_ddp else "off"
+        setup = build_setup(self.param_groups, options, plan, status, None, rebuilt=False)
+        self._setup, self.optim = new_local_optimizer(setup, self.param_groups)
+        sync_hyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
-        self._initialized = True
 
-    # ----- reading live state -------------------------------------------------
+    # ----- what the shell holds -----------------------------------------------
+
+    @property
+    def setup(self) -> ZeroSetup:
+        """The ZeRO state: plan, shards, masters, overlap status (read only)."""
+        return self._setup
+
+    @property
+    def shard_plan(self) -> ShardPlan:
+        """Who owns what and how shards travel (the core's record; read only)."""
+        return self._setup.plan
 
     @property
     def _all_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def _trainable(self) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for p in self._all_params)
-
-    def _new_plan(
-        self,
-        partition: str | Sequence[Sequence[torch.Tensor]],
-        trainable: tuple[bool, ...] | None = None,
-    ) -> ShardPlan:
-        """The plan for ``partition`` (a mode, or the tensors per rank).
-
-        Args:
-            partition: a partition mode, or each rank's parameter tensors.
-            trainable: which parameters the plan must give an owner
-                (default: those requiring grad now).
-
-        Raises:
-            TypeError: a manual partition lists something other than tensors.
-            ValueError: a bad manual partition (wrong length, a stranger, a
-                parameter twice, a trainable parameter left to no rank).
-        """
-        params = self._all_params
-        group_sizes = [[p.numel() for p in g["params"]] for g in self.param_groups]
-        keys = [_key(p) for p in params]
-        trainable = self._trainable() if trainable is None else trainable
-        if isinstance(partition, str):
-            return plan_shards(group_sizes, keys, trainable, self.world_size, partition)  # type: ignore[arg-type]
-        index_of = {id(p): i for i, p in enumerate(params)}
-        if len(partition) != self.world_size:
-            raise ValueError(
-                f"params_per_rank has {len(partition)} entries; it needs one per rank "
-                f"(world_size={self.world_size})"
-            )
-        manual = []
-        for rank, rank_params in enumerate(partition):
-            indices = []
-            for p in rank_params:
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(
-                        f"partition[{rank}] holds a {type(p).__name__} ({p!r}); a manual "
-                        "partition lists, for each rank, the parameter tensors it owns "
-                        "(e.g. [[model.weight], [model.bias]]), not their indices"
-                    )
-                if id(p) not in index_of:
-                    raise ValueError(
-                        f"params_per_rank[{rank}] holds a tensor of shape {tuple(p.shape)} "
-                        "that was not passed to the optimizer"
-                    )
-                indices.append(index_of[id(p)])
-            manual.append(indices)
-        return plan_shards(group_sizes, keys, trainable, self.world_size, "greedy", manual)
-
-    def _set_shards(self, rebuilt: bool) -> None:
-        """How this rank holds its shard under the current plan (see
-        :mod:`zerofn.zero.shards`): the mode, its exchange buffers and, with
-        compression, the payload buffers."""
-        params = self._all_params
-        # The overlap hook sends its own payloads, bucket by bucket.
-        self._exchange: CompressedExchange | None = (
-            None
-            if self._quantizer is None or self._overlap_with_ddp
-            else compressed_exchange(self._quantizer, self._plan, self._default_device)
-        )
-        self._shards: Shards = shards_for(
-            self._plan,
-            self.rank,
-            params,
-            bucket_view=self.parameters_as_bucket_view,
-            stepped_by_hook=self._overlap_with_ddp,
-            step_dtype=self._master_dtype or params[0].dtype,
-            options=self._optim_defaults,
-            rebuilt=rebuilt,
-        )
-
-    def _new_local_optimizer(self) -> Optimizer:
-        local = self._shards.local_groups(self.param_groups, self._all_params)
-        if self._master_dtype is not None:
-            local, self._masters = make_masters(local, self._master_dtype)
-        return self._optimizer_class(local, **self._optim_defaults)
+        return flat_params(self.param_groups)
 
     # ----- the step -----------------------------------------------------------
-
-    def _refresh_trainable(self) -> None:
-        trainable = self._trainable()
-        if trainable == self._plan.trainable:
-            return
-        plan = with_trainable(self._plan, trainable)  # may refuse: then nothing changed
-        logger.warning(
-            "ZeroRedundancyOptimizer: the set of parameters requiring grad changed; "
-            "rebuilding the exchange buffers"
-        )
-        self._plan = plan
-        self._set_shards(rebuilt=True)
-
-    def _load_step_grads(self, unscale: float = 1.0) -> None:
-        """Hand the local optimizer this step's gradients: the masters get
-        them upcast (times ``unscale``), a flat shard's chunks get views of
-        the parameters' gradients; owned whole parameters hold their own."""
-        local = [t for g in self.optim.param_groups for t in g["params"]]
-        load_step_grads(self._shards, self._all_params, local, self._masters, unscale)
-
-    def _prepare_step(self) -> None:
-        Join.notify_join_context(self)
-        self._refresh_trainable()
-        _copyhyperparameters(self.param_groups, self.optim.param_groups)
-        self._shards.refresh(self._all_params)
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """Step this rank's shard, then bring every rank's updated shard here.
@@ -422,71 +201,51 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Raises:
             RuntimeError: with ``overlap_with_ddp=True`` and no overlap hook
                 made for this optimizer: nothing would ever step it.
+            ValueError: a closure with master copies.
             zerofn.errors.CollectiveError: the exchange failed (a peer died or
                 timed out). This rank's shard is stepped; other ranks' shards
                 may be partly received: restart from a checkpoint.
         """
-        if self._shards.stepped_by_hook:
-            self._check_overlap_attached()
+        if self._setup.shards.stepped_by_hook:
+            overlap.check_overlap_attached(self._setup.overlap)
             logger.warning(
                 "step() does nothing with overlap_with_ddp=True: the DDP hook steps the "
                 "optimizer during backward"
             )
             return None
-        if closure is not None and self._masters is not None:
+        if closure is not None and self._setup.masters is not None:
             raise ValueError(
                 "step(closure) with master copies (master_dtype or exchange_compression): the "
                 "closure's gradients would land on the parameters after the masters read them; "
                 "run forward and backward before step() instead"
             )
-        self._prepare_step()
+        Join.notify_join_context(self)
+        self._setup = with_current_trainable(self._setup, self.param_groups)
+        setup, optim, params = self._setup, self.optim, self._all_params
 
         def local_step(_: LocalStep) -> Any:
-            self._load_step_grads()
-            loss = (
-                self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
-            )
-            settle_masters(self._masters, compressed=self._exchange is not None)
+            hand_grads(setup, params, optim)
+            loss = optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
+            settle_masters(setup.masters, compressed=setup.exchange is not None)
             return loss
 
         compressed = None
-        if self._exchange is not None:
-            assert self._masters is not None
-            compressed = Compressed(self._exchange, self._masters.master)
-        program = run_zero_step(self._shards, self._all_params, self._via, local_step, compressed)
-        done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
-        _copyhyperparameters(self.optim.param_groups, self.param_groups)
+        if setup.exchange is not None:
+            assert setup.masters is not None
+            compressed = Compressed(setup.exchange, setup.masters.master)
+        with synced_hyperparameters(self.param_groups, optim):
+            setup.shards.refresh(params)
+            program = run_zero_step(setup.shards, params, setup.options.via, local_step, compressed)
+            done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
         return done.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients, and any the masters hold."""
         super().zero_grad(set_to_none)
-        if self._masters is not None:
-            self._masters.drop_grads()
+        if self._setup.masters is not None:
+            self._setup.masters.drop_grads()
 
     # ----- gradients: clipping and loss scaling ---------------------------------
-
-    def _check_stepped_here(self, what: str) -> None:
-        if self._shards.stepped_by_hook:
-            raise RuntimeError(
-                f"{what} is not available with overlap_with_ddp=True: the DDP hook steps each "
-                "bucket during backward, before the gradients of the whole model are known. "
-                "Pass max_grad_norm= and loss_scaler= to hook_with_zero_step instead."
-            )
-
-    def _step_grads(self) -> list[torch.Tensor]:
-        """The gradients this rank's step reads, for the elements it owns: the
-        masters' (upcast now if not yet), or views into the parameters' ``.grad``."""
-        if self._masters is not None:
-            self._load_step_grads()
-            return self._masters.grads()
-        params = self._all_params
-        views = []
-        for piece in self._plan.partition.pieces_of(self.rank):
-            grad = params[piece.param].grad
-            if grad is not None and piece.numel:
-                views.append(grad.reshape(-1)[piece.start : piece.stop])
-        return views
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -497,12 +256,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         are rounded: last bits in float32, up to 2 bf16 ulps on bf16
         gradients without masters; see ``docs/mixed_precision.md``).
 
-        Collective: call on every rank, after backward and before :meth:`step`.
-        Each rank reduces only the elements it owns; one all-reduce of one
-        number gives the global norm. Without ``master_dtype`` every
-        gradient on this rank is scaled in place; with it, the float32
-        gradients of this rank's masters are (the parameters' own ``.grad``
-        stay as they are).
+        Collective (one all-reduce of one number): call on every rank, after
+        backward and before :meth:`step`. Scales the gradients in place, or
+        with ``master_dtype`` the masters' float32 ones (``.grad`` kept).
 
         Args:
             max_norm: the largest norm allowed.
@@ -518,26 +274,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 with ``error_if_nonfinite``.
             zerofn.errors.CollectiveError: the all-reduce failed.
         """
-        self._check_stepped_here("clip_grad_norm_")
-        clip_coefficient(0.0, max_norm)  # reject a bad max_norm before any collective
-        share = local_norm_power(self._step_grads(), float(norm_type))
-        program = global_norm_program(share, float(norm_type), self._default_device)
-        total = drive(program, self.process_group, "clip_grad_norm_'s global norm").wait()
-        if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is {total}; "
-                "pass error_if_nonfinite=False to clip anyway"
-            )
-        coefficient = clip_coefficient(total, max_norm)
-        if coefficient != 1.0:
-            grads = (
-                self._masters.grads()
-                if self._masters is not None
-                else [p.grad for p in self._all_params if p.grad is not None]
-            )
-            for grad in grads:
-                grad.mul_(coefficient)
-        return torch.tensor(total, dtype=torch.float32)
+        return clip_grad_norm(
+            self._setup, self._all_params, self.optim, self.process_group,
+            max_norm, norm_type, error_if_nonfinite,
+        )  # fmt: skip
 
     def unscale_gradients_(self, factor: float) -> bool:
         """Multiply the gradients the step reads by ``factor`` (a loss
@@ -557,29 +297,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 were already read for this step (clipped or unscaled).
             zerofn.errors.CollectiveError: the all-reduce failed.
         """
-        self._check_stepped_here("loss scaling")
-        if self._masters is not None:
-            if self._masters.grads():
-                raise RuntimeError(
-                    "the gradients were already unscaled or clipped for this step: unscale "
-                    "once per step, before clip_grad_norm_"
-                )
-            self._load_step_grads(unscale=factor)
-            grads = self._masters.grads()
-        else:
-            for p in self._all_params:
-                if p.grad is not None:
-                    p.grad.mul_(factor)
-            grads = self._step_grads()
-        program = nonfinite_program(grads, self._default_device)
-        return drive(program, self.process_group, "loss scaling's inf/nan check").wait()
+        setup, group = self._setup, self.process_group
+        return unscale_gradients(setup, self._all_params, self.optim, group, factor)
 
     def discard_step(self) -> None:
         """Skip this step: forget the gradients loaded for it (into the
         masters). Every rank must skip alike; :meth:`unscale_gradients_`
         tells them all the same."""
-        if self._masters is not None:
-            self._masters.drop_grads()
+        if self._setup.masters is not None:
+            self._setup.masters.drop_grads()
 
     # ----- param groups -------------------------------------------------------
 
@@ -589,69 +315,27 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         The greedy partition places the new parameters after the old ones,
         which keep their owners; other modes re-partition and move the
         optimizer state to its new owners (a collective).
+
+        Raises:
+            RuntimeError: with ``overlap_with_ddp=True`` or a manual partition.
+            TypeError, ValueError: a malformed group, or tensors of another
+                layout, dtype or device.
         """
-        if not getattr(self, "_initialized", False):
+        setup: ZeroSetup | None = getattr(self, "_setup", None)
+        if setup is None:  # Optimizer.__init__ adding the first groups
             super().add_param_group(param_group)
             return
-        if self._shards.stepped_by_hook:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param group"
-            )
-        if self._plan.mode == "manual":
-            raise RuntimeError(
-                "a manual partition (params_per_rank) supports a single param group; "
-                "build a new optimizer with every group, using an automatic partition"
-            )
-        check_same_dense_type([*self._all_params, *normalize_params([param_group])[0]["params"]])
-        moved = self._plan.mode != "greedy"
-        old_state = self._gather_global_state() if moved else None
+        check_added_group(
+            setup.plan.mode, setup.options.overlap_with_ddp, self._all_params, param_group
+        )
+        groups, optim = self.param_groups, self.optim
+        old = None
+        if setup.plan.mode != "greedy":  # the state moves to new owners
+            old = states.gather_global_state(setup, groups, optim, self.process_group)
         super().add_param_group(param_group)
-        for name, default in self.optim.defaults.items():
-            self.param_groups[-1].setdefault(name, default)
-        self._plan = self._new_plan(self._plan.mode)
-        self._set_shards(rebuilt=True)
-        if moved:
-            assert old_state is not None
-            old_state["param_groups"].append(hyperparameters(self.param_groups[-1]))
-            old_state["param_groups"][-1]["params"] = []
-            self.optim = self._new_local_optimizer()
-            self._load_global_state(self._regroup(old_state))
-        else:
-            new_local = self._shards.local_groups(self.param_groups, self._all_params)[-1]
-            if self._masters is not None:
-                (new_local,), added = make_masters([new_local], self._masters.dtype)
-                self._masters = self._masters.extended(added)
-            self.optim.add_param_group(new_local)
-        _copyhyperparameters(self.optim.param_groups, self.param_groups)
-
-    def _regroup(self, state: StateDict) -> StateDict:
-        """Give ``state``'s groups the current global indices (groups only grew)."""
-        counts = [len(live["params"]) for live in self.param_groups]
-        return {**state, "param_groups": global_groups(counts, state["param_groups"])}
+        self._setup, self.optim = grown(setup, groups, optim, old)
 
     # ----- state dicts --------------------------------------------------------
-
-    def _shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(p.shape) for p in self._all_params]
-
-    def _local_state_dict(self) -> StateDict:
-        """The local optimizer's state dict, one tensor per group under a flat
-        partition (chunks merged)."""
-        sd: StateDict = self.optim.state_dict()
-        if self._masters is not None:
-            sd = with_masters(sd, self._masters)
-        return self._shards.saved_state(sd)
-
-    def _local_state_cpu(self) -> StateDict:
-        _copyhyperparameters(self.param_groups, self.optim.param_groups)
-        sd: StateDict = _cpu_copy(self._local_state_dict())
-        return sd
-
-    def _gather_global_state(self) -> StateDict:
-        """Every rank's shard, joined into the global state on every rank."""
-        purpose = "gathering every rank's optimizer shard"
-        gathered = all_gather_objects(self._local_state_cpu(), self.process_group, purpose)
-        return consolidate(self._plan.partition, gathered, self._shapes())
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Collect the full optimizer state on rank ``to`` for :meth:`state_dict`.
@@ -668,98 +352,50 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             RuntimeError: with ``overlap_with_ddp=True``, before DDP fixed its
                 buckets.
         """
-        self._check_rank(to)
-        self._check_overlap_initialized()
-        purpose = f"consolidating the optimizer state on rank {to}"
-        gathered = gather_objects(self._local_state_cpu(), to, self.process_group, purpose)
-        if gathered is None:
-            self._consolidated = None
-        else:
-            self._consolidated = consolidate(self._plan.partition, gathered, self._shapes())
-
-    def _check_rank(self, to: Any) -> None:
-        """Refuse a ``to`` that names no rank of the group, before any
-        collective: a gather to a rank that does not exist would fail inside
-        the collective and look like a broken group.
-
-        Raises:
-            TypeError: ``to`` is not an int (a bool is not a rank either).
-            ValueError: ``to`` is outside ``0 .. world_size - 1``.
-        """
-        if not isinstance(to, int) or isinstance(to, bool):
-            raise TypeError(
-                f"consolidate_state_dict(to=...) takes a group rank, an int in "
-                f"0..{self.world_size - 1}; got {type(to).__name__} {to!r}"
-            )
-        if not 0 <= to < self.world_size:
-            raise ValueError(
-                f"consolidate_state_dict(to={to}): the group has {self.world_size} rank(s), "
-                f"so to must be in 0..{self.world_size - 1}"
-            )
+        check_rank(to, self.world_size)
+        overlap.check_overlap_initialized(self._setup)
+        group = self.process_group
+        self._consolidated = states.consolidate_on(
+            self._setup, self.param_groups, self.optim, group, to
+        )
 
     def state_dict(self) -> StateDict:
         """The full state gathered by the last :meth:`consolidate_state_dict`,
         in ``torch.optim``'s format (loadable into the unsharded optimizer).
 
+        Returns:
+            ``{"state": ..., "param_groups": [...]}`` with the live groups' options.
+
         Raises:
             RuntimeError: if the state was not consolidated on this rank.
         """
-        if self._consolidated is None:
-            raise RuntimeError(
-                "Optimizer state has not been consolidated on this rank. Call "
-                f"consolidate_state_dict(to={self.rank}) on all ranks first."
-            )
-        return {
-            "state": dict(self._consolidated["state"]),
-            "param_groups": [
-                {**hyperparameters(live), "params": list(saved["params"])}
-                for live, saved in zip(
-                    self.param_groups, self._consolidated["param_groups"], strict=True
-                )
-            ],
-        }
+        return states.full_state_dict(self._consolidated, self.param_groups, self.rank)
 
     def load_state_dict(self, state_dict: StateDict) -> None:
         """Load a full state dict (from :meth:`state_dict`, or from a plain
         ``torch.optim`` optimizer over the same parameters), keeping this
         rank's shard. ``state_dict`` is not modified.
 
+        Args:
+            state_dict: the full state, global parameter indices.
+
         Raises:
             ValueError: if ``state_dict`` belongs to another model; then
                 nothing is changed.
+            RuntimeError: with ``overlap_with_ddp=True``, before DDP fixed its
+                buckets.
         """
-        self._check_overlap_initialized()
-        validate_global(self._plan.partition, state_dict)
-        self._load_global_state(state_dict)
+        overlap.check_overlap_initialized(self._setup)
+        validate_global(self._setup.plan.partition, state_dict)
+        states.load_global_state(self._setup, self.param_groups, self.optim, state_dict)
 
-    def _load_global_state(self, state_dict: StateDict) -> None:
-        # Copy, so that stepping never writes into the caller's tensors.
-        local = _cpu_copy(shard(self._plan.partition, state_dict, self.rank))
-        local = self._shards.loaded_state(local, self.optim.param_groups)
-        local, masters = without_masters(local)
-        self.optim.load_state_dict(local)
-        self._load_masters(masters)
-        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update(hyperparameters(saved))
-        _copyhyperparameters(self.param_groups, self.optim.param_groups)
-
-    def _load_masters(self, saved: dict[int, torch.Tensor]) -> None:
-        """Set the masters from ``saved`` (local index -> master); a master
-        not saved (a state dict from PyTorch, or without masters) is copied
-        up from its parameter."""
-        if self._masters is None:
-            return
-        self._shards.refresh(self._all_params)
-        missing = [i for i in range(len(self._masters.master)) if i not in saved]
-        self._masters.reseed(missing)
-        with torch.no_grad():
-            for index, master in saved.items():
-                self._masters.master[index].copy_(master)
+    def local_state_dict(self) -> StateDict:
+        """This rank's local optimizer state as checkpoints keep it: one
+        tensor per param group under a flat partition (chunks merged),
+        masters as ``"master_param"``; tensors are the live ones."""
+        return states.local_state_dict(self._setup, self.optim)
 
     # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
-    # The overlap hook owns the overlap record (zerofn.overlap.hook); the
-    # optimizer is told three things: a hook drives it, step these gradients,
-    # and, once the bucket plan is fixed, which parameters each rank owns.
 
     def bind_overlap_hook(self) -> OverlapBinding:
         """Let one overlap hook (``zerofn_torch.overlap``) drive this optimizer:
@@ -772,128 +408,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
             RuntimeError: another hook drives it already.
         """
-        if not self._shards.stepped_by_hook:
-            raise ValueError(
-                "the ZeroRedundancyOptimizer must be built with overlap_with_ddp=True to be "
-                "stepped by this hook"
-            )
-        if self._overlap_attached:
-            raise RuntimeError("this ZeroRedundancyOptimizer is already driven by a DDP hook")
-        self._overlap_attached = True
-        return OverlapBinding(
-            self._step_with_grads, self._adopt_overlap_plan, self._send_compressed
-        )
-
-    def _check_overlap_attached(self) -> None:
-        """Refuse to train with ``overlap_with_ddp=True`` and no hook: the hook
-        is what steps the optimizer, so without one nothing would change.
-
-        Raises:
-            RuntimeError: no overlap hook was made for this optimizer.
-        """
-        if not self._overlap_attached:
-            raise RuntimeError(
-                "this ZeroRedundancyOptimizer was built with overlap_with_ddp=True, so DDP's "
-                "backward steps it through a communication hook, and no such hook was made "
-                "for it: nothing would ever be updated. Register one before training, "
-                "ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero)) "
-                "(or hook_with_zero_step_interleaved; both in zerofn_torch.hooks), and drop "
-                "zero.step() from the loop; or build the optimizer with overlap_with_ddp=False"
-            )
-
-    def _check_overlap_initialized(self) -> None:
-        if self._shards.stepped_by_hook and not self._overlap_sharded:
-            raise RuntimeError(
-                "this ZeroRedundancyOptimizer (overlap_with_ddp=True) is not initialized yet: "
-                "DDP fixes its buckets during the first iterations"
-            )
-
-    def _send_compressed(self) -> SendCompressed | None:
-        """What the overlap hook's compressed sends read: the quantizer and
-        this rank's masters by global parameter index (``None``: no
-        compression)."""
-        if self._quantizer is None:
-            return None
-        assert self._masters is not None
-        params = self._all_params
-        index_of = {id(p): i for i, p in enumerate(params)}
-        masters: list[torch.Tensor | None] = [None] * len(params)
-        for low, master in zip(self._masters.low, self._masters.master, strict=True):
-            masters[index_of[id(low)]] = master
-        return SendCompressed(self._quantizer, masters)
+        self._setup = overlap.attach(self._setup)
+        return OverlapBinding(self._step_with_grads, self._adopt_owners, self._send_compressed)
 
     def _step_with_grads(
         self, grads: dict[int, torch.Tensor], scale: float = 1.0, write_back: bool = True
     ) -> None:
-        """Step the local optimizer with ``grads`` (global index -> gradient),
-        multiplied by ``scale`` (in the masters' dtype when kept), for some of
-        its parameters; the others sit this step out. Their own ``.grad`` is
-        left as it was. Masters are cast into the parameters afterwards
-        unless ``write_back`` is ``False`` (a compressed send moves them)."""
-        if scale != 1.0:
-            if self._masters is None:
-                grads = {i: g * scale for i, g in grads.items()}
-            else:
-                wide = self._masters.dtype
-                grads = {i: g.to(wide).mul_(scale) for i, g in grads.items()}
-        params = self._all_params
-        local = [p for g in self.optim.param_groups for p in g["params"]]
-        index_of = {id(p): i for i, p in enumerate(params)}
-        if self._masters is not None:
-            low = self._masters.low
-            self._masters.load_grads_from([grads.get(index_of[id(p)]) for p in low])
-            try:
-                _copyhyperparameters(self.param_groups, self.optim.param_groups)
-                self.optim.step()
-                _copyhyperparameters(self.optim.param_groups, self.param_groups)
-            finally:
-                if write_back:
-                    self._masters.write_back(only_stepped=True)
-                else:
-                    self._masters.drop_grads()
-            return
-        saved = [p.grad for p in local]
-        try:
-            for p in local:
-                p.grad = grads.get(index_of[id(p)])
-            _copyhyperparameters(self.param_groups, self.optim.param_groups)
-            self.optim.step()
-            _copyhyperparameters(self.optim.param_groups, self.param_groups)
-        finally:
-            for p, g in zip(local, saved, strict=True):
-                p.grad = g
+        setup, groups = self._setup, self.param_groups
+        overlap.step_with_grads(setup, groups, self.optim, grads, scale, write_back)
 
-    def _adopt_overlap_plan(self, owned: Sequence[Sequence[int]]) -> None:
-        """Keep only this rank's parameters and their state from now on
-        (every rank held all of it until the bucket plan was fixed).
+    def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
+        setup, groups = self._setup, self.param_groups
+        self._setup, self.optim = overlap.adopt_owners(setup, groups, self.optim, owned)
 
-        Args:
-            owned: global parameter indices each rank owns.
-        """
-        full_state = self._local_state_dict()  # global indices: it held every parameter
-        params = self._all_params
-        # DDP's buckets hold what required grad when DDP was built; only those
-        # are stepped in this mode, so only those need an owner.
-        synced = {i for ranks in owned for i in ranks}
-        trainable = tuple(i in synced for i in range(len(params)))
-        self._plan = self._new_plan([[params[i] for i in ranks] for ranks in owned], trainable)
-        self._set_shards(rebuilt=False)
-        self.optim = self._new_local_optimizer()
-        self._load_global_state(full_state)
-        self._overlap_sharded = True
-
-    # ----- what checkpoints read ------------------------------------------------
-
-    @property
-    def shard_plan(self) -> ShardPlan:
-        """Who owns what and how shards travel (the core's record; read only)."""
-        return self._plan
-
-    def local_state_dict(self) -> StateDict:
-        """This rank's local optimizer state as checkpoints keep it: one
-        tensor per param group under a flat partition (chunks merged),
-        masters as ``"master_param"``; tensors are the live ones."""
-        return self._local_state_dict()
+    def _send_compressed(self) -> SendCompressed | None:
+        return overlap.send_compressed(self._setup, self._all_params)
 
     # ----- memory ---------------------------------------------------------------
 
@@ -909,26 +438,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             parameter lives in: zero with ``parameters_as_bucket_view``; with
             ``exchange_compression``, plus the payload buffers).
         """
-        params = self._all_params
-        aliased = 0
-        for buffer in self._shards.buffers:
-            lo = buffer.data_ptr()
-            hi = lo + buffer.numel() * buffer.element_size()
-            aliased += sum(_nbytes(p) for p in params if lo <= p.data_ptr() < hi)
-        return {
-            "parameters": sum(_nbytes(p) for p in params),
-            "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
-            "master_weights": self._masters.nbytes() if self._masters is not None else 0,
-            "optimizer_state": sum(
-                _nbytes(v)
-                for state in self.optim.state.values()
-                for v in state.values()
-                if isinstance(v, torch.Tensor)
-            ),
-            "exchange_buffers": sum(_nbytes(b) for b in self._shards.buffers)
-            - aliased
-            + (self._exchange.nbytes() if self._exchange is not None else 0),
-        }
+        return memory_bytes(self._setup, self._all_params, self.optim)
 
     # ----- Join ---------------------------------------------------------------
 
@@ -940,7 +450,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def join_device(self) -> torch.device:
         """The device of the parameters, where Join's collectives run."""
-        return self._default_device
+        return self._setup.options.device
 
     @property
     def join_process_group(self) -> Any:

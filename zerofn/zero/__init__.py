@@ -5,11 +5,15 @@
 - :mod:`~zerofn.zero.layout`, :mod:`~zerofn.zero.plan`: the flat buffers
   shards travel in, and the plan tying partition and layouts together;
 - :mod:`~zerofn.zero.exchange`: packing shards and the exchange program;
+- :mod:`~zerofn.zero.shards`, :mod:`~zerofn.zero.step`: how each mode holds
+  its shard, and the step as one program;
+- :mod:`~zerofn.zero.masters`, :mod:`~zerofn.zero.compressed_exchange`: the
+  exact copies a rank steps, and sending their quantized differences;
 - :mod:`~zerofn.zero.chunks`: stepping a flat shard in cache-sized views;
 - :mod:`~zerofn.zero.precision`: master weights, clipping, loss scaling;
 - :mod:`~zerofn.zero.shard_state`, :mod:`~zerofn.zero.sharded_checkpoint`,
   :mod:`~zerofn.zero.checkpoint_manifest`: optimizer state across ranks and
   on disk;
-- :mod:`~zerofn.zero.params`, :mod:`~zerofn.zero.optimizers`: checks on
-  what a user passes.
+- :mod:`~zerofn.zero.params`, :mod:`~zerofn.zero.arguments`,
+  :mod:`~zerofn.zero.optimizers`: checks on what a user passes.
 """

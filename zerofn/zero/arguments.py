@@ -1,0 +1,182 @@
+"""The ZeRO optimizer's arguments in the core's terms: what its constructor
+and its calls refuse before anything is built or sent, and the plan a set of
+param groups and a partition (a mode, or the tensors each rank owns) make."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from zerofn.zero.optimizers import check_elementwise
+from zerofn.zero.params import check_same_dense_type, normalize_params
+from zerofn.zero.plan import PlanMode, ShardPlan, plan_shards
+
+__all__ = [
+    "check_added_group",
+    "check_arguments",
+    "check_rank",
+    "manual_indices",
+    "plan_for",
+]
+
+
+def check_arguments(
+    groups: Sequence[Mapping[str, Any]],
+    optimizer_class: type[torch.optim.Optimizer],
+    overlap_with_ddp: bool,
+    partition: str | Sequence[Sequence[torch.Tensor]],
+    elementwise: bool,
+) -> None:
+    """Refuse what the optimizer's constructor cannot build, before anything is built.
+
+    Raises:
+        ValueError: sparse or mixed-type parameters; ``overlap_with_ddp``
+            with a partition other than the default; ``partition="flat"``
+            with an optimizer not known to be element-wise.
+        RuntimeError: ``overlap_with_ddp`` with more than one param group.
+    """
+    check_same_dense_type([p for g in groups for p in g["params"]])
+    if overlap_with_ddp and len(groups) != 1:
+        raise RuntimeError(
+            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
+            f"group, got {len(groups)}"
+        )
+    if overlap_with_ddp and partition != "greedy":
+        raise ValueError(
+            "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
+            "at its default"
+        )
+    if partition == "flat":
+        check_elementwise(optimizer_class, elementwise)
+
+
+def check_added_group(
+    mode: PlanMode,
+    overlap_with_ddp: bool,
+    params: Sequence[torch.Tensor],
+    param_group: Mapping[str, Any],
+) -> None:
+    """Refuse a param group the optimizer cannot add, before anything changes.
+
+    Args:
+        mode: the current plan's mode.
+        overlap_with_ddp: whether DDP's hook steps the optimizer.
+        params: the parameters it holds now.
+        param_group: the group to add.
+
+    Raises:
+        RuntimeError: with ``overlap_with_ddp`` or a manual partition (one
+            param group only).
+        TypeError, ValueError: the group is malformed, or its tensors differ
+            from ``params`` in layout, dtype or device.
+    """
+    if overlap_with_ddp:
+        raise RuntimeError(
+            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param group"
+        )
+    if mode == "manual":
+        raise RuntimeError(
+            "a manual partition (params_per_rank) supports a single param group; "
+            "build a new optimizer with every group, using an automatic partition"
+        )
+    check_same_dense_type([*params, *normalize_params([param_group])[0]["params"]])
+
+
+def manual_indices(
+    partition: Sequence[Sequence[Any]], params: Sequence[torch.Tensor], world_size: int
+) -> list[list[int]]:
+    """A manual partition's tensors as global parameter indices.
+
+    Args:
+        partition: for each rank, the parameter tensors it owns.
+        params: every parameter, in the optimizer's order.
+        world_size: number of ranks.
+
+    Returns:
+        For each rank, the global indices of its tensors.
+
+    Raises:
+        TypeError: an entry is not a tensor (an index, say).
+        ValueError: not one entry per rank, or a tensor the optimizer does
+            not hold.
+    """
+    index_of = {id(p): i for i, p in enumerate(params)}
+    if len(partition) != world_size:
+        raise ValueError(
+            f"params_per_rank has {len(partition)} entries; it needs one per rank "
+            f"(world_size={world_size})"
+        )
+    manual = []
+    for rank, rank_params in enumerate(partition):
+        indices = []
+        for p in rank_params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"partition[{rank}] holds a {type(p).__name__} ({p!r}); a manual "
+                    "partition lists, for each rank, the parameter tensors it owns "
+                    "(e.g. [[model.weight], [model.bias]]), not their indices"
+                )
+            if id(p) not in index_of:
+                raise ValueError(
+                    f"params_per_rank[{rank}] holds a tensor of shape {tuple(p.shape)} "
+                    "that was not passed to the optimizer"
+                )
+            indices.append(index_of[id(p)])
+        manual.append(indices)
+    return manual
+
+
+def plan_for(
+    groups: Sequence[Mapping[str, Any]],
+    world_size: int,
+    partition: str | Sequence[Sequence[torch.Tensor]],
+    trainable: Sequence[bool] | None = None,
+) -> ShardPlan:
+    """The plan for ``groups`` under ``partition`` (a mode, or the tensors per rank).
+
+    Args:
+        groups: the param groups, in the optimizer's order.
+        world_size: number of ranks.
+        partition: a partition mode, or each rank's parameter tensors.
+        trainable: which parameters the plan must give an owner (default:
+            those requiring grad now).
+
+    Returns:
+        The :class:`~zerofn.zero.plan.ShardPlan`.
+
+    Raises:
+        TypeError: a manual partition lists something other than tensors.
+        ValueError: an unknown mode; a bad manual partition (wrong length, a
+            stranger, a parameter twice, a trainable parameter left to no rank).
+    """
+    params = [p for g in groups for p in g["params"]]
+    group_sizes = [[p.numel() for p in g["params"]] for g in groups]
+    keys = [f"{p.device}/{p.dtype}" for p in params]
+    flags = tuple(p.requires_grad for p in params) if trainable is None else tuple(trainable)
+    if isinstance(partition, str):
+        return plan_shards(group_sizes, keys, flags, world_size, partition)  # type: ignore[arg-type]
+    manual = manual_indices(partition, params, world_size)
+    return plan_shards(group_sizes, keys, flags, world_size, "greedy", manual)
+
+
+def check_rank(to: Any, world_size: int) -> None:
+    """Refuse a ``to`` that names no rank of the group, before any collective:
+    a gather to a rank that does not exist would fail inside the collective
+    and look like a broken group.
+
+    Raises:
+        TypeError: ``to`` is not an int (a bool is not a rank either).
+        ValueError: ``to`` is outside ``0 .. world_size - 1``.
+    """
+    if not isinstance(to, int) or isinstance(to, bool):
+        raise TypeError(
+            f"consolidate_state_dict(to=...) takes a group rank, an int in "
+            f"0..{world_size - 1}; got {type(to).__name__} {to!r}"
+        )
+    if not 0 <= to < world_size:
+        raise ValueError(
+            f"consolidate_state_dict(to={to}): the group has {world_size} rank(s), "
+            f"so to must be in 0..{world_size - 1}"
+        )
