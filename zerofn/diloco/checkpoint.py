@@ -62,7 +62,8 @@ def rank_state_dict(
             none is in flight).
         anchors: this rank's anchor slice of every fragment.
         outer: the outer optimizer's ``state_dict()``.
-        replica, residual: the compressed mode's tensors, or ``None``.
+        replica: the compressed mode's replica of the anchor, or ``None``.
+        residual: the compressed mode's error-feedback residual, or ``None``.
     """
 
     def copied(t: torch.Tensor | None) -> torch.Tensor | None:
