@@ -1,28 +1,37 @@
-"""The demo's training runs: what each one builds, and how it steps and measures.
+"""The demo's training runs: what each one is, and what it is compared with.
 
-A run is a :class:`RunSpec`; :data:`RUNS` lists the two the demo trains side
-by side, and ``--mixed-precision`` adds :data:`MIXED` (bf16 parameters, fp32
-master shards). Adding a run is adding a spec.
+A run is a :class:`RunSpec`: which optimizer steps the model, what crosses the
+ranks during backward, and which other run its loss is judged against.
+:data:`CATALOGUE` holds every run the demo knows, :data:`DEFAULT_RUNS` the
+ones it trains unless told otherwise. Adding a run is adding a spec (and, for
+a new kind of optimizer, a branch in ``demo_trainer.Trainer``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import attrs
 import torch
-from demo_model import lm_loss
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.hooks import PowerSGDState, allreduce_hook, fp16_compress_hook, powerSGD_hook
 
-from zerofn.footprint import Footprint, HookKind, plan_footprint
-
-KINDS = ("parameters", "gradients", "optimizer_state", "exchange_buffers")
+OptimizerKind = Literal["adamw", "zero", "diloco"]
+GradientExchange = Literal["ddp", "powersgd", "none"]
+Compression = Literal["int8", "int4"]
 ADAMW: dict[str, Any] = {"betas": (0.9, 0.95), "weight_decay": 0.01}
+
+
+@attrs.frozen
+class Target:
+    """How close a run's held-out loss must stay to its baseline's.
+
+    Attributes:
+        relative: the largest ``|loss - baseline| / baseline`` that meets it.
+        why_missed: one line on the mechanism, printed when it is missed.
+    """
+
+    relative: float
+    why_missed: str
 
 
 @attrs.frozen
@@ -30,163 +39,117 @@ class RunSpec:
     """One training run.
 
     Attributes:
-        key: a short name (plot legends, progress lines).
-        title: what it is, for the table's header.
-        zerofn: DDP + zerofn's ``ZeroRedundancyOptimizer`` (flat partition,
-            parameters as bucket views) and zerofn's hook; otherwise DDP with
-            its built-in all-reduce and ``torch.optim.AdamW``.
+        key: a short name (legends, progress lines, ``--runs``).
+        title: what it is, one line.
+        optimizer: ``"adamw"`` (``torch.optim.AdamW``), ``"zero"``
+            (``zerofn_torch.ZeroRedundancyOptimizer`` running AdamW on flat
+            shards) or ``"diloco"`` (``DiLoCoOptimizer`` around AdamW).
+        gradients: what DDP does with the gradients in backward: ``"ddp"``
+            (its built-in all-reduce), ``"powersgd"`` (zerofn's PowerSGD hook)
+            or ``"none"`` (the no-op hook: nothing crosses the ranks; one of
+            the ways ``docs/diloco.md`` gives to run DiLoCo under DDP).
+        exchange_compression: the ZeRO exchange's ``exchange_compression``.
+        sync_every: DiLoCo's inner steps between syncs.
+        baseline: the run this one's loss is compared with (``None``: none).
+        exact: its losses must equal the baseline's bitwise.
+        target: the held-out gap it must stay within, if any.
         param_dtype: the model's parameters' dtype.
-        zero_kwargs: more arguments for ``ZeroRedundancyOptimizer``.
+        master_dtype: ZeRO's ``master_dtype``.
+        powersgd_rank: PowerSGD's matrix rank.
+        powersgd_start: PowerSGD's first compressing step.
+
+    Raises:
+        ValueError: options that do not fit together (said which).
     """
 
     key: str
     title: str
-    zerofn: bool
+    optimizer: OptimizerKind = "adamw"
+    gradients: GradientExchange = "ddp"
+    exchange_compression: Compression | None = None
+    sync_every: int = 0
+    baseline: str | None = None
+    exact: bool = False
+    target: Target | None = None
     param_dtype: torch.dtype = torch.float32
-    zero_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
-
-
-RUNS = (
-    RunSpec("plain", "DDP + torch.optim.AdamW", zerofn=False),
-    RunSpec("zerofn", "DDP + zerofn (flat ZeRO + hook)", zerofn=True),
-)
-MIXED = RunSpec(
-    "zerofn-bf16",
-    "DDP + zerofn, bf16 + fp32 master shards",
-    zerofn=True,
-    param_dtype=torch.bfloat16,
-    zero_kwargs={"master_dtype": torch.float32},
-)
-"""The third run of ``--mixed-precision``: bf16 parameters and gradients, fp32
-master weights and AdamW state on this rank's shard only."""
-
-
-@attrs.frozen
-class HookConfig:
-    """zerofn's DDP communication hook in the zerofn runs."""
-
-    kind: HookKind = "powersgd"
+    master_dtype: torch.dtype | None = None
     powersgd_rank: int = 4
-    start_iter: int = 10
+    powersgd_start: int = 10
 
-    def register(self, ddp: DDP) -> PowerSGDState | None:
-        """Register the hook on ``ddp``; PowerSGD's state, if it is PowerSGD."""
-        if self.kind == "powersgd":
-            state = PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=self.start_iter,
+    def __attrs_post_init__(self) -> None:
+        zero_only = self.exchange_compression is not None or self.master_dtype is not None
+        if zero_only and self.optimizer != "zero":
+            raise ValueError(f"{self.key}: exchange_compression and master_dtype need 'zero'")
+        if (self.optimizer == "diloco") != (self.sync_every > 0):
+            raise ValueError(f"{self.key}: give sync_every > 0 exactly when optimizer='diloco'")
+        if self.optimizer == "diloco" and self.gradients != "none":
+            raise ValueError(
+                f"{self.key}: DiLoCo's inner steps must not average gradients: gradients='none'"
             )
-            ddp.register_comm_hook(state, powerSGD_hook)
-            return state
-        hook = allreduce_hook if self.kind == "allreduce" else fp16_compress_hook
-        ddp.register_comm_hook(None, hook)
-        return None
+        if (self.exact or self.target is not None) and self.baseline is None:
+            raise ValueError(f"{self.key}: exact or target needs a baseline run")
+        if self.powersgd_rank < 1 or self.powersgd_start < 2:
+            raise ValueError(f"{self.key}: PowerSGD needs rank >= 1 and a start step >= 2")
 
 
-def live_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes by kind from live tensors, counted as ``ZeroRedundancyOptimizer.memory_bytes``
-    counts them (a plain optimizer has no exchange buffers)."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    return {
-        "parameters": sum(nbytes(p) for p in params),
-        "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer_state": sum(
-            nbytes(v)
-            for state in optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor)
-        ),
-        "exchange_buffers": 0,
-    }
-
-
-class Trainer:
-    """One run on this rank: its DDP model and optimizer, stepped and timed."""
-
-    def __init__(self, spec: RunSpec, model: nn.Module, hook: HookConfig, lr: float) -> None:
-        self.spec = spec
-        self.ddp = DDP(model.to(spec.param_dtype))
-        self.powersgd: PowerSGDState | None = None
-        self.optimizer: torch.optim.Optimizer
-        if spec.zerofn:
-            self.powersgd = hook.register(self.ddp)
-            self.optimizer = ZeroRedundancyOptimizer(
-                self.ddp.parameters(),
-                torch.optim.AdamW,
-                parameters_as_bucket_view=True,
-                partition="flat",
-                lr=lr,
-                **ADAMW,
-                **spec.zero_kwargs,
-            )
-        else:
-            self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=lr, **ADAMW)
-
-    @property
-    def module(self) -> nn.Module:
-        """The model itself (for evaluation and sampling)."""
-        module: nn.Module = self.ddp.module
-        return module
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> tuple[float, float, float]:
-        """One training step; (loss, seconds of forward+backward, seconds of the
-        optimizer step). Backward includes the hook's communication."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad()
-        t0 = time.perf_counter()
-        loss = lm_loss(self.ddp(x), y)
-        loss.backward()  # type: ignore[no-untyped-call]
-        t1 = time.perf_counter()
-        self.optimizer.step()
-        return loss.item(), t1 - t0, time.perf_counter() - t1
-
-    def compute_seconds(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Seconds of forward+backward without communication (DDP's ``no_sync``);
-        the gradients it leaves are dropped."""
-        with self.ddp.no_sync():
-            t0 = time.perf_counter()
-            lm_loss(self.ddp(x), y).backward()  # type: ignore[no-untyped-call]
-            seconds = time.perf_counter() - t0
-        self.optimizer.zero_grad()
-        return seconds
-
-    def memory_bytes(self) -> dict[str, int]:
-        """This rank's bytes by kind, from the live tensors."""
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            return self.optimizer.memory_bytes()
-        return live_bytes(list(self.ddp.parameters()), self.optimizer)
+DDP_ADAMW = RunSpec("ddp", "DDP + torch.optim.AdamW")
+ZERO = RunSpec("zero", "DDP + zerofn ZeRO (AdamW, flat shards)", "zero", baseline="ddp", exact=True)
+POWERSGD = RunSpec(
+    "zero+powersgd", "ZeRO + PowerSGD hook (rank 4)", "zero", "powersgd", baseline="zero"
+)
+INT8 = RunSpec(
+    "zero+int8",
+    'ZeRO + exchange_compression="int8"',
+    "zero",
+    exchange_compression="int8",
+    baseline="zero",
+    target=Target(
+        0.005, "the replica trails the exact masters by up to lr/254 per element every step"
+    ),
+)
+INT4 = RunSpec(
+    "zero+int4",
+    'ZeRO + exchange_compression="int4"',
+    "zero",
+    exchange_compression="int4",
+    baseline="zero",
+    target=Target(
+        0.02, "int4's codes resolve a step's update only to 1/14: the forward pass sees that"
+    ),
+)
+BF16 = RunSpec(
+    "zero+bf16",
+    "ZeRO, bf16 parameters + fp32 master shards",
+    "zero",
+    baseline="zero",
+    param_dtype=torch.bfloat16,
+    master_dtype=torch.float32,
+)
+DILOCO = RunSpec(
+    "diloco",
+    "DiLoCo (inner AdamW, sync every 10 steps)",
+    "diloco",
+    "none",
+    sync_every=10,
+    baseline="ddp",
+)
+CATALOGUE = (DDP_ADAMW, ZERO, POWERSGD, INT8, INT4, BF16, DILOCO)
+DEFAULT_RUNS = (DDP_ADAMW, ZERO, POWERSGD, INT8, INT4, DILOCO)
 
 
-def plan(spec: RunSpec, model: nn.Module, world_size: int, hook: HookConfig) -> Footprint | None:
-    """The planner's prediction for a zerofn run (``None`` for a plain one)."""
-    if not spec.zerofn:
-        return None
-    return plan_footprint(
-        model,
-        world_size,
-        "flat",
-        param_dtype=spec.param_dtype,
-        master_dtype=spec.zero_kwargs.get("master_dtype"),
-        optimizer="adamw",
-        hook=hook.kind,
-        powersgd_rank=hook.powersgd_rank,
-        bucket_view=True,
-    )
+def select(keys: Iterable[str], catalogue: tuple[RunSpec, ...] = CATALOGUE) -> tuple[RunSpec, ...]:
+    """The runs named by ``keys`` and, transitively, their baselines, in catalogue order.
 
-
-def lr_schedule(peak: float, steps: int, warmup: int = 10) -> Callable[[int], float]:
-    """Linear warm-up to ``peak``, then cosine decay to a tenth of it."""
-    import math
-
-    def lr(step: int) -> float:
-        if step < warmup:
-            return peak * (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-    return lr
+    Raises:
+        ValueError: a key the catalogue does not hold (the known keys listed).
+    """
+    by_key = {spec.key: spec for spec in catalogue}
+    wanted: set[str] = set()
+    for first in keys:
+        key: str | None = first
+        while key is not None and key not in wanted:
+            if key not in by_key:
+                raise ValueError(f"unknown run {key!r}; known runs: {', '.join(by_key)}")
+            wanted.add(key)
+            key = by_key[key].baseline
+    return tuple(spec for spec in catalogue if spec.key in wanted)

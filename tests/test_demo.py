@@ -1,6 +1,12 @@
-"""The demo's pure pieces (``examples/demo_*.py``): its text, its model, its
-table, and one short run of each trainer on a one-rank group. The two-rank
-training itself runs in ``make demo``, not here."""
+"""The demo (``examples/demo_*.py``): its text, model, runs, summaries, table
+and figure, and one short two-rank training of every default run, which checks
+what the demo claims: ZeRO's losses equal DDP's bitwise, every rank holds the
+same parameters, ZeRO holds less per rank, PowerSGD and the compressed
+exchanges send fewer bytes, DiLoCo sends fewer still, and every run shows in
+the table and in the figure's legend.
+
+One spawned world trains every run (spawning costs seconds here); the other
+tests are in-process."""
 
 from __future__ import annotations
 
@@ -10,28 +16,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
+from _world import run_world
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 
 import demo
 from demo_data import batch, load_corpus, printable, rank_slice, stdlib_sources
 from demo_model import ModelConfig, TinyGPT, generate, held_out_loss
-from demo_report import (
-    dominant_line,
-    format_table,
-    matches_plan,
-    moving_average,
-    notes,
-    planned_memory,
-    samples,
-    table,
-    timings,
-)
-from demo_runs import KINDS, RUNS, HookConfig, Trainer, live_bytes, lr_schedule, plan
+from demo_report import findings, format_table, matches_plan, table
+from demo_runs import CATALOGUE, DEFAULT_RUNS, DILOCO, RunSpec, Target, select
+from demo_summary import Measured, RunSummary, memory_kinds, summarize, time_split
+from demo_train import Config, lr_schedule, train_rank
+from demo_trainer import tensor_bytes
 
-TINY = ModelConfig(width=32, layers=1, heads=4, context=8)
+TINY = ModelConfig(width=32, layers=1, heads=4, context=16)
 
 
 def test_corpus_reads_sorted_files_and_holds_out_the_tail(tmp_path: Path) -> None:
@@ -65,11 +68,6 @@ def test_printable_replaces_what_a_terminal_should_not_see() -> None:
     assert printable(b"a\x1b[2Jb\xff") == "a.[2Jb\ufffd"
 
 
-def test_the_default_model_has_a_few_million_parameters() -> None:
-    model = TinyGPT()
-    assert sum(p.numel() for p in model.parameters()) == 3_307_264
-
-
 def test_the_model_starts_near_uniform_and_samples_deterministically() -> None:
     torch.manual_seed(0)
     model = TinyGPT(TINY)
@@ -85,105 +83,216 @@ def test_the_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
     assert lr(10) == pytest.approx(1.0) and lr(100) == pytest.approx(0.1)
 
 
-def test_format_table_pads_columns() -> None:
-    out = format_table(["", "long header"], [["a", "1"], ["bbb", "22"]]).splitlines()
-    assert out[0] == "|     | long header |"
-    assert out[1] == "| --- | ----------- |"
-    assert out[3] == "| bbb | 22          |"
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.text(
+                st.characters(exclude_categories=("Cc", "Zl", "Zp"), exclude_characters="|"),
+                max_size=8,
+            ),
+            min_size=3,
+            max_size=3,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_format_table_is_a_rectangle_holding_every_cell(rows: list[list[str]]) -> None:
+    lines = format_table(["a", "bb", "ccc"], rows).splitlines()
+    assert len({len(line) for line in lines}) == 1
+    assert len(lines) == len(rows) + 2
+    for line, row in zip(lines[2:], rows, strict=True):
+        assert [c.strip() for c in line[2:-2].split(" | ")] == [c.strip() for c in row]
 
 
-def test_moving_average_smooths_over_the_window() -> None:
-    assert moving_average([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([s.key for s in CATALOGUE]), min_size=1, max_size=4))
+def test_select_adds_the_baselines_in_catalogue_order(keys: list[str]) -> None:
+    runs = select(keys)
+    chosen = [s.key for s in runs]
+    assert set(keys) <= set(chosen)
+    assert all(s.baseline in chosen for s in runs if s.baseline is not None)
+    assert chosen == [s.key for s in CATALOGUE if s.key in chosen]
 
 
-def fake_results(world_size: int = 2, steps: int = 12) -> tuple[list[dict[str, Any]], Any]:
-    """Per-rank results shaped as ``demo.train_rank`` returns them, with zerofn's
-    memory exactly as planned."""
-    shapes = TinyGPT(TINY)
-    hook = HookConfig()
-    plans = [plan(spec, shapes, world_size, hook) for spec in RUNS]
-    zplan = plans[1]
-    assert zplan is not None
-    results = []
-    for rank in range(world_size):
-        plain = planned_memory(zplan, rank) | {"optimizer_state": 999, "exchange_buffers": 0}
-        results.append(
-            {
-                "losses": {"plain": [3.0] * steps, "zerofn": [3.1] * steps},
-                "fb": {"plain": [0.2] * steps, "zerofn": [0.21] * steps},
-                "opt": {"plain": [0.03] * steps, "zerofn": [0.02] * steps},
-                "compute": {"plain": [(5, 0.18), (11, 0.18)], "zerofn": [(5, 0.18), (11, 0.18)]},
-                "payload": {"plain": {"all_reduce": 1000}, "zerofn": dict(zplan.payload_bytes)},
-                "calls": {"plain": {}, "zerofn": {"all_reduce": 2, "broadcast": 1}},
-                "memory": {"plain": plain, "zerofn": planned_memory(zplan, rank)},
-                "held_out": {"plain": 2.5, "zerofn": 2.6},
-                "samples": {"plain": b"x = 1\n", "zerofn": b"y = 2\n"},
-            }
-        )
-    return results, plans
+def test_select_names_the_known_runs_for_an_unknown_one() -> None:
+    with pytest.raises(ValueError, match="known runs: ddp, zero"):
+        select(["zero", "fp8"])
 
 
-def test_the_report_shows_every_run_and_the_planner() -> None:
-    results, plans = fake_results()
-    out = table(results, RUNS, plans)
-    lines = out.splitlines()
-    assert "planned (plan_footprint)" in lines[0]
-    assert len({len(line) for line in lines}) == 1  # a rectangle
-    assert any(line.startswith("| total memory, rank 1") for line in lines)
-    assert matches_plan(results, "zerofn", plans[1])
-    cfg = demo.Config(model=TINY, hook=HookConfig())
-    text = "\n".join(notes(results, RUNS, plans, cfg))
-    assert "equal the planner's prediction" in text and "-0.100" not in text
-    assert "+0.100 nats/byte" in text
-    assert "x = 1" in samples(results, RUNS, b"def ", seen=123_000)
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"exchange_compression": "int8"}, "need 'zero'"),
+        ({"optimizer": "diloco", "gradients": "none"}, "sync_every > 0"),
+        ({"optimizer": "diloco", "sync_every": 10}, "gradients='none'"),
+        ({"exact": True}, "needs a baseline"),
+        ({"target": Target(0.01, "why")}, "needs a baseline"),
+        ({"powersgd_rank": 0}, "rank >= 1"),
+    ],
+)
+def test_a_run_spec_that_does_not_fit_together_is_refused(
+    changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        RunSpec("x", "x", **changes)
 
 
-def test_timings_split_the_step() -> None:
-    results, _ = fake_results()
-    t = timings(results[0], "plain")
-    assert t["step"] == pytest.approx(230)
-    assert t["compute"] == pytest.approx(180) and t["comm"] == pytest.approx(20)
+def test_the_counted_steps_must_cover_whole_diloco_periods() -> None:
+    with pytest.raises(ValueError, match="count a multiple of that"):
+        Config(model=TINY, runs=(DILOCO,), count_steps=15)
+    assert Config(model=TINY, runs=(DILOCO,), count_steps=20).counted_steps == 20
 
 
-def test_a_run_without_a_time_split_says_so() -> None:
-    results, _ = fake_results()
-    for r in results:
-        r["compute"] = {"plain": [], "zerofn": []}
-    assert math.isnan(timings(results[0], "plain")["compute"])
-    assert "not split" in dominant_line(results, RUNS)
-    assert "| -" in table(results, RUNS, fake_results()[1])
+def test_tensor_bytes_counts_a_shared_storage_once() -> None:
+    t = torch.zeros(10)
+    record = {"a": [t, t[2:5]], "b": (torch.zeros(3, dtype=torch.float64),), "c": 1}
+    assert tensor_bytes(record) == 40 + 24
 
 
-def test_the_plot_is_written(tmp_path: Path) -> None:
+def measured(**changes: Any) -> Measured:
+    """A rank's record of a 12-step run, 1 s steps, split twice."""
+    base = Measured(
+        losses=(3.0,) * 12,
+        forward_backward=(0.3,) * 12,
+        optimizer_step=(0.05,) * 12,
+        local_step=(0.02,) * 12,
+        compute=((5, 0.2), (10, 0.2)),
+        backward_payload={"all_reduce": 4000},
+        after_payload={"broadcast": 2000},
+        counted_steps=2,
+        memory={"parameters": 100, "gradients": 100, "optimizer_state": 200, "hook_state": 0},
+        held_out=((6, 2.5), (12, 2.0)),
+        fingerprints=(1, 2),
+    )
+    return attrs.evolve(base, **changes)
+
+
+def test_time_split_adds_up_to_the_step() -> None:
+    t = time_split(measured())
+    assert t is not None
+    assert t.compute == pytest.approx(200) and t.backward_communication == pytest.approx(100)
+    assert t.step_communication == pytest.approx(30) and t.optimizer == pytest.approx(20)
+    assert t.total == pytest.approx(350)
+    assert time_split(measured(compute=())) is None
+
+
+def test_summaries_compare_each_run_with_its_baseline() -> None:
+    specs = select(["zero+int8", "diloco"])
+    results = [
+        {
+            "ddp": measured(),
+            "zero": measured(),
+            "zero+int8": measured(losses=(3.0,) * 11 + (3.1,), held_out=((6, 2.5), (12, 2.1))),
+            "diloco": measured(fingerprints=(1, rank)),
+        }
+        for rank in range(2)
+    ]
+    by_key = {s.spec.key: s for s in summarize(results, specs)}
+    assert by_key["zero"].max_loss_difference == 0 and by_key["ddp"].gap is None
+    int8 = by_key["zero+int8"]
+    assert int8.max_loss_difference == pytest.approx(0.1)
+    assert int8.gap is not None and int8.gap.relative == pytest.approx(0.05)
+    assert int8.gap.met is False  # 5% against a 0.5% target
+    assert "MISSED" in table(list(by_key.values()), {})
+    assert any("lr/254" in line for line in findings(list(by_key.values())))
+    # 4000 bytes all-reduced and 2000 broadcast over 2 steps, 2 ranks:
+    assert (int8.sent.gradients, int8.sent.parameters) == (2000, 500)
+    assert by_key["diloco"].sent.sync == 2500 and by_key["diloco"].sent.gradients == 0
+    assert not by_key["diloco"].identical and by_key["zero"].identical
+
+
+def test_the_command_line_picks_runs_and_the_long_mode() -> None:
+    cfg, world_size, _ = demo.parse(["--runs", "zero+int4", "--world-size", "3"])
+    assert [s.key for s in cfg.runs] == ["ddp", "zero", "zero+int4"] and world_size == 3
+    assert cfg.sample_bytes == 0
+    long, _, _ = demo.parse(["--long", "--runs", "ddp"])
+    assert long.steps > cfg.steps and long.model.width > cfg.model.width and long.sample_bytes
+    for bad in (["--runs", "fp8"], ["--steps", "0"], ["--width", "30"], ["--lr", "-1"]):
+        with pytest.raises(SystemExit):
+            demo.parse(bad)
+
+
+# ---- one two-rank training of every default run ----------------------------------
+
+TRAINED = Config(
+    model=TINY,
+    runs=tuple(
+        attrs.evolve(s, sync_every=2) if s.sync_every else attrs.evolve(s, powersgd_start=2)
+        for s in DEFAULT_RUNS
+    ),
+    steps=6,
+    batch_size=2,
+    data_bytes=200_000,
+    eval_every=2,
+    eval_windows=8,
+    split_every=3,
+    count_steps=2,
+)
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[list[dict[str, Measured]], list[RunSummary]]:
+    results = run_world(train_rank, 2, TRAINED)
+    return results, list(summarize(results, TRAINED.runs))
+
+
+Trained = tuple[list[dict[str, Measured]], list[RunSummary]]
+
+
+def test_zero_trains_bitwise_as_ddp_does_and_the_compressed_runs_do_not(
+    trained: Trained,
+) -> None:
+    results, summaries = trained
+    for rank in results:
+        assert rank["zero"].losses == rank["ddp"].losses
+        assert rank["zero"].held_out == rank["ddp"].held_out
+    by_key = {s.spec.key: s for s in summaries}
+    assert by_key["zero"].max_loss_difference == 0
+    for key in ("zero+powersgd", "zero+int8", "zero+int4"):
+        assert (by_key[key].max_loss_difference or 0) > 0  # the check can tell them apart
+    assert all(s.identical for s in summaries)  # every rank holds the same parameters
+
+
+def test_zero_holds_less_and_the_compressed_runs_send_less(trained: Trained) -> None:
+    _, summaries = trained
+    s = {x.spec.key: x for x in summaries}
+    assert s["zero"].memory[0]["optimizer_state"] < s["ddp"].memory[0]["optimizer_state"]
+    assert sum(s["zero"].memory[1].values()) < sum(s["ddp"].memory[1].values())
+    assert 0 < s["zero+int4"].sent.parameters < s["zero+int8"].sent.parameters
+    assert s["zero+int8"].sent.parameters < s["zero"].sent.parameters
+    assert s["zero+int8"].sent.gradients == s["zero"].sent.gradients
+    assert 0 < s["zero+powersgd"].sent.gradients < s["zero"].sent.gradients
+    assert 0 < s["diloco"].sent.total < s["ddp"].sent.total
+    assert s["zero+powersgd"].memory[0]["hook_state"] > 0
+    planned = demo.plans(TRAINED, 2)
+    assert set(planned) == {"zero", "zero+powersgd"}  # the planner models no compression
+    assert all(matches_plan(s[key], plan) for key, plan in planned.items())
+
+
+def test_every_run_shows_in_the_table_and_the_figure(trained: Trained, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from demo_report import plot
+    from demo_figure import figure, save
 
-    results, plans = fake_results()
+    results, summaries = trained
+    texts = {s.spec.key: results[0][s.spec.key].sample for s in summaries}
+    out = demo.report(summaries, demo.plans(TRAINED, 2), texts)
+    head = out.splitlines()[0]
+    assert all(f" {s.spec.key} " in head for s in summaries)
+    assert "0 (bitwise equal)" in out and "Sampled text" not in out
+    fig = figure(summaries, "title")
+    loss_axis = fig.axes[0]
+    legend = [t.get_text() for t in loss_axis.get_legend().get_texts()]
+    assert len(legend) == len(summaries)
+    for s in summaries:
+        assert any(text.startswith(f"{s.spec.key}: ") for text in legend)
+    assert fig.axes[0].get_ylabel().startswith("held-out loss")
+    memory_legend = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+    kinds = [k.replace("_", " ") for k in memory_kinds(summaries)]
+    # Every kind some rank holds bytes of, and no kind that is zero everywhere:
+    assert sorted(memory_legend) == sorted([*kinds, "other ranks' totals"])
+    assert "exchange buffers" in kinds and "master weights" in kinds  # the compressed runs'
     path = tmp_path / "demo.png"
-    plot(results, RUNS, plans, str(path))
+    save(fig, str(path))
     assert path.stat().st_size > 10_000
-
-
-@pytest.mark.usefixtures("single_rank_group")
-def test_both_trainers_step_and_count_their_bytes() -> None:
-    torch.manual_seed(0)
-    initial = TinyGPT(TINY)
-    hook = HookConfig(powersgd_rank=2, start_iter=2)
-    trainers = [Trainer(spec, TinyGPT(TINY), hook, lr=1e-3) for spec in RUNS]
-    for t in trainers:
-        t.module.load_state_dict(initial.state_dict())
-    text = torch.randint(0, 256, (500,))
-    for step in range(3):
-        x, y = batch(text, step, 0, 2, TINY.context)
-        losses = [t.step(x, y, 1e-3)[0] for t in trainers]
-    assert all(math.isfinite(v) for v in losses)
-    assert trainers[0].compute_seconds(x, y) > 0
-    plain, zero = (t.memory_bytes() for t in trainers)
-    params = sum(p.numel() * 4 for p in initial.parameters())
-    assert plain["parameters"] == zero["parameters"] == params
-    assert set(KINDS) <= set(zero)
-    assert plain == live_bytes(list(trainers[0].module.parameters()), trainers[0].optimizer)
-    assert plain["optimizer_state"] == 2 * params + 4 * len(list(initial.parameters()))
-    zplan = plan(RUNS[1], initial, 1, hook)
-    assert zplan is not None
-    assert {k: zero[k] for k in KINDS} == planned_memory(zplan, 0)
