@@ -65,7 +65,7 @@ from zerofn_torch.launch import run_local_world
 from zerofn_torch.traffic import collective_traffic
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
-from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
+from zerofn.testing.zero import master_replica_gap, simulated_ranks, step_simulated
 from zerofn.zero.chunks import chunk_sizes
 from zerofn.zero.compressed_exchange import add_difference, exchange_bytes
 from zerofn.zero.plan import ShardPlan, plan_shards
@@ -597,37 +597,6 @@ class SoakTrace:
         return max(self.gap[len(self.gap) // 2 :])
 
 
-def gap_and_bound(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per element of the rank's own segment: ``|master - replica|`` and the
-    bound the difference just sent allows (half its block's quantization
-    step, plus one rounding of the replica's dtype)."""
-    assert rank.masters is not None and rank.compressed is not None
-    exchange = rank.compressed.exchange
-    q = exchange.quantizer
-    layout = rank.shards.plan.layouts[0]
-    own = layout.segments[rank.shards.rank]
-    payload = exchange.parts(0)[rank.shards.rank]
-    scales = payload[: q.blocks(own.length) * 4].view(torch.float32)
-    steps = scales.repeat_interleave(q.block)[: own.length].double()
-    eps = torch.finfo(rank.params[0].dtype).eps
-    gaps, bounds = [], []
-    sources = rank.shards.local_sources(rank.params)
-    for master, source in zip(rank.masters.master, sources, strict=True):
-        if source is None:
-            continue
-        param, start, numel = source
-        replica = rank.params[param].detach().reshape(-1)[start : start + numel].double()
-        slot = next(
-            s
-            for s in layout.slots[rank.shards.rank]
-            if s.piece.param == param and s.piece.start <= start < s.piece.stop
-        )
-        lo = slot.offset - own.offset + start - slot.piece.start
-        gaps.append((master.detach().reshape(-1).double() - replica).abs())
-        bounds.append(steps[lo : lo + numel] / 2 * (1 + 1e-5) + replica.abs() * eps)
-    return torch.cat(gaps), torch.cat(bounds)
-
-
 def soak(compression: str, steps: int, seed: int = 0) -> SoakTrace:
     """``steps`` Adam steps of the compressed exchange on 2 simulated ranks,
     random gradients, checked after every step."""
@@ -643,7 +612,7 @@ def soak(compression: str, steps: int, seed: int = 0) -> SoakTrace:
         step_simulated(ranks, [torch.randn(n, generator=gen) for n in sizes])
         worst = 0.0
         for rank in ranks:
-            g, bound = gap_and_bound(rank)
+            g, bound = master_replica_gap(rank)
             worst = max(worst, g.max().item())
             beyond += int((g > bound).sum())
         gap.append(worst)

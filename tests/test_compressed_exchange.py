@@ -14,7 +14,12 @@ from hypothesis import strategies as st
 from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.comm import Broadcast, GatherSegments
 from zerofn.testing.overlap import simulate_overlapped_step
-from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
+from zerofn.testing.zero import (
+    SimulatedRank,
+    master_replica_gap,
+    simulated_ranks,
+    step_simulated,
+)
 from zerofn.zero.compressed_exchange import (
     compression_master_dtype,
     exchange_bytes,
@@ -93,31 +98,8 @@ def test_a_payload_of_the_wrong_length_is_refused() -> None:
 
 
 def gap_and_bound(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per element of the rank's own segment: |master - replica|, and the
-    bound the last difference allows (half its block's step, plus one
-    rounding of the replica's dtype)."""
-    assert rank.masters is not None and rank.compressed is not None
-    gaps, bounds = [], []
-    q = rank.compressed.exchange.quantizer
-    layout = rank.shards.plan.layouts[0]
-    own = layout.segments[rank.shards.rank]
-    scales = block_scales(q, rank.compressed.exchange.parts(0)[rank.shards.rank], own.length)
-    sources = rank.shards.local_sources(rank.params)
-    eps = torch.finfo(rank.params[0].dtype).eps
-    for master, source in zip(rank.masters.master, sources, strict=True):
-        if source is None:
-            continue
-        param, start, numel = source
-        replica = rank.params[param].detach().reshape(-1)[start : start + numel].double()
-        slot = next(
-            s
-            for s in layout.slots[rank.shards.rank]
-            if s.piece.param == param and s.piece.start <= start < s.piece.stop
-        )
-        lo = slot.offset - own.offset + start - slot.piece.start
-        gaps.append((master.detach().reshape(-1).double() - replica).abs())
-        bounds.append(scales[lo : lo + numel].double() / 2 * (1 + 1e-5) + replica.abs() * eps)
-    return torch.cat(gaps), torch.cat(bounds)
+    """|master - replica| and its bound, per element of the rank's segment."""
+    return master_replica_gap(rank)
 
 
 def distance(rank: SimulatedRank) -> torch.Tensor:

@@ -33,6 +33,7 @@ from zerofn.testing.world import run_programs
 from zerofn.zero.compressed_exchange import (
     compressed_exchange,
     compression_master_dtype,
+    local_spans,
     resolve_compression,
 )
 from zerofn.zero.exchange import ExchangeVia
@@ -43,7 +44,13 @@ from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.shards import WholeTensorShards, shards_for
 from zerofn.zero.step import Compressed, LocalStep, load_step_grads, run_zero_step, settle_masters
 
-__all__ = ["SimulatedRank", "simulate_zero_steps", "simulated_ranks", "step_simulated"]
+__all__ = [
+    "SimulatedRank",
+    "master_replica_gap",
+    "simulate_zero_steps",
+    "simulated_ranks",
+    "step_simulated",
+]
 
 
 @attrs.define(eq=False)
@@ -218,3 +225,46 @@ def simulate_zero_steps(
         for seen, made in zip(requests, step_simulated(ranks, grads, via), strict=True):
             seen.extend(made)
     return [sim.params for sim in ranks], requests
+
+
+def master_replica_gap(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far a compressed rank's replica trails its masters, and the bound.
+
+    Args:
+        rank: a simulated rank built with ``exchange_compression``, after a step.
+
+    Returns:
+        Per element of the rank's own segments (``float64``): ``|master -
+        replica|``, and the bound the difference just sent allows: half its
+        block's quantization step, plus one rounding of the replica's dtype.
+
+    Raises:
+        ValueError: the rank keeps no compressed exchange.
+    """
+    if rank.masters is None or rank.compressed is None:
+        raise ValueError("master_replica_gap needs a rank built with exchange_compression")
+    exchange = rank.compressed.exchange
+    quantizer = exchange.quantizer
+    plan = rank.shards.plan
+    me = rank.shards.rank
+    eps = torch.finfo(rank.params[0].dtype).eps
+    steps = []
+    for index, layout in enumerate(plan.layouts):
+        length = layout.segments[me].length
+        scales = exchange.parts(index)[me][: quantizer.blocks(length) * 4].view(torch.float32)
+        steps.append(scales.repeat_interleave(quantizer.block)[:length].double())
+    sources = rank.shards.local_sources(rank.params)
+    gaps, bounds = [], []
+    spans = local_spans(plan, me, sources)
+    for master, source, span in zip(rank.masters.master, sources, spans, strict=True):
+        if source is None or span is None:
+            continue
+        param, start, numel = source
+        replica = rank.params[param].detach().reshape(-1)[start : start + numel].double()
+        step = steps[span.layout][span.offset : span.offset + numel]
+        gaps.append((master.detach().reshape(-1).double() - replica).abs())
+        bounds.append(step / 2 * (1 + 1e-5) + replica.abs() * eps)
+    if not gaps:
+        empty = torch.zeros(0, dtype=torch.float64)
+        return empty, empty
+    return torch.cat(gaps), torch.cat(bounds)
