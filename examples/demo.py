@@ -14,7 +14,9 @@ each difference between two runs has one cause:
   nothing sent in between (DDP runs the no-op hook; compared with ``ddp``).
 
 ``--runs`` picks runs from the catalogue in ``demo_runs.py`` (also
-``zero+bf16``: bf16 parameters with fp32 master shards). It prints one table
+``zero+bf16``: bf16 parameters with fp32 master shards; ``diloco-h50`` and
+``diloco-streaming``: DiLoCo syncing every 50 steps, and Streaming DiLoCo).
+``--diloco`` trains ``ddp`` beside the three DiLoCo runs. It prints one table
 (held-out loss and the gap to each run's baseline, whether losses match
 bitwise, memory per rank by kind, bytes sent per step, time per step split), a
 line per comparison, and writes one figure to ``--figure``. ``--long`` trains
@@ -33,6 +35,7 @@ Run: ``python examples/demo.py --world-size 2`` (``make demo``).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -43,7 +46,7 @@ from demo_data import load_corpus
 from demo_figure import figure, save
 from demo_model import ModelConfig, TinyGPT
 from demo_report import METHOD, dominant_line, findings, legend, samples, table
-from demo_runs import CATALOGUE, DEFAULT_RUNS, select
+from demo_runs import CATALOGUE, DEFAULT_RUNS, DILOCO_RUNS, select
 from demo_summary import RunSummary, summarize
 from demo_train import PROMPT, Config, train_rank
 from zerofn_torch.launch import run_local_world
@@ -65,6 +68,7 @@ DEFAULT = Size(steps=120, width=128, layers=4, lr=3e-3)
 # Long enough for the samples to read as Python source (indentation, def, self.,
 # return, comments); a wider model wants a lower lr (3e-3 trained it worse).
 LONG = Size(steps=3000, width=256, layers=4, lr=2e-3)
+COUNT_AT_LEAST = 20  # steps whose bytes are counted, rounded up to whole DiLoCo periods
 
 
 def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
@@ -77,9 +81,18 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument(
         "--runs",
-        default=",".join(s.key for s in DEFAULT_RUNS),
-        help="comma-separated runs (their baselines are added); known: "
+        help="comma-separated runs (their baselines are added); default: "
+        + ",".join(s.key for s in DEFAULT_RUNS)
+        + "; known: "
         + ", ".join(s.key for s in CATALOGUE),
+    )
+    parser.add_argument(
+        "--diloco",
+        action="store_true",
+        help="train ddp beside "
+        + ", ".join(s.key for s in DILOCO_RUNS if s.optimizer == "diloco")
+        + " (with --runs: those as well); without --steps, the steps are rounded up to whole "
+        "sync periods of every run",
     )
     parser.add_argument(
         "--long",
@@ -112,8 +125,18 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
         parser.error("--steps, --width, --layers, --world-size and --lr must be positive")
     if size.width % 4 or args.context < 2:
         parser.error("--width must be a multiple of 4 (the heads) and --context at least 2")
+    keys = [k.strip() for k in (args.runs or "").split(",") if k.strip()]
+    if args.runs is None and not args.diloco:
+        keys = [s.key for s in DEFAULT_RUNS]
+    if args.diloco:
+        keys += [s.key for s in DILOCO_RUNS]
     try:
-        runs = select(k.strip() for k in args.runs.split(",") if k.strip())
+        runs = select(keys)
+        # Bytes are counted over whole sync periods of every run, so a
+        # DiLoCo run's per-step mean holds each of its syncs equally often.
+        period = math.lcm(*(s.sync_every for s in runs if s.sync_every))
+        if args.steps is None:
+            size = attrs.evolve(size, steps=period * math.ceil(size.steps / period))
         runs = tuple(
             attrs.evolve(s, powersgd_rank=args.powersgd_rank) if s.gradients == "powersgd" else s
             for s in runs
@@ -127,6 +150,7 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
             seed=args.seed,
             data_bytes=int(args.data_mb * 1e6),
             eval_every=args.eval_every,
+            count_steps=period * math.ceil(COUNT_AT_LEAST / period),
             sample_bytes=300 if args.long else 0,
             progress_bar=sys.stdout.isatty(),
         )

@@ -1,8 +1,10 @@
-"""The demo's figure: one page, five panels, drawn from the runs' summaries.
+"""The demo's figure: one page, five panels (six with a DiLoCo run), drawn
+from the runs' summaries.
 
 Top: held-out loss against step for every run, and each run's held-out loss
 relative to its baseline run (with its target, if it has one). Bottom: memory
-per rank by kind, bytes sent per step, and time per step split into compute,
+per rank by kind, bytes sent per step, with a DiLoCo run the final held-out
+loss against the bytes sent in the run, and time per step split into compute,
 communication and the optimizer step.
 """
 
@@ -29,15 +31,20 @@ def figure(summaries: Sequence[RunSummary], title: str) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(16, 9.5))
-    grid = fig.add_gridspec(2, 3, height_ratios=(1.1, 1))
+    diloco = any(s.spec.optimizer == "diloco" for s in summaries)
+    columns = 4 if diloco else 3
+    fig = plt.figure(figsize=(20 if diloco else 16, 9.5))
+    grid = fig.add_gridspec(2, columns, height_ratios=(1.1, 1))
     colors = {s.spec.key: f"C{i}" for i, s in enumerate(summaries)}
     _loss_panel(fig.add_subplot(grid[0, :2]), summaries, colors)
-    _gap_panel(fig.add_subplot(grid[0, 2]), summaries, colors)
-    bars = [fig.add_subplot(grid[1, i]) for i in range(3)]
+    _gap_panel(fig.add_subplot(grid[0, 2:]), summaries, colors)
+    # The loss-against-bytes panel sits between the bytes and the time bars.
+    bars = [fig.add_subplot(grid[1, i]) for i in (0, 1, columns - 1)]
     _memory_panel(bars[0], summaries)
     _bytes_panel(bars[1], summaries)
     _time_panel(bars[2], summaries)
+    if diloco:
+        _loss_bytes_panel(fig.add_subplot(grid[1, 2]), summaries, colors)
     for ax in bars:  # each run's name in its colour in the curves above
         for tick in ax.get_xticklabels():
             tick.set_color(colors.get(tick.get_text(), "black"))
@@ -174,6 +181,31 @@ def _bytes_panel(ax: Any, summaries: Sequence[RunSummary]) -> None:
     _stacked(ax, [s.spec.key for s in summaries], parts, "MiB")
     ax.set(ylabel="MiB sent per step by rank 0 (ring estimate)")
     ax.set_title("Bytes sent per step")
+
+
+def _loss_bytes_panel(ax: Any, summaries: Sequence[RunSummary], colors: dict[str, str]) -> None:
+    steps = summaries[0].held_out[-1][0]
+    sent = [s.sent.total * steps / MIB for s in summaries]
+    for i, (s, mib) in enumerate(zip(summaries, sent, strict=True)):
+        ax.plot(
+            [mib],
+            [s.final_held_out],
+            ls="none",
+            color=colors[s.spec.key],
+            marker=RUN_MARKERS[i % len(RUN_MARKERS)],
+            ms=9,
+            label=s.spec.key,
+        )
+    # A log axis cannot place a run that sent nothing (a world of one rank).
+    ax.set_xscale("log" if min(sent) > 0 else "symlog")
+    ax.margins(x=0.15, y=0.15)
+    ax.set(
+        xlabel=f"MiB sent by rank 0 in the {steps} steps (mean per counted step x {steps}; log)",
+        ylabel=f"held-out loss after step {steps} (nats/byte)",
+    )
+    ax.set_title("Final held-out loss against bytes sent")
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3, which="both")
 
 
 def _time_panel(ax: Any, summaries: Sequence[RunSummary]) -> None:

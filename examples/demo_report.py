@@ -164,9 +164,16 @@ def findings(summaries: Sequence[RunSummary]) -> list[str]:
         elif spec.optimizer == "diloco":
             sent = _ratio(s.sent.total, base.sent.total)
             state = size(s.memory[0].get("diloco_state", 0))
+            syncs = f"one sync every {spec.sync_every} steps, nothing in between"
+            if spec.fragments > 1:
+                syncs = (
+                    f"each of {spec.fragments} fragments synced every {spec.sync_every} steps, "
+                    f"one every {spec.sync_every // spec.fragments}, applied {spec.delay} "
+                    "step(s) after it starts"
+                )
             out.append(
-                f"{head} {loss}. Bytes sent per step {sent}: one sync every {spec.sync_every} "
-                f"steps, nothing in between; its anchor and outer state hold {state} per rank."
+                f"{head} {loss}. Bytes sent per step {sent}: {syncs}; its anchor and outer "
+                f"state hold {state} per rank."
             )
         else:
             sent = _ratio(s.sent.total, base.sent.total)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from zerofn.diloco.config import DiLoCoConfig
+
 OptimizerKind = Literal["adamw", "zero", "diloco"]
 GradientExchange = Literal["ddp", "powersgd", "none"]
 Compression = Literal["int8", "int4"]
@@ -49,7 +51,10 @@ class RunSpec:
             or ``"none"`` (the no-op hook: nothing crosses the ranks; one of
             the ways ``docs/diloco.md`` gives to run DiLoCo under DDP).
         exchange_compression: the ZeRO exchange's ``exchange_compression``.
-        sync_every: DiLoCo's inner steps between syncs.
+        sync_every: DiLoCo's inner steps between syncs of a fragment (H).
+        fragments: DiLoCo's fragments, synced in turn (Streaming DiLoCo's P).
+        delay: inner steps a DiLoCo sync overlaps before its result is applied.
+        mixing: the weight of the local values when a DiLoCo result is applied.
         baseline: the run this one's loss is compared with (``None``: none).
         exact: its losses must equal the baseline's bitwise.
         target: the held-out gap it must stay within, if any.
@@ -68,6 +73,9 @@ class RunSpec:
     gradients: GradientExchange = "ddp"
     exchange_compression: Compression | None = None
     sync_every: int = 0
+    fragments: int = 1
+    delay: int = 0
+    mixing: float = 0.0
     baseline: str | None = None
     exact: bool = False
     target: Target | None = None
@@ -86,6 +94,13 @@ class RunSpec:
             raise ValueError(
                 f"{self.key}: DiLoCo's inner steps must not average gradients: gradients='none'"
             )
+        if self.optimizer == "diloco":
+            try:  # the optimizer's own rules, checked before any rank spawns
+                DiLoCoConfig(self.sync_every, self.fragments, self.delay, self.mixing)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{self.key}: {error}") from None
+        elif (self.fragments, self.delay, self.mixing) != (1, 0, 0.0):
+            raise ValueError(f"{self.key}: fragments, delay and mixing need 'diloco'")
         if (self.exact or self.target is not None) and self.baseline is None:
             raise ValueError(f"{self.key}: exact or target needs a baseline run")
         if self.powersgd_rank < 1 or self.powersgd_start < 2:
@@ -133,8 +148,29 @@ DILOCO = RunSpec(
     sync_every=10,
     baseline="ddp",
 )
-CATALOGUE = (DDP_ADAMW, ZERO, POWERSGD, INT8, INT4, BF16, DILOCO)
+DILOCO_H50 = RunSpec(
+    "diloco-h50",
+    "DiLoCo (inner AdamW, sync every 50 steps)",
+    "diloco",
+    "none",
+    sync_every=50,
+    baseline="ddp",
+)
+DILOCO_STREAMING = RunSpec(
+    "diloco-streaming",
+    "Streaming DiLoCo (inner AdamW, H=20, 4 fragments, delay 1, mixing 0.5)",
+    "diloco",
+    "none",
+    sync_every=20,
+    fragments=4,
+    delay=1,
+    mixing=0.5,
+    baseline="ddp",
+)
+CATALOGUE = (DDP_ADAMW, ZERO, POWERSGD, INT8, INT4, BF16, DILOCO, DILOCO_H50, DILOCO_STREAMING)
 DEFAULT_RUNS = (DDP_ADAMW, ZERO, POWERSGD, INT8, INT4, DILOCO)
+# ``--diloco``: DDP and the DiLoCo runs, at equal inner steps.
+DILOCO_RUNS = (DDP_ADAMW, DILOCO, DILOCO_H50, DILOCO_STREAMING)
 
 
 def select(keys: Iterable[str], catalogue: tuple[RunSpec, ...] = CATALOGUE) -> tuple[RunSpec, ...]:

@@ -115,7 +115,14 @@ class Trainer:
             # Imported here: the other runs do not need it.
             from zerofn_torch.averaging import DiLoCoOptimizer
 
-            return DiLoCoOptimizer(inner, sync_every=spec.sync_every), inner
+            diloco = DiLoCoOptimizer(
+                inner,
+                sync_every=spec.sync_every,
+                fragments=spec.fragments,
+                delay=spec.delay,
+                mixing=spec.mixing,
+            )
+            return diloco, inner
         return inner, inner
 
     def _local_started(self, *_: Any) -> None:

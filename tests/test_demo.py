@@ -2,8 +2,8 @@
 and figure, and one short two-rank training of every default run, which checks
 what the demo claims: ZeRO's losses equal DDP's bitwise, every rank holds the
 same parameters, ZeRO holds less per rank, PowerSGD and the compressed
-exchanges send fewer bytes, DiLoCo sends fewer still, and every run shows in
-the table and in the figure's legend.
+exchanges send fewer bytes, DiLoCo (every 10 or 50 steps, and streaming) sends
+fewer still, and every run shows in the table and in the figure's legends.
 
 One spawned world trains every run (spawning costs seconds here); the other
 tests are in-process."""
@@ -29,7 +29,17 @@ import demo
 from demo_data import batch, load_corpus, printable, rank_slice, stdlib_sources
 from demo_model import ModelConfig, TinyGPT, generate, held_out_loss
 from demo_report import findings, format_table, matches_plan, table
-from demo_runs import CATALOGUE, DEFAULT_RUNS, DILOCO, RunSpec, Target, select
+from demo_runs import (
+    CATALOGUE,
+    DEFAULT_RUNS,
+    DILOCO,
+    DILOCO_H50,
+    DILOCO_RUNS,
+    DILOCO_STREAMING,
+    RunSpec,
+    Target,
+    select,
+)
 from demo_summary import Measured, RunSummary, memory_kinds, summarize, time_split
 from demo_train import Config, lr_schedule, train_rank
 from demo_trainer import tensor_bytes
@@ -130,6 +140,18 @@ def test_select_names_the_known_runs_for_an_unknown_one() -> None:
         ({"exact": True}, "needs a baseline"),
         ({"target": Target(0.01, "why")}, "needs a baseline"),
         ({"powersgd_rank": 0}, "rank >= 1"),
+        ({"fragments": 2}, "need 'diloco'"),
+        ({"optimizer": "diloco", "gradients": "none", "sync_every": 10, "fragments": 4}, "divide"),
+        (
+            {
+                "optimizer": "diloco",
+                "gradients": "none",
+                "sync_every": 8,
+                "fragments": 4,
+                "delay": 2,
+            },
+            "delay=2",
+        ),
     ],
 )
 def test_a_run_spec_that_does_not_fit_together_is_refused(
@@ -214,21 +236,38 @@ def test_the_command_line_picks_runs_and_the_long_mode() -> None:
             demo.parse(bad)
 
 
-# ---- one two-rank training of every default run ----------------------------------
+def test_the_diloco_flag_picks_ddp_and_the_diloco_runs_over_whole_periods() -> None:
+    cfg, _, _ = demo.parse(["--diloco"])
+    assert cfg.runs == DILOCO_RUNS
+    periods = [s.sync_every for s in cfg.runs if s.sync_every]
+    assert all(cfg.steps % p == 0 and cfg.counted_steps % p == 0 for p in periods)
+    both, _, _ = demo.parse(["--diloco", "--runs", "zero"])
+    assert [s.key for s in both.runs] == ["ddp", "zero", *(s.key for s in DILOCO_RUNS[1:])]
+    with pytest.raises(SystemExit):  # fewer steps than one sync period
+        demo.parse(["--diloco", "--steps", "30"])
 
+
+# ---- one two-rank training of every default run and the other DiLoCo runs --------
+
+# The DiLoCo runs' periods, shrunk to fit a few steps (each syncs in the counted ones).
+TINY_DILOCO: dict[str, dict[str, Any]] = {
+    DILOCO.key: {"sync_every": 2},
+    DILOCO_H50.key: {"sync_every": 4},
+    DILOCO_STREAMING.key: {"sync_every": 4, "fragments": 2, "delay": 1},
+}
 TRAINED = Config(
     model=TINY,
     runs=tuple(
-        attrs.evolve(s, sync_every=2) if s.sync_every else attrs.evolve(s, powersgd_start=2)
-        for s in DEFAULT_RUNS
+        attrs.evolve(s, **TINY_DILOCO[s.key]) if s.sync_every else attrs.evolve(s, powersgd_start=2)
+        for s in (*DEFAULT_RUNS, DILOCO_H50, DILOCO_STREAMING)
     ),
-    steps=6,
+    steps=8,
     batch_size=2,
     data_bytes=200_000,
     eval_every=2,
     eval_windows=8,
     split_every=3,
-    count_steps=2,
+    count_steps=4,
 )
 
 
@@ -252,7 +291,10 @@ def test_zero_trains_bitwise_as_ddp_does_and_the_compressed_runs_do_not(
     assert by_key["zero"].max_loss_difference == 0
     for key in ("zero+powersgd", "zero+int8", "zero+int4"):
         assert (by_key[key].max_loss_difference or 0) > 0  # the check can tell them apart
-    assert all(s.identical for s in summaries)  # every rank holds the same parameters
+    # Every rank holds the same parameters at each evaluation, but where a
+    # DiLoCo run evaluates between its (fragments') syncs:
+    apart = {"diloco-h50", "diloco-streaming"}
+    assert all(s.identical != (s.spec.key in apart) for s in summaries)
 
 
 def test_zero_holds_less_and_the_compressed_runs_send_less(trained: Trained) -> None:
@@ -264,7 +306,10 @@ def test_zero_holds_less_and_the_compressed_runs_send_less(trained: Trained) -> 
     assert s["zero+int8"].sent.parameters < s["zero"].sent.parameters
     assert s["zero+int8"].sent.gradients == s["zero"].sent.gradients
     assert 0 < s["zero+powersgd"].sent.gradients < s["zero"].sent.gradients
-    assert 0 < s["diloco"].sent.total < s["ddp"].sent.total
+    for key in TINY_DILOCO:
+        assert 0 < s[key].sent.total < s["ddp"].sent.total
+    # Over the same counted steps, a sync every 4 steps sends half of one every 2:
+    assert s["diloco-h50"].sent.total == pytest.approx(s["diloco"].sent.total / 2)
     assert s["zero+powersgd"].memory[0]["hook_state"] > 0
     planned = demo.plans(TRAINED, 2)
     assert set(planned) == {"zero", "zero+powersgd"}  # the planner models no compression
@@ -293,6 +338,19 @@ def test_every_run_shows_in_the_table_and_the_figure(trained: Trained, tmp_path:
     # Every kind some rank holds bytes of, and no kind that is zero everywhere:
     assert sorted(memory_legend) == sorted([*kinds, "other ranks' totals"])
     assert "exchange buffers" in kinds and "master weights" in kinds  # the compressed runs'
+    loss_bytes = fig.axes[-1]  # drawn with a DiLoCo run only
+    assert loss_bytes.get_title() == "Final held-out loss against bytes sent"
+    assert [t.get_text() for t in loss_bytes.get_legend().get_texts()] == [
+        s.spec.key for s in summaries
+    ]
+    assert loss_bytes.get_xscale() == "log"
+    points = {line.get_label(): line.get_xydata()[0] for line in loss_bytes.get_lines()}
+    for s in summaries:
+        assert tuple(points[s.spec.key]) == pytest.approx(
+            (s.sent.total * TRAINED.steps / 2**20, s.final_held_out)
+        )
+    without = figure([x for x in summaries if x.spec.optimizer != "diloco"], "title")
+    assert len(without.axes) == len(fig.axes) - 1
     path = tmp_path / "demo.png"
     save(fig, str(path))
     assert path.stat().st_size > 10_000
