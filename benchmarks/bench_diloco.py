@@ -116,6 +116,9 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
         "DiLoCo delay 0": window(*streams[0], batch, TIMED_H),
     }
     out["times"] = take_turns(runs, rounds, warmup=2)
+    # A delayed sync may still be in flight: finish it before the group goes.
+    for _, opt in streams.values():
+        opt.drain()
     return out
 
 

@@ -218,6 +218,8 @@ def train_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Measured]:
             progress.update(step, {k: log.steps[-1].loss for k, log in logs.items()})
     if progress is not None:
         progress.close(len(trainers))
+    for trainer in trainers:  # a delayed DiLoCo sync may still be in flight
+        trainer.finish()
     out = {}
     for trainer in trainers:
         sample = b""

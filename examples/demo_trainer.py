@@ -181,6 +181,13 @@ class Trainer:
         self.optimizer.zero_grad()
         return seconds
 
+    def finish(self) -> None:
+        """Complete what the optimizer still has in flight (a delayed DiLoCo
+        sync), so that no collective outlives training."""
+        drain = getattr(self.optimizer, "drain", None)
+        if drain is not None:
+            drain()
+
     def memory_bytes(self) -> dict[str, int]:
         """This rank's bytes by kind, from the live tensors (the kinds of
         ``ZeroRedundancyOptimizer.memory_bytes()``, plus the hook's and
