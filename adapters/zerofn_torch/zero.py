@@ -234,7 +234,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             assert setup.masters is not None
             compressed = Compressed(setup.exchange, setup.masters.master)
         with synced_hyperparameters(self.param_groups, optim):
-            setup.shards.refresh(params)
             program = run_zero_step(setup.shards, params, setup.options.via, local_step, compressed)
             done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
         return done.wait()
