@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _world import run_world
+from test_checkpoint_integrity import same
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
@@ -53,17 +54,6 @@ def gathered_equal(model: torch.nn.Module) -> bool:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return all(torch.equal(everyone[0], other) for other in everyone[1:])
-
-
-def same_state(a: Any, b: Any) -> bool:
-    """Whether two consolidated state dicts hold bitwise equal tensors."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
@@ -197,7 +187,7 @@ def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             again.load_state_dict(copy.deepcopy(saved_opt))
         again.consolidate_state_dict(to=0)
         if rank == 0:
-            out[("reloaded_state", mode, source)] = same_state(again.state_dict(), saved_opt)
+            out[("reloaded_state", mode, source)] = same(again.state_dict(), saved_opt)
         for step in range(2, 4):
             set_grads(resumed, grads_at(resumed, step))
             again.step()

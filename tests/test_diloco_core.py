@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_checkpoint_integrity import same
 
 from zerofn.averaging import average_program
 from zerofn.blockquant import BlockQuantizer
@@ -494,16 +495,6 @@ def per_rank_dicts(world: World, state: DiLoCoState) -> list[dict[str, Any]]:
         )
         for rank in range(world.plan.world_size)
     ]
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 @SETTINGS

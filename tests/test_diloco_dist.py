@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from _faults import FAULT_STEP, STEPS, Case, Outcome, Tick, run_family
 from _world import run_world
+from test_checkpoint_integrity import same
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.averaging import DiLoCoOptimizer
 from zerofn_torch.hooks import noop_hook
@@ -254,16 +255,6 @@ def resumed(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             out["alone/plain"] = float((flat(model) - flat(theirs)).abs().max())
         out[f"alone/{compression}"] = flat(model)
     return out
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 @pytest.fixture(scope="module")
