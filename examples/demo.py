@@ -1,5 +1,5 @@
-"""Train a small byte-level transformer on the Python standard library's own
-source with DDP on local gloo ranks, several ways side by side in the same
+"""Train a small byte-level transformer on the English of the Python standard
+library's docstrings with DDP on local gloo ranks, several ways side by side in the same
 processes, from the same initial weights and on the same batches, so that
 each difference between two runs has one cause:
 
@@ -19,9 +19,10 @@ each difference between two runs has one cause:
 ``--diloco`` trains ``ddp`` beside the three DiLoCo runs. It prints one table
 (held-out loss and the gap to each run's baseline, whether losses match
 bitwise, memory per rank by kind, bytes sent per step, time per step split), a
-line per comparison, and writes one figure to ``--figure``. ``--long`` trains
-a larger model for longer and then samples text from each run; the default
-run is too short for text to read as text, so it samples none.
+line per comparison, and writes one figure to ``--figure``. Last, it samples
+text from each run and shows it where it reads as text (most of its words are
+words of the training text): ``--long`` trains a larger model for longer, to
+that point; the default run is too short, so its samples are named, not shown.
 
 The modules: ``demo_data.py`` (the text), ``demo_model.py`` (the model),
 ``demo_runs.py`` (the runs), ``demo_trainer.py`` (one run on one rank, stepped
@@ -42,7 +43,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 import attrs
-from demo_data import load_corpus
+from demo_data import Corpus, load_corpus, vocabulary
 from demo_figure import figure, save
 from demo_model import ModelConfig, TinyGPT
 from demo_report import METHOD, dominant_line, findings, legend, samples, table
@@ -65,16 +66,17 @@ class Size:
 
 
 DEFAULT = Size(steps=120, width=128, layers=4, lr=3e-3)
-# Long enough for the samples to read as Python source (indentation, def, self.,
-# return, comments); a wider model wants a lower lr (3e-3 trained it worse).
+# Long enough for the samples to read as English sentences (real words, in
+# docstring phrasing); a wider model wants a lower lr (3e-3 trained it worse).
 LONG = Size(steps=3000, width=256, layers=4, lr=2e-3)
+SAMPLE_BYTES = 300
 COUNT_AT_LEAST = 20  # steps whose bytes are counted, rounded up to whole DiLoCo periods
 
 
 def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
     """The configuration, the world size and the figure's path, from the command line."""
     parser = argparse.ArgumentParser(
-        description="A byte-level transformer on the Python standard library's source, "
+        description="A byte-level transformer on the Python standard library's docstrings, "
         "trained several ways side by side: DDP, zerofn's ZeRO, ZeRO with PowerSGD, ZeRO with "
         "a compressed exchange, DiLoCo"
     )
@@ -98,8 +100,8 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
         "--long",
         action="store_true",
         help=f"train longer ({LONG.steps} steps, width {LONG.width}, lr {LONG.lr:g}: most of "
-        "an hour on 2 CPU cores with the default runs, fewer --runs train faster) and sample "
-        "text from each run",
+        "an hour on 2 CPU cores with the default runs, fewer --runs train faster), until "
+        "the sampled text reads as text",
     )
     parser.add_argument("--steps", type=int, help=f"default {DEFAULT.steps}")
     parser.add_argument("--width", type=int, help=f"model width, default {DEFAULT.width}")
@@ -109,7 +111,7 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
     parser.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between evaluations")
-    parser.add_argument("--data-mb", type=float, default=4.0, help="MB of stdlib source")
+    parser.add_argument("--data-mb", type=float, default=4.0, help="MB of docstrings, at most")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--figure", default=os.path.join("out", "demo.png"))
     args = parser.parse_args(argv)
@@ -151,7 +153,7 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
             data_bytes=int(args.data_mb * 1e6),
             eval_every=args.eval_every,
             count_steps=period * math.ceil(COUNT_AT_LEAST / period),
-            sample_bytes=300 if args.long else 0,
+            sample_bytes=SAMPLE_BYTES,
             progress_bar=sys.stdout.isatty(),
         )
     except ValueError as error:
@@ -180,15 +182,14 @@ def plans(cfg: Config, world_size: int) -> dict[str, Footprint]:
     return out
 
 
-def header(cfg: Config, world_size: int) -> str:
+def header(cfg: Config, world_size: int, corpus: Corpus) -> str:
     """What is trained, on what, how long."""
-    corpus = load_corpus(cfg.data_bytes)
     numel = sum(p.numel() for p in TinyGPT(cfg.model).parameters())
     m = cfg.model
     return (
         f"{numel / 1e6:.2f}M-parameter byte-level transformer (width {m.width}, {m.layers} "
         f"blocks, context {m.context}) on {len(corpus.train) / 1e6:.1f} MB of the standard "
-        f"library's source, {world_size} gloo ranks, {cfg.steps} steps of "
+        f"library's docstrings, {world_size} gloo ranks, {cfg.steps} steps of "
         f"{cfg.batch_size * world_size} x {m.context} bytes, AdamW peak lr {cfg.lr:g}"
     )
 
@@ -197,8 +198,9 @@ def report(
     summaries: Sequence[RunSummary],
     planned: Mapping[str, Footprint],
     texts: Mapping[str, bytes],
+    known: frozenset[bytes],
 ) -> str:
-    """Everything printed after training."""
+    """Everything printed after training; ``known``: the training text's words."""
     parts = [
         table(summaries, planned),
         "\n".join(["Runs (baseline: the run each is compared with):", *legend(summaries)]),
@@ -207,7 +209,7 @@ def report(
         METHOD,
     ]
     if any(texts.values()):
-        parts.append(samples(summaries, texts, PROMPT))
+        parts.append(samples(summaries, texts, PROMPT, known))
     return "\n\n".join(parts)
 
 
@@ -215,13 +217,14 @@ def main(argv: Sequence[str] | None = None) -> list[RunSummary]:
     """Train, print the report, write the figure; the runs' summaries."""
     started = time.perf_counter()
     cfg, world_size, path = parse(argv)
-    title = header(cfg, world_size)
+    corpus = load_corpus(cfg.data_bytes)
+    title = header(cfg, world_size, corpus)
     print(title + ".\nRuns: " + ", ".join(s.key for s in cfg.runs), flush=True)
     results = run_local_world(train_rank, world_size, cfg, timeout_s=300)
     summaries = summarize(results, cfg.runs)
     save(figure(summaries, title), path)
     texts = {s.key: results[0][s.key].sample for s in cfg.runs}
-    print("\n" + report(summaries, plans(cfg, world_size), texts))
+    print("\n" + report(summaries, plans(cfg, world_size), texts, vocabulary(corpus.train)))
     print(f"\nFigure: {path}. Wall time, spawn included: {time.perf_counter() - started:.0f} s")
     return list(summaries)
 

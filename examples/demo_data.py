@@ -1,22 +1,30 @@
-"""The demo's text: the Python standard library's own source, as bytes.
+"""The demo's text: the English of the Python standard library's docstrings, as bytes.
 
-Every Python installation ships it, so nothing is downloaded. The files are
-the top-level ``*.py`` modules of ``sysconfig.get_paths()["stdlib"]`` in
-sorted order, concatenated until ``max_bytes``; the last ``held_out``
-fraction (other modules than the training part, mostly) is kept aside to
-measure the loss on text the model never trained on. Tokens are bytes (a
-vocabulary of 256), so any file decodes.
+Every Python installation ships it, so nothing is downloaded. The text is the
+docstrings (module, class and function, cleaned of their indentation) of the
+top-level ``*.py`` modules of ``sysconfig.get_paths()["stdlib"]``, in sorted
+order, a blank line between two, concatenated until ``max_bytes``; the last
+``held_out`` fraction (other modules' docstrings than the training part,
+mostly) is kept aside to measure the loss on text the model never trained on.
+Prose rather than source, so that a model trained long enough writes words a
+reader recognises. Tokens are bytes (a vocabulary of 256), so any text decodes.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import torch
 
 VOCAB = 256
+_DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_WORD = re.compile(rb"[A-Za-z]+")
+MIN_WORD = 3  # shorter words ("a", "s", "is") would pass as known by chance
 
 
 @attrs.frozen
@@ -26,7 +34,7 @@ class Corpus:
     Attributes:
         train: the training part, ``uint8``.
         held_out: the tail kept aside for the held-out loss, ``uint8``.
-        files: how many source files went in.
+        files: how many source files the text came from.
     """
 
     train: torch.Tensor
@@ -40,10 +48,24 @@ def stdlib_sources(root: str | None = None) -> list[Path]:
     return sorted(p for p in directory.glob("*.py") if p.is_file())
 
 
+def docstrings(source: bytes) -> Iterator[str]:
+    """The docstrings of a module's source, module first, then in the order
+    ``ast.walk`` meets classes and functions; none if it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # not Python this interpreter reads
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, _DOCUMENTED):
+            text = ast.get_docstring(node)
+            if text:
+                yield text
+
+
 def load_corpus(
     max_bytes: int = 4_000_000, held_out: float = 0.05, root: str | None = None
 ) -> Corpus:
-    """Up to ``max_bytes`` of standard-library source, split into training and held-out text.
+    """Up to ``max_bytes`` of standard-library docstrings, split into training and held-out text.
 
     Raises:
         ValueError: fewer bytes than a few batches need, or ``held_out`` not in (0, 1).
@@ -51,18 +73,36 @@ def load_corpus(
     if not 0 < held_out < 1:
         raise ValueError(f"held_out must be in (0, 1), got {held_out}")
     chunks: list[bytes] = []
-    total = 0
+    files = total = 0
     for path in stdlib_sources(root):
         if total >= max_bytes:
             break
-        data = path.read_bytes()[: max_bytes - total]
+        texts = [t.encode() for t in docstrings(path.read_bytes())]
+        if not texts:
+            continue
+        data = b"\n\n".join(texts)[: max_bytes - total] + b"\n\n"
         chunks.append(data)
+        files += 1
         total += len(data)
     if total < 10_000:
-        raise ValueError(f"only {total} bytes of Python source found under {root!r}")
-    text = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+        raise ValueError(f"only {total} bytes of docstrings found under {root!r}")
+    text = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
     split = int(len(text) * (1 - held_out))
-    return Corpus(train=text[:split], held_out=text[split:], files=len(chunks))
+    return Corpus(train=text[:split], held_out=text[split:], files=files)
+
+
+def vocabulary(text: torch.Tensor) -> frozenset[bytes]:
+    """The words of ``text`` (``uint8`` tokens): runs of ASCII letters of at
+    least ``MIN_WORD``, lower-cased."""
+    return frozenset(w.lower() for w in _WORD.findall(bytes(text.tolist())) if len(w) >= MIN_WORD)
+
+
+def known_word_share(sample: bytes, known: frozenset[bytes]) -> float:
+    """The share of ``sample``'s words (as :func:`vocabulary` reads them) that
+    are in ``known``: how much of a generated text a reader would recognise.
+    0 when it has no words at all."""
+    words = [w.lower() for w in _WORD.findall(sample) if len(w) >= MIN_WORD]
+    return sum(w in known for w in words) / len(words) if words else 0.0
 
 
 def batch(

@@ -9,12 +9,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import attrs
-from demo_data import printable
+from demo_data import MIN_WORD, known_word_share, printable
 from demo_summary import RunSummary, memory_kinds, total_memory
 
 from zerofn.footprint import Footprint, RankBytes
 
 PLANNED_KINDS = tuple(f.name for f in attrs.fields(RankBytes))
+# Where sampled text starts to read as text: a model trained for --long writes
+# English words in sentence shapes well above this share, a barely trained one
+# letter soup far below it.
+READABLE_SHARE = 0.8
 
 
 def size(n: float) -> str:
@@ -223,11 +227,28 @@ METHOD = (
 )
 
 
-def samples(summaries: Sequence[RunSummary], texts: Mapping[str, bytes], prompt: bytes) -> str:
-    """Each run's sampled text after ``prompt``, indented."""
-    out = [f"Sampled text (prompt {prompt.decode()!r}, temperature 0.8, same random numbers):"]
+def samples(
+    summaries: Sequence[RunSummary],
+    texts: Mapping[str, bytes],
+    prompt: bytes,
+    known: frozenset[bytes],
+) -> str:
+    """Each run's sampled text after ``prompt``, indented, where it reads as
+    text: at least ``READABLE_SHARE`` of its words are words of the training
+    text (``known``). A run whose text does not is named with its share instead."""
+    out = [
+        f"Sampled text (prompt {prompt.decode()!r}, temperature 0.8, the same random numbers "
+        f"for every run), shown where at least {READABLE_SHARE:.0%} of its words of "
+        f"{MIN_WORD}+ letters are words of the training text:"
+    ]
     for s in summaries:
-        out.append(f"  {s.spec.key}:")
+        share = known_word_share(texts[s.spec.key], known)
+        if share < READABLE_SHARE:
+            out.append(f"  {s.spec.key}: not shown, {share:.0%} of its words are words")
+            continue
+        out.append(f"  {s.spec.key} ({share:.0%} of its words are words):")
         text = printable(prompt + texts[s.spec.key])
         out.extend(f"    | {line}" for line in text.splitlines()[:8])
+    if any(known_word_share(texts[s.spec.key], known) < READABLE_SHARE for s in summaries):
+        out.append("  (too little training for text to read as text: --long trains to it)")
     return "\n".join(out)

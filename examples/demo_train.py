@@ -23,7 +23,7 @@ from demo_runs import RunSpec
 from demo_summary import Measured
 from demo_trainer import StepRecord, Trainer
 
-PROMPT = b"def "
+PROMPT = b"Return the "  # how many of the docstrings begin
 
 
 @attrs.frozen
@@ -37,7 +37,7 @@ class Config:
         batch_size: sequences per rank per step.
         lr: AdamW's peak learning rate.
         seed: initial weights and batches.
-        data_bytes: bytes of standard-library source to read.
+        data_bytes: bytes of standard-library docstrings to read (at most).
         eval_every: steps between held-out evaluations (the last step is one).
         eval_windows: held-out windows per evaluation, split across the ranks.
         split_every: steps between the time split's ``no_sync`` re-runs.

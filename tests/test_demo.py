@@ -26,9 +26,17 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 
 import demo
-from demo_data import batch, load_corpus, printable, rank_slice, stdlib_sources
+from demo_data import (
+    batch,
+    known_word_share,
+    load_corpus,
+    printable,
+    rank_slice,
+    stdlib_sources,
+    vocabulary,
+)
 from demo_model import ModelConfig, TinyGPT, generate, held_out_loss
-from demo_report import findings, format_table, matches_plan, table
+from demo_report import findings, format_table, matches_plan, samples, table
 from demo_runs import (
     CATALOGUE,
     DEFAULT_RUNS,
@@ -47,19 +55,36 @@ from demo_trainer import tensor_bytes
 TINY = ModelConfig(width=32, layers=1, heads=4, context=16)
 
 
-def test_corpus_reads_sorted_files_and_holds_out_the_tail(tmp_path: Path) -> None:
-    for name, body in [("b.py", b"b" * 6000), ("a.py", b"a" * 6000), ("c.txt", b"x" * 9)]:
-        (tmp_path / name).write_bytes(body)
+def _module(doc: str, function_doc: str) -> bytes:
+    return f'"""{doc}"""\n\ndef f():\n    """\n    {function_doc}\n    """\n    x = "no"\n'.encode()
+
+
+def test_corpus_reads_docstrings_of_sorted_files_and_holds_out_the_tail(tmp_path: Path) -> None:
+    (tmp_path / "b.py").write_bytes(_module("b" * 6000, "B"))
+    (tmp_path / "a.py").write_bytes(_module("a" * 6000, "A"))
+    (tmp_path / "c.txt").write_bytes(b'"""x"""')
+    (tmp_path / "d.py").write_bytes(b"def broken(:\n")  # skipped, not fatal
     corpus = load_corpus(max_bytes=10_000, held_out=0.1, root=str(tmp_path))
     text = bytes(torch.cat([corpus.train, corpus.held_out]).tolist())
-    assert text == b"a" * 6000 + b"b" * 4000  # sorted, cut at max_bytes, no .txt
+    # Sorted, indentation cleaned, code left out, cut at max_bytes, no .txt:
+    assert text == b"a" * 6000 + b"\n\nA\n\n" + b"b" * 3995
     assert (len(corpus.train), len(corpus.held_out), corpus.files) == (9000, 1000, 2)
 
 
-def test_the_stdlib_ships_enough_source() -> None:
+def test_the_stdlib_ships_enough_docstrings() -> None:
     assert len(stdlib_sources()) > 50
-    corpus = load_corpus(max_bytes=1_000_000)
-    assert len(corpus.train) + len(corpus.held_out) == 1_000_000
+    corpus = load_corpus(max_bytes=500_000)
+    assert len(corpus.train) + len(corpus.held_out) == 500_000
+    assert len(vocabulary(corpus.train)) > 3000
+
+
+def test_known_word_share_counts_words_of_three_letters_or_more() -> None:
+    known = vocabulary(
+        torch.frombuffer(bytearray(b"Return the value, or None."), dtype=torch.uint8)
+    )
+    assert known == {b"return", b"the", b"value", b"none"}  # lower-cased, "or" too short
+    assert known_word_share(b"RETURN the valeu (a b) or x", known) == pytest.approx(2 / 3)
+    assert known_word_share(b"", known) == 0 and known_word_share(b"1 + 2", known) == 0
 
 
 def test_every_rank_draws_the_same_batch_and_trains_on_its_slice() -> None:
@@ -225,12 +250,22 @@ def test_summaries_compare_each_run_with_its_baseline() -> None:
     assert not by_key["diloco"].identical and by_key["zero"].identical
 
 
+def test_samples_show_only_text_that_reads_as_text() -> None:
+    summaries = list(summarize([{"ddp": measured(), "zero": measured()}], select(["zero"])))
+    known = frozenset({b"return", b"the", b"value"})
+    out = samples(summaries, {"ddp": b"value", "zero": b"value vxlue"}, b"Return the ", known)
+    assert "ddp (100% of its words are words):\n    | Return the value" in out
+    assert "zero: not shown, 50% of its words are words" in out and "--long" in out
+    out = samples(summaries, {"ddp": b"value", "zero": b"value"}, b"Return the ", known)
+    assert "not shown" not in out and "--long" not in out
+
+
 def test_the_command_line_picks_runs_and_the_long_mode() -> None:
     cfg, world_size, _ = demo.parse(["--runs", "zero+int4", "--world-size", "3"])
     assert [s.key for s in cfg.runs] == ["ddp", "zero", "zero+int4"] and world_size == 3
-    assert cfg.sample_bytes == 0
+    assert cfg.sample_bytes > 0  # sampled always, shown where it reads as text
     long, _, _ = demo.parse(["--long", "--runs", "ddp"])
-    assert long.steps > cfg.steps and long.model.width > cfg.model.width and long.sample_bytes
+    assert long.steps > cfg.steps and long.model.width > cfg.model.width
     for bad in (["--runs", "fp8"], ["--steps", "0"], ["--width", "30"], ["--lr", "-1"]):
         with pytest.raises(SystemExit):
             demo.parse(bad)
@@ -268,6 +303,7 @@ TRAINED = Config(
     eval_windows=8,
     split_every=3,
     count_steps=4,
+    sample_bytes=40,
 )
 
 
@@ -322,10 +358,13 @@ def test_every_run_shows_in_the_table_and_the_figure(trained: Trained, tmp_path:
 
     results, summaries = trained
     texts = {s.spec.key: results[0][s.spec.key].sample for s in summaries}
-    out = demo.report(summaries, demo.plans(TRAINED, 2), texts)
+    known = vocabulary(load_corpus(TRAINED.data_bytes).train)
+    out = demo.report(summaries, demo.plans(TRAINED, 2), texts, known)
     head = out.splitlines()[0]
     assert all(f" {s.spec.key} " in head for s in summaries)
-    assert "0 (bitwise equal)" in out and "Sampled text" not in out
+    assert "0 (bitwise equal)" in out
+    # Eight steps of a tiny model write no words: every sample is named, none shown.
+    assert all(f"  {s.spec.key}: not shown, " in out for s in summaries)
     fig = figure(summaries, "title")
     loss_axis = fig.axes[0]
     legend = [t.get_text() for t in loss_axis.get_legend().get_texts()]
