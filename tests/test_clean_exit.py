@@ -40,7 +40,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from zerofn_torch.checkpoint_background import save_group
-from zerofn_torch.driver import ProgramPipeline, drive
+from zerofn_torch.driver import PolledProgram, ProgramPipeline, drive, finish_polled
 from zerofn_torch.foreign_hooks import Await, foreign_hook
 from zerofn_torch.hook_cells import HookCell
 from zerofn_torch.issue import issue
@@ -116,6 +116,32 @@ def test_a_pipeline_lets_go_of_the_group_once_all_is_issued(holder: list[Any]) -
     assert gone() is None, _holders(gone)
     pending.set_result(torch.ones(3))
     assert result.wait() == [2.0, 2.0, 2.0]
+
+
+def _failing(pending: torch.futures.Future[torch.Tensor]) -> Generator[Any, Any, None]:
+    yield Await(pending, "a hook")
+    raise ValueError("the program's own error")
+
+
+def test_polled_programs_left_in_flight_are_finished_oldest_first(holder: list[Any]) -> None:
+    """What the launcher and the interpreter's exit do before a group goes."""
+    finish_polled()  # whatever earlier tests in this process left
+    firsts: list[torch.futures.Future[torch.Tensor]] = [torch.futures.Future() for _ in range(3)]
+    for pending in firsts:
+        pending.set_result(torch.ones(3))
+    older = PolledProgram(_failing(firsts[0]), holder[0], "an older program")
+    newer = PolledProgram(_failing(firsts[1]), holder[0], "a newer program")
+    waited = PolledProgram(_two_rounds(firsts[2]), holder[0], "a program its owner waited for")
+    assert waited.wait() == [2.0, 2.0, 2.0]
+    failed = finish_polled()
+    assert [(purpose, str(error)) for purpose, error in failed] == [
+        ("an older program", "the program's own error"),
+        ("a newer program", "the program's own error"),
+    ]
+    assert finish_polled() == []  # each finished once
+    with pytest.raises(ValueError, match="own error"):  # and its owner still sees the error
+        older.wait()
+    assert newer.purpose == "a newer program"
 
 
 class _Bucket:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -339,6 +340,25 @@ def test_ddp_inside_groups_and_diloco_across_them() -> None:
         torch.testing.assert_close(out[rank]["ours"], out[rank]["plain"], rtol=1e-5, atol=1e-5)
     assert torch.equal(out[0]["ours"], out[1]["ours"])
     assert torch.equal(out[2]["ours"], out[3]["ours"])
+
+
+def undrained(rank: int, world_size: int) -> int:
+    """Returns with a delayed sync in flight, moved on further on rank 0 than
+    on rank 1, and never drained: the launcher must finish it before its
+    barrier, or the two ranks' next collectives do not match."""
+    model = make_model()
+    opt = DiLoCoOptimizer(sgd(model.parameters()), sync_every=2, delay=1)
+    train(model, opt, range(4), rank)  # the sync started after step 4 is due at 5
+    if rank == 0:
+        time.sleep(0.3)
+        backward(model, 4, rank)  # each gradient polls the sync on
+    return rank
+
+
+def test_a_sync_left_in_flight_is_finished_before_the_group_goes() -> None:
+    # Without the launcher finishing it, rank 0's next request meets rank 1's
+    # barrier and the world fails (after the group's timeout).
+    assert run_world(undrained, 2) == [0, 1]
 
 
 # ----- a peer that dies or hangs -------------------------------------------------

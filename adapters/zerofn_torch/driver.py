@@ -19,6 +19,10 @@ next hook call.
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -27,9 +31,10 @@ import torch
 from zerofn.comm import Program, Response
 from zerofn_torch.issue import Step, issue
 
-__all__ = ["PolledProgram", "ProgramPipeline", "drive"]
+__all__ = ["PolledProgram", "ProgramPipeline", "drive", "finish_polled"]
 
 R = TypeVar("R")
+_LOG = logging.getLogger(__name__)
 
 
 class _Running(Generic[R]):
@@ -140,6 +145,8 @@ class PolledProgram(Generic[R]):
 
     def __init__(self, program: Program[R], group: Any, purpose: str) -> None:
         self._running = _Running(program, group, purpose)
+        self._key = next(_CREATED)
+        _UNFINISHED[self._key] = self
 
     def poll(self) -> None:
         """Issue every request whose predecessor has completed; never waits."""
@@ -154,9 +161,54 @@ class PolledProgram(Generic[R]):
             zerofn.errors.CollectiveError: one of its collectives failed (or
                 the program's own error).
         """
+        _UNFINISHED.pop(self._key, None)
         while not self._running.done:
             self._running.advance()
         return self._running.result.wait()
+
+    @property
+    def purpose(self) -> str:
+        """What the program is for (named in its errors)."""
+        return self._running.purpose
+
+
+# Polled programs not yet run to their end, in the order they were created:
+# the same order on every rank, so finishing them in it issues the same
+# requests everywhere. Weak: a program its owner dropped is nobody's to finish.
+_UNFINISHED: weakref.WeakValueDictionary[int, PolledProgram[Any]] = weakref.WeakValueDictionary()
+_CREATED = itertools.count()
+
+
+def finish_polled() -> list[tuple[str, BaseException]]:
+    """Run every polled program of this process still in flight to its end,
+    oldest first, before its process group goes: one rank that has issued a
+    request its peer has not would otherwise meet the peer's next collective
+    (a barrier, the group's teardown) with it, and gloo aborts.
+
+    :func:`zerofn_torch.launch.run_local_world` calls it when the function
+    returns, and the interpreter at exit; a script that destroys the group
+    itself calls it (or the owner's own ``drain()``) first.
+
+    Returns:
+        The programs that failed: their purpose and error (the owner sees
+        the same error when it waits for its result).
+    """
+    failed: list[tuple[str, BaseException]] = []
+    for key in sorted(_UNFINISHED.keys()):
+        polled = _UNFINISHED.get(key)
+        if polled is None:
+            continue
+        try:
+            polled.wait()
+        except Exception as error:  # the owner's wait raises it again
+            failed.append((polled.purpose, error))
+    return failed
+
+
+@atexit.register
+def _finish_polled_at_exit() -> None:
+    for purpose, error in finish_polled():
+        _LOG.error("%s was still in flight at exit and failed: %s", purpose, error)
 
 
 class ProgramPipeline:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
+from zerofn_torch.driver import finish_polled
+
 __all__ = ["run_local_world"]
 
 
@@ -40,7 +42,11 @@ def _rank_main(
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(tmp, f"result{rank}.pt"))
         # Let every rank's outstanding collectives and their callbacks finish
-        # before the group is torn down (tearing it down under them aborts).
+        # before the group is torn down (tearing it down under them aborts);
+        # a polled program (a delayed DiLoCo sync) first issues what it has left.
+        failed = finish_polled()
+        if failed:  # the program's own error, which the function did not wait for
+            raise failed[0][1]
         dist.barrier()
     finally:
         dist.destroy_process_group()
