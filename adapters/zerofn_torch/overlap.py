@@ -149,7 +149,7 @@ class _OverlapRunner:
         program = obey(state, self.config, order, handed, self.params, checks, compressed)
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
-        done = drive(answering(program, StepGradients, self._step), group, purpose).wait()
+        done = drive(answering(program, StepGradients, self.binding.step), group, purpose).wait()
         if scaler is not None:
             scaler.record(self.zero, not done.stepped)
         for indices, send in done.sends:
@@ -157,10 +157,6 @@ class _OverlapRunner:
             self.sending.append((indices, drive(send, group, purpose), done.differences))
         if done.reshard is not None:
             self.binding.adopt_owners(done.reshard)
-
-    def _step(self, request: StepGradients) -> None:
-        """Answer the program's local step with the optimizer."""
-        self.binding.step(dict(request.grads), request.factor, request.write_back)
 
     def _receive(self) -> None:
         """Write the shards other ranks sent into this rank's parameters."""

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.overlap.obey import SendCompressed
+from zerofn.overlap.obey import SendCompressed, StepGradients
 from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
 from zerofn.zero.params import StateDict, normalize_params
 from zerofn.zero.plan import ShardPlan
@@ -410,11 +410,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._setup = overlap.attach(self._setup)
         return OverlapBinding(self._step_with_grads, self._adopt_owners, self._send_compressed)
 
-    def _step_with_grads(
-        self, grads: dict[int, torch.Tensor], scale: float = 1.0, write_back: bool = True
-    ) -> None:
-        setup, groups = self._setup, self.param_groups
-        overlap.step_with_grads(setup, groups, self.optim, grads, scale, write_back)
+    def _step_with_grads(self, request: StepGradients) -> None:
+        overlap.step_with_grads(self._setup, self.param_groups, self.optim, request)
 
     def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
         setup, groups = self._setup, self.param_groups

@@ -12,7 +12,7 @@ import attrs
 import torch
 from torch.optim import Optimizer
 
-from zerofn.overlap.obey import SendCompressed
+from zerofn.overlap.obey import SendCompressed, StepGradients, step_with_gradients
 from zerofn.zero.arguments import plan_for
 from zerofn_torch.zero_local import new_local_optimizer, synced_hyperparameters
 from zerofn_torch.zero_setup import OverlapStatus, ZeroSetup, build_setup, flat_params
@@ -35,14 +35,14 @@ class OverlapBinding:
     (:meth:`zerofn_torch.zero.ZeroRedundancyOptimizer.bind_overlap_hook`).
 
     Attributes:
-        step: step the local optimizer with ``{global index: gradient}``,
-            multiplied by a factor; the parameters not named sit out.
+        step: answer a :class:`~zerofn.overlap.obey.StepGradients`: step the
+            local optimizer with its gradients; the parameters not named sit out.
         adopt_owners: keep only this rank's parameters (global indices per
             rank) and their state from now on.
         compressed: what compressed sends read (``None``: no compression).
     """
 
-    step: Callable[[dict[int, torch.Tensor], float, bool], None]
+    step: Callable[[StepGradients], None]
     adopt_owners: Callable[[Sequence[Sequence[int]]], None]
     compressed: Callable[[], SendCompressed | None]
 
@@ -111,48 +111,18 @@ def send_compressed(setup: ZeroSetup, params: list[torch.Tensor]) -> SendCompres
 
 
 def step_with_grads(
-    setup: ZeroSetup,
-    groups: list[dict[str, Any]],
-    optim: Optimizer,
-    grads: dict[int, torch.Tensor],
-    scale: float = 1.0,
-    write_back: bool = True,
+    setup: ZeroSetup, groups: list[dict[str, Any]], optim: Optimizer, request: StepGradients
 ) -> None:
-    """Step the local optimizer with ``grads`` (global index -> gradient),
-    multiplied by ``scale`` (in the masters' dtype when kept), for some of
-    its parameters; the others sit this step out. Their own ``.grad`` is
-    left as it was. Masters are cast into the parameters afterwards
-    unless ``write_back`` is ``False`` (a compressed send moves them)."""
-    masters = setup.masters
-    if scale != 1.0:
-        if masters is None:
-            grads = {i: g * scale for i, g in grads.items()}
-        else:
-            wide = masters.dtype
-            grads = {i: g.to(wide).mul_(scale) for i, g in grads.items()}
-    params = flat_params(groups)
+    """Answer the overlapped step's :class:`~zerofn.overlap.obey.StepGradients`
+    with the local optimizer (:func:`zerofn.overlap.obey.step_with_gradients`),
+    its hyperparameters synced from the param groups first."""
     local = [p for g in optim.param_groups for p in g["params"]]
-    index_of = {id(p): i for i, p in enumerate(params)}
-    if masters is not None:
-        masters.load_grads_from([grads.get(index_of[id(p)]) for p in masters.low])
-        try:
-            with synced_hyperparameters(groups, optim):
-                optim.step()
-        finally:
-            if write_back:
-                masters.write_back(only_stepped=True)
-            else:
-                masters.drop_grads()
-        return
-    saved = [p.grad for p in local]
-    try:
-        for p in local:
-            p.grad = grads.get(index_of[id(p)])
+
+    def step() -> None:
         with synced_hyperparameters(groups, optim):
             optim.step()
-    finally:
-        for p, g in zip(local, saved, strict=True):
-            p.grad = g
+
+    step_with_gradients(request, flat_params(groups), local, setup.masters, step)
 
 
 def adopt_owners(

@@ -16,7 +16,7 @@ on) and write what arrived with :func:`write_updates` after the last bucket.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -28,6 +28,7 @@ from zerofn.overlap.ddp_buckets import BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
 from zerofn.overlap.step import broadcast_differences_from_owners, broadcast_from_owners
 from zerofn.zero.compressed_exchange import add_difference
+from zerofn.zero.masters import Masters
 from zerofn.zero.precision import step_factor_program
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "StepChecks",
     "StepGradients",
     "obey",
+    "step_with_gradients",
     "write_updates",
 ]
 
@@ -184,6 +186,59 @@ def obey(
             )
         sends.append((indices, send))
     return Obeyed(True, tuple(sends), order.reshard, differences=compressed is not None)
+
+
+def step_with_gradients(
+    request: StepGradients,
+    params: Sequence[torch.Tensor],
+    local: Sequence[torch.Tensor],
+    masters: Masters | None,
+    step: Callable[[], None],
+) -> None:
+    """Answer ``request``: run the local optimizer's ``step`` with its
+    gradients (times its factor) on the tensors it names; the others sit out.
+
+    With masters, the masters step (gradients upcast first, then multiplied)
+    and, if the request writes back, the stepped ones are cast into their
+    parameters; their gradients go either way. Without, the local tensors
+    step, and the ``.grad`` each had before is put back afterwards.
+
+    Args:
+        request: the gradients by global parameter index, the factor, whether
+            to write back.
+        params: every parameter, by global index.
+        local: the local optimizer's tensors, in its order (the parameters
+            this rank holds; ignored with masters).
+        masters: the master copies, when kept.
+        step: the local optimizer's step.
+    """
+    index_of = {id(p): i for i, p in enumerate(params)}
+    # Upcast first, then multiplied; out of place: the request's tensors may
+    # be views of DDP's buckets.
+    grads = {
+        i: (g if masters is None else g.to(masters.dtype)) * request.factor
+        if request.factor != 1.0
+        else g
+        for i, g in request.grads.items()
+    }
+    if masters is not None:
+        masters.load_grads_from([grads.get(index_of[id(p)]) for p in masters.low])
+        try:
+            step()
+        finally:
+            if request.write_back:
+                masters.write_back(only_stepped=True)
+            else:
+                masters.drop_grads()
+        return
+    saved = [p.grad for p in local]
+    try:
+        for p in local:
+            p.grad = grads.get(index_of[id(p)])
+        step()
+    finally:
+        for p, grad in zip(local, saved, strict=True):
+            p.grad = grad
 
 
 def write_updates(

@@ -52,10 +52,12 @@ from zerofn.overlap.obey import (
     StepChecks,
     StepGradients,
     obey,
+    step_with_gradients,
     write_updates,
 )
 from zerofn.testing.world import run_programs
 from zerofn.zero.compressed_exchange import compression_master_dtype, resolve_compression
+from zerofn.zero.masters import Masters
 
 __all__ = ["OverlappedRun", "simulate_overlapped_step"]
 
@@ -106,6 +108,7 @@ class _OverlapRank:
         config: OverlapConfig,
         params: list[torch.Tensor],
         optimizer: torch.optim.Optimizer,
+        masters: Masters | None = None,
         compressed: SendCompressed | None = None,
     ) -> None:
         self.hook, self.config = hook, config
@@ -113,7 +116,7 @@ class _OverlapRank:
         self.params, self.optimizer = params, optimizer
         # With a compressed exchange the optimizer steps exact copies (the
         # masters) and the parameters move by the differences sent.
-        self.compressed = compressed
+        self.masters, self.compressed = masters, compressed
         self.held: tuple[int, ...] | None = None  # None: every parameter
         self.handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         self.incoming: list[tuple[tuple[int, ...], _Sent, bool]] = []
@@ -152,21 +155,11 @@ class _OverlapRank:
         return answering(program, StepGradients, self.step)
 
     def step(self, request: StepGradients) -> None:
-        """Step the optimizer with the request's gradients; the others sit out."""
+        """Step the optimizer with the request's gradients, as the adapter
+        does (:func:`~zerofn.overlap.obey.step_with_gradients`); the others sit out."""
         self._check_held(request.grads)
-        stepped = self.params if self.compressed is None else self.compressed.masters
-        for i, grad in request.grads.items():
-            target = stepped[i]
-            assert target is not None
-            target.grad = grad.to(target.dtype) * request.factor
-        self.optimizer.step()
-        for i in request.grads:
-            target = stepped[i]
-            assert target is not None
-            target.grad = None
-            if request.write_back and target is not self.params[i]:
-                with torch.no_grad():
-                    self.params[i].copy_(target)
+        local = [p for group in self.optimizer.param_groups for p in group["params"]]
+        step_with_gradients(request, self.params, local, self.masters, self.optimizer.step)
 
     def after(self, done: Obeyed) -> list[Program[_Sent]]:
         """Note the order's reshard; the sends, their results kept to write
@@ -340,15 +333,16 @@ def simulate_overlapped_step(
         mine = attrs.evolve(config, rank=rank)
         local = [p.detach().clone() for p in params]
         quantizer = resolve_compression(exchange_compression, params[0].dtype)
-        compressed = None
+        masters = compressed = None
         stepped = local
         if quantizer is not None:
             wide = compression_master_dtype(params[0].dtype, None)
             stepped = [p.detach().to(wide, copy=True) for p in params]
+            masters = Masters(tuple(local), tuple(stepped), wide)
             compressed = SendCompressed(quantizer, stepped)
         optimizer = optimizer_class(stepped, **defaults)
         hook = zero_step_hook(hook_inner, mine)
-        ranks.append(_OverlapRank(hook, mine, local, optimizer, compressed))
+        ranks.append(_OverlapRank(hook, mine, local, optimizer, masters, compressed))
     requests = [
         _iteration(ranks, buckets, grads, final=iteration >= final_from)
         for iteration, grads in enumerate(grads_per_iteration_per_rank)
