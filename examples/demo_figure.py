@@ -184,6 +184,8 @@ def _bytes_panel(ax: Any, summaries: Sequence[RunSummary]) -> None:
 
 
 def _loss_bytes_panel(ax: Any, summaries: Sequence[RunSummary], colors: dict[str, str]) -> None:
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     steps = summaries[0].held_out[-1][0]
     sent = [s.sent.total * steps / MIB for s in summaries]
     for i, (s, mib) in enumerate(zip(summaries, sent, strict=True)):
@@ -198,6 +200,11 @@ def _loss_bytes_panel(ax: Any, summaries: Sequence[RunSummary], colors: dict[str
         )
     # A log axis cannot place a run that sent nothing (a world of one rank).
     ax.set_xscale("log" if min(sent) > 0 else "symlog")
+    # Labels at 1, 2 and 5 of each decade, as plain numbers: matplotlib's
+    # labelled minor ticks crowd a narrow panel.
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.margins(x=0.15, y=0.15)
     ax.set(
         xlabel=f"MiB sent by rank 0 in the {steps} steps (mean per counted step x {steps}; log)",
