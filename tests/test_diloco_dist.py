@@ -145,20 +145,26 @@ def train(model: torch.nn.Module, opt: DiLoCoOptimizer, steps: range, rank: int)
         opt.step()
 
 
-def sync_traffic(rank: int, compression: str | None) -> tuple[int, int]:
-    """Bytes handed to collectives by one fp32 or quantized sync of a wider
-    model, and the bytes the core planned."""
+def sync_traffic(rank: int, compression: str | None) -> tuple[int, int, float, torch.Tensor]:
+    """One fp32 or quantized sync of a wider model: the bytes handed to
+    collectives, the bytes the core planned, the bytes sent (ring estimate)
+    and the parameters after it."""
+    world_size = dist.get_world_size()
     model = make_model(width=256)
     opt = DiLoCoOptimizer(sgd(model.parameters()), sync_every=1, compression=compression)
     backward(model, 0, rank)
     with collective_traffic() as traffic:
         opt.step()
-    fragment = plan_fragments([p.numel() for p in model.parameters()], 1, 2).fragments[0]
+    sizes = [p.numel() for p in model.parameters()]
+    fragment = plan_fragments(sizes, 1, world_size).fragments[0]
     quantizer = opt.config.compression
     planned = (
-        sync_bytes(fragment) if quantizer is None else compressed_sync_bytes(fragment, quantizer)
+        sync_bytes(fragment)
+        if quantizer is None
+        else compressed_sync_bytes(fragment, quantizer, rank)
     )
-    return sum(traffic.payload_bytes.values()), planned
+    handed = sum(traffic.payload_bytes.values())
+    return handed, planned, traffic.sent_bytes(world_size), flat(model)
 
 
 def two_ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -276,9 +282,27 @@ def test_matches_diloco_written_out_plainly(two: list[dict[str, Any]]) -> None:
 
 def test_int8_syncs_send_under_a_third_of_the_fp32_bytes(two: list[dict[str, Any]]) -> None:
     for out in two:
-        (fp32, fp32_planned), (int8, int8_planned) = out["bytes/None"], out["bytes/int8"]
+        (fp32, fp32_planned, _, _), (int8, int8_planned, _, _) = (
+            out["bytes/None"],
+            out["bytes/int8"],
+        )
         assert (fp32, int8) == (fp32_planned, int8_planned)
         assert int8 <= 0.3 * fp32
+
+
+def both_syncs(rank: int, world_size: int) -> dict[str | None, Any]:
+    return {compression: sync_traffic(rank, compression) for compression in (None, "int8")}
+
+
+def test_int8_syncs_send_a_quarter_of_the_fp32_bytes_on_three_ranks_too() -> None:
+    """Each rank's codes go to their owner alone (an all-to-all), so the
+    ratio does not grow with the number of workers."""
+    out = run_world(both_syncs, 3)
+    for syncs in out:
+        for handed, planned, _, _ in syncs.values():
+            assert handed == planned
+        assert syncs["int8"][2] <= 0.27 * syncs[None][2]  # bytes on the wire
+    assert all(torch.equal(syncs["int8"][3], out[0]["int8"][3]) for syncs in out)
 
 
 def test_each_rank_keeps_the_outer_state_the_core_plans(two: list[dict[str, Any]]) -> None:

@@ -24,6 +24,18 @@ def test_counts_positional_and_keyword_tensors() -> None:
 
 
 @pytest.mark.usefixtures("single_rank_group")
+def test_an_all_to_all_counts_only_what_leaves_the_rank() -> None:
+    out = torch.zeros(5)
+    with collective_traffic() as traffic:
+        dist.all_to_all_single(out, torch.arange(5.0), [5], [5])
+    assert torch.equal(out, torch.arange(5.0))
+    # One rank: its whole input is its own part, which stays.
+    assert traffic.calls == {"all_to_all_single": 1} and traffic.payload_bytes == {
+        "all_to_all_single": 0
+    }
+
+
+@pytest.mark.usefixtures("single_rank_group")
 def test_restores_the_collectives() -> None:
     before = dist.all_reduce
     with collective_traffic():

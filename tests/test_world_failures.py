@@ -11,7 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.comm import Broadcast, GatherSegments, Program, Reduce, Request, describe
+from zerofn.comm import (
+    AllToAll,
+    Broadcast,
+    GatherSegments,
+    Program,
+    Reduce,
+    Request,
+    describe,
+    request_bytes,
+)
 from zerofn.errors import CollectiveError, PeerLost
 from zerofn.hooks import powersgd
 from zerofn.hooks.error_feedback import error_feedback
@@ -189,6 +198,46 @@ def test_segment_exchange_fills_each_segment_from_its_owner(sizes: list[int], vi
             assert torch.equal(segment, torch.full((sizes[owner],), float(owner)))
 
 
+@given(
+    sizes=st.integers(1, 5).flatmap(
+        lambda w: st.lists(
+            st.lists(st.integers(0, 4), min_size=w, max_size=w), min_size=w, max_size=w
+        )
+    )
+)
+@SETTINGS
+def test_all_to_all_delivers_each_part_to_its_rank_alone(sizes: list[list[int]]) -> None:
+    """``sizes[src][dst]``: how many elements rank src sends rank dst."""
+    world_size = len(sizes)
+
+    def part(src: int, dst: int) -> torch.Tensor:
+        return torch.full((sizes[src][dst],), float(10 * src + dst))
+
+    requests: list[Request] = [
+        AllToAll(
+            tuple(part(r, dst) for dst in range(world_size)),
+            tuple(torch.full((sizes[src][r],), -1.0) for src in range(world_size)),
+            r,
+        )
+        for r in range(world_size)
+    ]
+    for rank, response in enumerate(fulfil(requests)):
+        assert response is requests[rank].receives  # received in place
+        for src, received in enumerate(response):
+            assert torch.equal(received, part(src, rank))
+        sent = sum(sizes[rank]) - sizes[rank][rank]
+        assert request_bytes(requests[rank]) == 4 * sent  # its own part does not leave
+
+
+def test_an_all_to_all_that_does_not_fit_together_is_refused() -> None:
+    with pytest.raises(ValueError, match="one send and one receive per rank"):
+        AllToAll((torch.ones(1),), (torch.ones(1), torch.ones(1)), 0)
+    with pytest.raises(ValueError, match="one dtype"):
+        AllToAll((torch.ones(1),), (torch.ones(1, dtype=torch.uint8),), 0)
+    with pytest.raises(ValueError, match="rank 1"):
+        AllToAll((torch.ones(1),), (torch.ones(1),), 1)
+
+
 @pytest.mark.parametrize(
     "requests",
     [
@@ -199,8 +248,12 @@ def test_segment_exchange_fills_each_segment_from_its_owner(sizes: list[int], vi
             GatherSegments((torch.ones(1), torch.ones(2)), 1),
         ],
         [Broadcast(torch.ones(2), 0), Reduce(torch.ones(2), 0)],
+        [
+            AllToAll((torch.ones(1), torch.ones(2)), (torch.ones(1), torch.ones(1)), 0),
+            AllToAll((torch.ones(1), torch.ones(1)), (torch.ones(1), torch.ones(1)), 1),
+        ],
     ],
-    ids=["broadcast-root", "reduce-shape", "segment-sizes", "kind"],
+    ids=["broadcast-root", "reduce-shape", "segment-sizes", "kind", "all-to-all-sizes"],
 )
 def test_ranks_disagreeing_on_the_new_requests_are_caught(requests: list[Request]) -> None:
     with pytest.raises(CollectiveMismatch):
@@ -212,3 +265,5 @@ def test_describe_names_the_collective_and_its_size() -> None:
     assert describe(Reduce(torch.ones(3), 0)) == "reduce to rank 0 of 12 B"
     exchange = GatherSegments((torch.ones(2), torch.ones(2)), 0, "all_gather")
     assert describe(exchange) == "exchange of 2 segments by all-gather, 16 B in all"
+    parts = (torch.ones(2), torch.ones(3))
+    assert describe(AllToAll(parts, parts, 1)) == "all_to_all among 2 ranks, 8 B sent"

@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "AllGather",
     "AllReduce",
+    "AllToAll",
     "Broadcast",
     "CollectiveKind",
     "GatherSegments",
@@ -139,11 +140,53 @@ class GatherSegments:
     last: bool = False
 
 
-Request: TypeAlias = AllReduce | AllGather | Broadcast | Reduce | GatherSegments
+@attrs.frozen(eq=False)
+class AllToAll:
+    """Send each rank its own part, and receive each rank's part for this one.
+
+    Unlike :class:`GatherSegments`, a part travels to one rank only: what
+    only its owner needs (quantized codes, which cannot be summed on the
+    way) costs one rank's share, not every rank's.
+
+    Attributes:
+        sends: one tensor per rank, what this rank sends it; sizes may
+            differ, the dtype is one. Its own entry is copied to
+            ``receives[rank]``.
+        receives: one tensor per rank, handed over: filled with what that
+            rank sends this one (as many elements as it sends).
+        rank: this rank's index in the group.
+        last: as for :class:`AllReduce`.
+
+    The response is ``receives``, every one filled.
+
+    Raises:
+        ValueError: ``sends`` and ``receives`` of different lengths, more
+            than one dtype among them, or ``rank`` outside them.
+    """
+
+    sends: tuple[torch.Tensor, ...] = attrs.field(converter=_tensors)
+    receives: tuple[torch.Tensor, ...] = attrs.field(converter=_tensors)
+    rank: int
+    last: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.sends) != len(self.receives) or not 0 <= self.rank < len(self.sends):
+            raise ValueError(
+                f"all_to_all needs one send and one receive per rank and this rank among them: "
+                f"got {len(self.sends)} sends, {len(self.receives)} receives, rank {self.rank}"
+            )
+        dtypes = {t.dtype for t in (*self.sends, *self.receives)}
+        if len(dtypes) > 1:
+            raise ValueError(f"all_to_all moves one dtype; got {sorted(map(str, dtypes))}")
+
+
+Request: TypeAlias = AllReduce | AllGather | Broadcast | Reduce | GatherSegments | AllToAll
 """Any collective a program may ask for."""
 
 
-CollectiveKind: TypeAlias = Literal["all_reduce", "all_gather", "broadcast", "reduce", "exchange"]
+CollectiveKind: TypeAlias = Literal[
+    "all_reduce", "all_gather", "broadcast", "reduce", "exchange", "all_to_all"
+]
 
 
 def kind_of(request: Request) -> CollectiveKind:
@@ -154,21 +197,29 @@ def kind_of(request: Request) -> CollectiveKind:
         Broadcast: "broadcast",
         Reduce: "reduce",
         GatherSegments: "exchange",
+        AllToAll: "all_to_all",
     }
     return kinds[type(request)]
 
 
 def tensors_of(request: Request) -> tuple[torch.Tensor, ...]:
-    """The tensors ``request`` hands over on this rank."""
+    """The tensors ``request`` hands over on this rank (for :class:`AllToAll`,
+    what it sends)."""
     if isinstance(request, AllReduce | GatherSegments):
         return request.tensors if isinstance(request, AllReduce) else request.segments
+    if isinstance(request, AllToAll):
+        return request.sends
     return (request.tensor,)
 
 
 def request_bytes(request: Request) -> int:
     """The bytes of this rank's tensors in ``request`` (for
-    :class:`GatherSegments`, the whole buffer: every rank's segment)."""
-    return sum(t.numel() * t.element_size() for t in tensors_of(request))
+    :class:`GatherSegments`, the whole buffer: every rank's segment; for
+    :class:`AllToAll`, what leaves the rank: its own part is not sent)."""
+    tensors = tensors_of(request)
+    if isinstance(request, AllToAll):
+        tensors = tuple(t for r, t in enumerate(tensors) if r != request.rank)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _size(request: Request) -> str:
@@ -203,6 +254,8 @@ def describe(request: Request) -> str:
         return f"broadcast from rank {request.src} of {_size(request)}"
     if isinstance(request, Reduce):
         return f"reduce to rank {request.dst} of {_size(request)}"
+    if isinstance(request, AllToAll):
+        return f"all_to_all among {len(request.sends)} ranks, {_size(request)} sent"
     via = request.via.replace("_", "-")
     return f"exchange of {len(request.segments)} segments by {via}, {_size(request)} in all"
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from zerofn.comm import (
     AllGather,
     AllReduce,
+    AllToAll,
     Broadcast,
     GatherSegments,
     Reduce,
@@ -94,6 +95,28 @@ def _gather_segments(request: GatherSegments, group: Any) -> torch.futures.Futur
     return then(all_of(futures), lambda _: segments)
 
 
+def _all_to_all(request: AllToAll, group: Any) -> torch.futures.Future[Response]:
+    sends, receives = request.sends, request.receives
+    flat_in = torch.cat([t.detach().reshape(-1) for t in sends])
+    flat_out = flat_in.new_empty(sum(t.numel() for t in receives))
+    work = dist.all_to_all_single(
+        flat_out,
+        flat_in,
+        output_split_sizes=[t.numel() for t in receives],
+        input_split_sizes=[t.numel() for t in sends],
+        group=group,
+        async_op=True,
+    )
+
+    def unpack(_: Any) -> Response:
+        with torch.no_grad():
+            for buffer, part in zip(receives, split_like(flat_out, receives), strict=True):
+                buffer.copy_(part)
+        return receives
+
+    return then(_work_future(work), unpack)
+
+
 def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
     if isinstance(request, Await):
         return then(request.future, lambda value: (value,))
@@ -111,6 +134,8 @@ def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
         dst = dist.get_global_rank(group, request.dst)
         work = dist.reduce(request.tensor, dst=dst, group=group, async_op=True)
         return then(_work_future(work), lambda _: (request.tensor,))
+    if isinstance(request, AllToAll):
+        return _all_to_all(request, group)
     return _gather_segments(request, group)
 
 

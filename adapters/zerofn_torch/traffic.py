@@ -25,6 +25,7 @@ _SEND_FACTOR: dict[str, Callable[[int], float]] = {
     "reduce": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
     "all_gather": lambda n: float(n - 1),  # the payload is one rank's share
+    "all_to_all_single": lambda n: 1.0,  # the payload counted is what leaves the rank
 }
 
 
@@ -34,7 +35,8 @@ class Traffic:
 
     Attributes:
         calls: number of calls per collective kind.
-        payload_bytes: bytes handed to each kind (one rank's input).
+        payload_bytes: bytes handed to each kind (one rank's input; for
+            ``all_to_all_single``, the part of it that leaves the rank).
     """
 
     calls: dict[str, int] = attrs.field(factory=dict)
@@ -50,12 +52,29 @@ class Traffic:
         return sum(_SEND_FACTOR[k](world_size) * b for k, b in self.payload_bytes.items())
 
 
-def _payload(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+def _payload_bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    if kind == "all_to_all_single":
+        return _leaving_bytes(*args, **kwargs)
     # all_gather(tensor_list, tensor); every other kind takes its tensor first.
     # Callers such as PyTorch's ZeroRedundancyOptimizer pass it as ``tensor=``.
     position = 1 if kind == "all_gather" else 0
     tensor: torch.Tensor = args[position] if len(args) > position else kwargs["tensor"]
-    return tensor
+    return tensor.numel() * tensor.element_size()
+
+
+def _leaving_bytes(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    **_: Any,
+) -> int:
+    """The bytes of ``all_to_all_single``'s input that go to other ranks."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    row = input.numel() // max(1, input.shape[0]) if input.dim() else 1
+    own = input_split_sizes[me] * row if input_split_sizes else input.numel() // world
+    return (input.numel() - own) * input.element_size()
 
 
 @contextmanager
@@ -66,9 +85,8 @@ def collective_traffic() -> Iterator[Traffic]:
 
     def counting(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            tensor = _payload(kind, args, kwargs)
+            size = _payload_bytes(kind, args, kwargs)
             traffic.calls[kind] = traffic.calls.get(kind, 0) + 1
-            size = tensor.numel() * tensor.element_size()
             traffic.payload_bytes[kind] = traffic.payload_bytes.get(kind, 0) + size
             return original(*args, **kwargs)
 

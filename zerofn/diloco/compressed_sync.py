@@ -10,10 +10,9 @@ keeps a full copy of the anchor, the *replica*, identical on every rank:
 2. Each owner's slice of ``g`` is encoded (:mod:`zerofn.blockquant`); the new
    residual is ``g`` minus what those codes decode to (zero on the rank's
    own slice, which never leaves it).
-3. ``W - 1`` rounds of :class:`~zerofn.comm.GatherSegments`: in round ``k``,
-   rank ``i`` sends its codes for owner ``(i + k) % W``, so every owner
-   receives every other rank's codes for its slice and sums them, decoded,
-   with its own exact slice.
+3. One :class:`~zerofn.comm.AllToAll`: each rank sends each owner its codes
+   for that owner's slice, and nobody else's; every owner sums what it
+   received, decoded, with its own exact slice.
 4. The owner's outer step (:class:`~zerofn.diloco.outer.OuterStep`) on its
    exact anchor slice, the *master*, with the mean as gradient.
 5. The owner encodes ``master - replica`` of its slice; one more
@@ -26,12 +25,12 @@ keeps a full copy of the anchor, the *replica*, identical on every rank:
 
 Memory: the replica and the residual cost 8 bytes per parameter on every
 rank, on top of the owners' 4-byte master slices and the optimizer state.
-Bytes: every round moves each rank's codes to every rank, so a rank hands
-over ``W`` times the codes of one fragment (:func:`compressed_sync_bytes`).
-With int8 codes (one byte per element and a 4-byte scale per block of ``b``
-elements) that is ``(1 + 4 / b) * W / 8`` of the fp32 sync's bytes: about a
-quarter with two workers, growing with more (a point-to-point exchange
-would keep it there at any ``W``).
+Bytes (:func:`compressed_sync_bytes`): a rank sends the others' share of
+its codes once (step 3) and takes part in one exchange of every owner's
+codes (step 5), where the fp32 sync moves the same shares of fp32 values
+(a reduce and an exchange). With int8 codes (one byte per element and a
+4-byte scale per block of ``b`` elements) the bytes on the wire are
+``(1 + 4 / b) / 4`` of the fp32 sync's: about a quarter, at any ``W``.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import GatherSegments
+from zerofn.comm import AllToAll, GatherSegments
 from zerofn.diloco.fragments import Fragment
 from zerofn.diloco.outer import OuterStep
 from zerofn.diloco.sync import SyncProgram
@@ -110,13 +109,14 @@ def compressed_sync_program(
         residual[fragment.owned(owner)] = part - carried
 
     total = fragment.slices(gradient)[rank].clone()
+    # The own slice never leaves this rank: it is summed exact, not decoded.
+    nothing = torch.empty(0, dtype=torch.uint8, device=device)
+    sends = [nothing if owner == rank else payload for owner, payload in enumerate(mine)]
+    receives = _payloads(quantizer, (lengths[rank],) * world_size, device)
+    receives[rank] = nothing
+    received = yield AllToAll(tuple(sends), tuple(receives), rank)
     for k in range(1, world_size):
-        # Rank i's segment holds its codes for owner (i + k) % W.
-        shares = tuple((i + k) % world_size for i in range(world_size))
-        segments = _payloads(quantizer, tuple(lengths[o] for o in shares), device)
-        segments[rank] = mine[shares[rank]]
-        yield GatherSegments(tuple(segments), rank, via)
-        total += quantizer.decode(segments[(rank - k) % world_size], lengths[rank])
+        total += quantizer.decode(received[(rank - k) % world_size], lengths[rank])
 
     stepped = yield OuterStep(fragment.index, total / world_size)
     own = fragment.slices(replica)[rank]
@@ -129,10 +129,10 @@ def compressed_sync_program(
     return replica
 
 
-def compressed_sync_bytes(fragment: Fragment, quantizer: BlockQuantizer) -> int:
-    """The bytes one rank hands to the collectives of a compressed sync of
-    ``fragment`` (:func:`zerofn.comm.request_bytes` summed): ``W`` exchanges
-    (``W - 1`` of pseudo-gradient codes, one of anchor updates), each
-    holding every owner's codes once."""
-    codes = sum(quantizer.payload_nbytes(n) for n in fragment.lengths)
-    return len(fragment.lengths) * codes
+def compressed_sync_bytes(fragment: Fragment, quantizer: BlockQuantizer, rank: int) -> int:
+    """The bytes rank ``rank`` hands to the collectives of a compressed sync
+    of ``fragment`` (:func:`zerofn.comm.request_bytes` summed): its codes for
+    the other owners' slices (the all-to-all), and every owner's codes of
+    the anchor update (the exchange's whole buffer)."""
+    payloads = [quantizer.payload_nbytes(n) for n in fragment.lengths]
+    return sum(payloads) - payloads[rank] + sum(payloads)

@@ -23,6 +23,7 @@ import torch
 from zerofn.comm import (
     AllGather,
     AllReduce,
+    AllToAll,
     Broadcast,
     GatherSegments,
     Program,
@@ -80,6 +81,8 @@ def _signature(request: Request) -> tuple[object, ...]:
         return (Reduce, request.dst, shapes)
     if isinstance(request, GatherSegments):
         return (GatherSegments, request.via, shapes)
+    if isinstance(request, AllToAll):  # parts may differ in size from rank to rank
+        return (AllToAll, len(request.sends), request.sends[0].dtype)
     return (AllGather, shapes)
 
 
@@ -119,6 +122,8 @@ def fulfil(requests: Sequence[Request]) -> list[Response]:
             total = _sum([tensors_of(r)[0] for r in requests])
             tensors_of(requests[first.dst])[0].copy_(total)
             return [tensors_of(r) for r in requests]
+        if isinstance(first, AllToAll):
+            return _all_to_all([r for r in requests if isinstance(r, AllToAll)])
         if isinstance(first, GatherSegments):
             filled = [tensors_of(requests[owner])[owner].clone() for owner in range(world)]
             for request in requests:
@@ -127,6 +132,23 @@ def fulfil(requests: Sequence[Request]) -> list[Response]:
             return [tensors_of(r) for r in requests]
         gathered = tuple(tensors_of(r)[0].clone() for r in requests)
         return [tuple(t.clone() for t in gathered) for _ in requests]
+
+
+def _all_to_all(requests: Sequence[AllToAll]) -> list[Response]:
+    # Every part read before any is written: a rank may receive into what it sends.
+    parts = [[t.clone() for t in r.sends] for r in requests]
+    for me, request in enumerate(requests):
+        for src, buffer in enumerate(request.receives):
+            sent = parts[src][me]
+            if buffer.numel() != sent.numel():
+                raise CollectiveMismatch(
+                    f"rank {me} receives {buffer.numel()} elements from rank {src}, "
+                    f"which sends it {sent.numel()}"
+                )
+    for me, request in enumerate(requests):
+        for src, buffer in enumerate(request.receives):
+            buffer.copy_(parts[src][me].view_as(buffer))
+    return [r.receives for r in requests]
 
 
 def _all_reduce(requests: Sequence[Request], op: str) -> list[Response]:
