@@ -88,6 +88,13 @@ class Config:
         return (step + 1) % self.eval_every == 0 or step + 1 == self.steps
 
 
+def warmup_steps(steps: int) -> int:
+    """Steps of linear warm-up: 10, or a thirtieth of a longer run (a wide
+    model jumping to its peak lr in 10 steps settles on a plateau it leaves
+    slowly)."""
+    return max(10, steps // 30)
+
+
 def lr_schedule(peak: float, steps: int, warmup: int = 10) -> Callable[[int], float]:
     """Linear warm-up to ``peak``, then cosine decay to a tenth of it."""
 
@@ -196,7 +203,7 @@ def train_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Measured]:
     initial = TinyGPT(cfg.model)
     trainers = [Trainer(spec, copy.deepcopy(initial), cfg.lr) for spec in cfg.runs]
     logs = {spec.key: _Log() for spec in cfg.runs}
-    lr = lr_schedule(cfg.lr, cfg.steps)
+    lr = lr_schedule(cfg.lr, cfg.steps, warmup_steps(cfg.steps))
     progress = Progress(cfg.steps, cfg.progress_bar) if rank == 0 else None
     first_counted = cfg.steps - cfg.counted_steps
     for step in range(cfg.steps):

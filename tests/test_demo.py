@@ -49,7 +49,7 @@ from demo_runs import (
     select,
 )
 from demo_summary import Measured, RunSummary, memory_kinds, summarize, time_split
-from demo_train import Config, lr_schedule, train_rank
+from demo_train import Config, lr_schedule, train_rank, warmup_steps
 from demo_trainer import tensor_bytes
 
 TINY = ModelConfig(width=32, layers=1, heads=4, context=16)
@@ -116,6 +116,7 @@ def test_the_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
     lr = lr_schedule(1.0, steps=100, warmup=10)
     assert lr(0) == pytest.approx(0.1) and lr(9) == pytest.approx(1.0)
     assert lr(10) == pytest.approx(1.0) and lr(100) == pytest.approx(0.1)
+    assert warmup_steps(120) == 10 and warmup_steps(3000) == 100
 
 
 @settings(max_examples=60, deadline=None)
