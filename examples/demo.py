@@ -99,9 +99,10 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
     parser.add_argument(
         "--long",
         action="store_true",
-        help=f"train longer ({LONG.steps} steps, width {LONG.width}, lr {LONG.lr:g}: most of "
-        "an hour on 2 CPU cores with the default runs, fewer --runs train faster), until "
-        "the sampled text reads as text",
+        help=f"train longer ({LONG.steps} steps, width {LONG.width}, lr {LONG.lr:g}), until "
+        "the sampled text reads as text: over an hour on 2 CPU cores for three runs "
+        "(--runs zero+int8 trains ddp, zero and zero+int8), about twice that for the six "
+        "default runs",
     )
     parser.add_argument("--steps", type=int, help=f"default {DEFAULT.steps}")
     parser.add_argument("--width", type=int, help=f"model width, default {DEFAULT.width}")
