@@ -80,28 +80,32 @@ def load_corpus(
         texts = [t.encode() for t in docstrings(path.read_bytes())]
         if not texts:
             continue
-        data = b"\n\n".join(texts)[: max_bytes - total] + b"\n\n"
+        data = (b"\n\n".join(texts) + b"\n\n")[: max_bytes - total]
         chunks.append(data)
         files += 1
         total += len(data)
     if total < 10_000:
         raise ValueError(f"only {total} bytes of docstrings found under {root!r}")
-    text = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+    text = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
     split = int(len(text) * (1 - held_out))
     return Corpus(train=text[:split], held_out=text[split:], files=files)
 
 
+def _words(data: bytes) -> list[bytes]:
+    """Runs of ASCII letters of at least ``MIN_WORD``, lower-cased."""
+    return [w.lower() for w in _WORD.findall(data) if len(w) >= MIN_WORD]
+
+
 def vocabulary(text: torch.Tensor) -> frozenset[bytes]:
-    """The words of ``text`` (``uint8`` tokens): runs of ASCII letters of at
-    least ``MIN_WORD``, lower-cased."""
-    return frozenset(w.lower() for w in _WORD.findall(bytes(text.tolist())) if len(w) >= MIN_WORD)
+    """The words of ``text`` (``uint8`` tokens), as :func:`known_word_share` reads them."""
+    return frozenset(_words(bytes(text.tolist())))
 
 
 def known_word_share(sample: bytes, known: frozenset[bytes]) -> float:
-    """The share of ``sample``'s words (as :func:`vocabulary` reads them) that
-    are in ``known``: how much of a generated text a reader would recognise.
-    0 when it has no words at all."""
-    words = [w.lower() for w in _WORD.findall(sample) if len(w) >= MIN_WORD]
+    """The share of ``sample``'s words (runs of ASCII letters of at least
+    ``MIN_WORD``, lower-cased) that are in ``known``: how much of a generated
+    text a reader would recognise. 0 when it has no words at all."""
+    words = _words(sample)
     return sum(w in known for w in words) / len(words) if words else 0.0
 
 

@@ -241,14 +241,15 @@ def samples(
         f"for every run), shown where at least {READABLE_SHARE:.0%} of its words of "
         f"{MIN_WORD}+ letters are words of the training text:"
     ]
+    shares = {s.spec.key: known_word_share(texts[s.spec.key], known) for s in summaries}
     for s in summaries:
-        share = known_word_share(texts[s.spec.key], known)
+        share = shares[s.spec.key]
         if share < READABLE_SHARE:
             out.append(f"  {s.spec.key}: not shown, {share:.0%} of its words are words")
             continue
         out.append(f"  {s.spec.key} ({share:.0%} of its words are words):")
         text = printable(prompt + texts[s.spec.key])
         out.extend(f"    | {line}" for line in text.splitlines()[:8])
-    if any(known_word_share(texts[s.spec.key], known) < READABLE_SHARE for s in summaries):
+    if any(share < READABLE_SHARE for share in shares.values()):
         out.append("  (too little training for text to read as text: --long trains to it)")
     return "\n".join(out)
