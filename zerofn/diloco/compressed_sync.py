@@ -102,16 +102,18 @@ def compressed_sync_program(
         )
     device = values.device
     gradient = replica - values + residual
-    mine = _payloads(quantizer, lengths, device)
-    for owner, (part, payload) in enumerate(zip(fragment.slices(gradient), mine, strict=True)):
-        quantizer.encode(part, payload)
-        carried = part if owner == rank else quantizer.decode(payload, part.numel())
+    # The own slice never leaves this rank: it is summed exact, not encoded.
+    nothing = torch.empty(0, dtype=torch.uint8, device=device)
+    sends = _payloads(quantizer, lengths, device)
+    sends[rank] = nothing
+    for owner, (part, payload) in enumerate(zip(fragment.slices(gradient), sends, strict=True)):
+        carried = part
+        if owner != rank:
+            quantizer.encode(part, payload)
+            carried = quantizer.decode(payload, part.numel())
         residual[fragment.owned(owner)] = part - carried
 
     total = fragment.slices(gradient)[rank].clone()
-    # The own slice never leaves this rank: it is summed exact, not decoded.
-    nothing = torch.empty(0, dtype=torch.uint8, device=device)
-    sends = [nothing if owner == rank else payload for owner, payload in enumerate(mine)]
     receives = _payloads(quantizer, (lengths[rank],) * world_size, device)
     receives[rank] = nothing
     received = yield AllToAll(tuple(sends), tuple(receives), rank)
