@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 WORLD   ?= 2
 
-.PHONY: test lint demo bench docs notebooks clean
+.PHONY: test test-slow lint demo bench docs notebooks clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,8 +41,15 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff format --check conftest.py zerofn adapters tests benchmarks examples notebooks/*.py
 	$(BIN)/mypy
 
+# make test: lint, then everything but the soaks and the runs that kill or stall
+# real ranks, property tests drawing a quarter of their examples (minutes).
+# make test-slow: those soaks and runs, and every property test drawing all of
+# its examples (tests/_draws.py). CI runs both.
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not slow" --durations=10
+
+test-slow: $(VENV)/.test-installed
+	ZEROFN_DRAWS=thorough $(BIN)/pytest -q -m "slow or hypothesis" --durations=10
 
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/demo.py --world-size $(WORLD)

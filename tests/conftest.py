@@ -1,5 +1,6 @@
 """Shared fixtures: a one-rank gloo group inside the pytest process, for tests
-of the adapter's single-rank behaviour and its input checks."""
+of the adapter's single-rank behaviour and its input checks; and hypothesis's
+default draw count for tests that state none (see ``_draws``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
+from _draws import draws
+from hypothesis import settings
+
+settings.register_profile("zerofn", max_examples=draws(100))
+settings.load_profile("zerofn")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as torch_default_hooks
 import torch.distributed.algorithms.model_averaging.utils as torch_averaging_utils
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
@@ -84,7 +85,7 @@ def torch_averaging_steps(averager: Any, calls: list[Any]) -> list[Any]:
 # ----- periodic -----------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(period=st.integers(1, 12), warmup=st.integers(0, 20))
 def test_periodic_averages_at_pytorchs_steps(
     recorded_groups: list[Any], period: int, warmup: int
@@ -112,7 +113,7 @@ def test_periodic_averages_first_after_warmup_then_every_period(
 increasing_periods = st.lists(st.integers(1, 16), min_size=1, max_size=4, unique=True).map(sorted)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(periods=increasing_periods, warmup=st.integers(0, 20))
 def test_hierarchical_picks_pytorchs_level_at_every_step(
     recorded_groups: list[Any], periods: list[int], warmup: int
@@ -309,7 +310,7 @@ def torch_hook_syncs(state: Any, buckets_per_iter: list[int]) -> list[str]:
     return seen
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(
     start=st.integers(0, 6),
     post_local=st.booleans(),

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _draws import draws
 from _world import run_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,7 +48,7 @@ from zerofn.zero.checkpoint_run import (
 )
 from zerofn.zero.sharded_checkpoint import extra_entries, nested_extra
 
-SETTINGS = settings(max_examples=200, deadline=None)
+SETTINGS = settings(max_examples=draws(200), deadline=None)
 
 # ----- the pure decisions ---------------------------------------------------------------
 
@@ -318,6 +319,7 @@ def killed_resaves(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, 
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("single_rank_group")
 @pytest.mark.parametrize(("point", "victim", "holds"), KILLS)
+@pytest.mark.slow
 def test_a_rank_killed_during_a_resave_leaves_a_whole_checkpoint(
     killed_resaves: dict[tuple[str, int], pathlib.Path], point: str, victim: int, holds: int
 ) -> None:

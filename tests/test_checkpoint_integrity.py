@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _draws import draws
 from _world import run_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,7 +41,7 @@ from zerofn.zero.checkpoint_manifest import (
     refusal,
 )
 
-SETTINGS = settings(max_examples=100, deadline=None)
+SETTINGS = settings(max_examples=draws(100), deadline=None)
 
 # ----- the pure checks ----------------------------------------------------------------
 

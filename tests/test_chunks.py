@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,7 @@ from zerofn.zero.layout import Slot
 from zerofn.zero.partition import Piece
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=draws(100), deadline=None)
 @given(numel=st.integers(0, 5000), itemsize=st.sampled_from([2, 4, 8]), chunk=st.integers(1, 4096))
 def test_chunks_cover_the_tensor_as_split_does(numel: int, itemsize: int, chunk: int) -> None:
     sizes = chunk_sizes(numel, itemsize, chunk)
@@ -29,7 +30,7 @@ def test_chunks_cover_the_tensor_as_split_does(numel: int, itemsize: int, chunk:
     assert all(0 < s <= per for s in sizes) or sizes == (0,)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(
     groups=st.lists(st.integers(0, 300), min_size=1, max_size=4),
     chunk=st.integers(4, 256),
@@ -70,7 +71,7 @@ def test_conversions_refuse_what_does_not_fit() -> None:
         chunk_sizes(-1, 4)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1000)), min_size=0, max_size=6),
     st.booleans(),

@@ -241,6 +241,7 @@ def _theirs(record: dict[str, Any]) -> bool:
     return all(flow.startswith("torch_") for flow in record["flows"])
 
 
+@pytest.mark.slow
 def test_every_flow_exits_cleanly_on_a_loaded_machine(runs: list[dict[str, Any]]) -> None:
     from _exit_flows import ZEROFN_FLOWS
 
@@ -251,12 +252,14 @@ def test_every_flow_exits_cleanly_on_a_loaded_machine(runs: list[dict[str, Any]]
     assert not _failures(ours), _failures(ours)
 
 
+@pytest.mark.slow
 def test_groups_destroyed_right_after_their_work_go_cleanly(runs: list[dict[str, Any]]) -> None:
     ours = [r for r in runs if r["flows"] == ["group_churn"]]
     assert {r["world_size"] for r in ours} == {2, 3, 4}
     assert not _failures(ours), _failures(ours)
 
 
+@pytest.mark.slow
 def test_pytorchs_own_flows_exit_cleanly_the_same_way(runs: list[dict[str, Any]]) -> None:
     """The control: had it failed, an abort left would be PyTorch's own."""
     theirs = [r for r in runs if _theirs(r)]

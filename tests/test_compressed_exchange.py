@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,7 +39,7 @@ def block_scales(q: BlockQuantizer, payload: torch.Tensor, numel: int) -> torch.
     return scales.repeat_interleave(q.block)[:numel]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=draws(80), deadline=None)
 @given(
     q=quantizers,
     numel=st.integers(0, 700),
@@ -108,7 +109,7 @@ def distance(rank: SimulatedRank) -> torch.Tensor:
     return gap - bound
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=draws(25), deadline=None)
 @given(
     mode=st.sampled_from(["greedy", "balanced", "flat"]),
     world=st.integers(1, 4),
@@ -189,7 +190,7 @@ def test_a_rank_without_gradients_still_sends_its_residual() -> None:
     assert max(d.max().item() for d in map(distance, ranks)) <= max(gap_before, 0.0)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=draws(15), deadline=None)
 @given(
     shard_buckets=st.booleans(),
     interleaved=st.booleans(),

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -17,7 +18,7 @@ from torch.distributed.optim.zero_redundancy_optimizer import _OverlapInfo, _Ove
 from zerofn import BucketPlan, assign_buckets
 from zerofn.testing import strategies as zst
 
-SETTINGS = settings(max_examples=100, deadline=None)
+SETTINGS = settings(max_examples=draws(100), deadline=None)
 
 # Tie-prone sizes, small enough that buckets often get cut.
 BUCKETS = zst.bucket_layouts(max_buckets=6, max_params_per_bucket=6, max_numel=16, large_numel=256)
@@ -150,7 +151,7 @@ def _ours(plan: BucketPlan) -> list[list[tuple[int, int, int, list[int]]]]:
     ]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(BUCKETS, zst.world_sizes(max_size=8), st.booleans(), st.data())
 def test_assignment_equals_pytorch(
     buckets: list[list[int]], world_size: int, shard_buckets: bool, data: st.DataObject

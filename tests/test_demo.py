@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 
 import demo
+from _draws import draws
 from demo_data import (
     batch,
     known_word_share,
@@ -119,7 +120,7 @@ def test_the_lr_schedule_warms_up_then_decays_to_a_tenth() -> None:
     assert warmup_steps(120) == 10 and warmup_steps(3000) == 100
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(
     st.lists(
         st.lists(
@@ -142,7 +143,7 @@ def test_format_table_is_a_rectangle_holding_every_cell(rows: list[list[str]]) -
         assert [c.strip() for c in line[2:-2].split(" | ")] == [c.strip() for c in row]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(st.lists(st.sampled_from([s.key for s in CATALOGUE]), min_size=1, max_size=4))
 def test_select_adds_the_baselines_in_catalogue_order(keys: list[str]) -> None:
     runs = select(keys)

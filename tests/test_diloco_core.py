@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_checkpoint_integrity import same
@@ -45,7 +46,7 @@ from zerofn.diloco.sync import run_sync, sync_bytes, sync_program
 from zerofn.errors import CollectiveError
 from zerofn.testing.world import Dropout, run_programs
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=draws(40), deadline=None)
 
 
 @st.composite

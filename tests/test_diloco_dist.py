@@ -404,6 +404,7 @@ def streaming_case(rank: int, tick: Tick) -> None:
 CASES: dict[str, Case] = {"DiLoCoOptimizer.step (delay 1)": streaming_case}
 
 
+@pytest.mark.slow
 def test_a_dead_or_hung_peer_raises_a_collective_error_when_the_result_is_due() -> None:
     outcomes = run_family(CASES, timeout_s=TIMEOUT_S)
     control: Outcome = outcomes[next(iter(CASES)), "none"]

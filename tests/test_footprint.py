@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from _world import run_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,7 +38,7 @@ def test_built_in_models_have_their_published_sizes(name: str, published: int) -
     assert sum(math.prod(s) for s in MODELS[name]()) == published
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 500), min_size=1, max_size=12),
     world_size=st.integers(1, 16),

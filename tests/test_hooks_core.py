@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as torch_quant
@@ -40,7 +41,7 @@ from zerofn.hooks.sparsify import kept_count, top_k
 from zerofn.stats import comm_stats, with_stats
 from zerofn.testing.world import CollectiveMismatch, run_programs, simulate_iteration
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=draws(40), deadline=None)
 pytestmark = pytest.mark.timeout(60)
 
 Grads = list[list[torch.Tensor]]  # [rank][bucket]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,7 @@ from zerofn import (
 )
 from zerofn.testing import strategies as zst
 
-SETTINGS = settings(max_examples=100, deadline=None)
+SETTINGS = settings(max_examples=draws(100), deadline=None)
 
 KEYS = ["cpu:float32", "cpu:float16", "cuda:0:float32"]
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -82,7 +83,7 @@ def test_dense_type_errors() -> None:
     check_same_dense_type([torch.zeros(2), torch.ones(3, 4)])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(zst.group_sizes(max_groups=3, max_params_per_group=4, max_numel=8, max_large=0), st.data())
 def test_valid_params_are_normalized_without_mutation(
     groups: list[list[int]], data: st.DataObject

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -27,7 +28,7 @@ from zerofn import (
 from zerofn.testing import strategies as zst
 from zerofn.zero.plan import plan_shards, with_trainable
 
-SETTINGS = settings(max_examples=100, deadline=None)
+SETTINGS = settings(max_examples=draws(100), deadline=None)
 
 # Small sizes drawn from a short list: many ties, which decide the assignment.
 TIED_GROUPS = zst.group_sizes(
@@ -165,7 +166,7 @@ def _as_lists(partition: Partition) -> list[list[list[int]]]:
     return [[list(g) for g in rank] for rank in partition.assignment]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(TIED_GROUPS, zst.world_sizes(max_size=8))
 def test_greedy_equals_pytorch_on_ties(groups: list[list[int]], world_size: int) -> None:
     assert _as_lists(greedy_partition(groups, world_size)) == _pytorch_greedy(groups, world_size)

@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from _draws import draws
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
@@ -39,7 +40,7 @@ from zerofn.hooks.powersgd.keys import KeyFinder, tracked
 from zerofn.testing import strategies as zst
 from zerofn.testing.world import run_programs, simulate_iteration
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=draws(40), deadline=None)
 State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
 Shapes = list[tuple[int, ...]]
 
@@ -314,8 +315,14 @@ def test_batched_orthogonalisation_equals_pytorchs_per_matrix_loop(
         theirs = matrices[i : i + 1].clone()
         torch_orthogonalize(theirs, epsilon)
         torch.testing.assert_close(ours[i : i + 1], theirs, rtol=1e-6, atol=1e-6)
-    eye = torch.eye(cols).expand(batch, cols, cols)
-    torch.testing.assert_close(ours.transpose(1, 2) @ ours, eye, rtol=1e-5, atol=1e-5)
+    # Gram-Schmidt loses orthogonality in proportion to the matrix's condition
+    # number (seed 69 draws a 2x2 of condition 345): allow float32's epsilon
+    # times that, and never less than 1e-5.
+    condition = torch.linalg.cond(matrices.double()).clamp(max=1e6)
+    for i in range(batch):
+        tolerance = max(1e-5, 8 * torch.finfo(torch.float32).eps * float(condition[i]))
+        gram = ours[i].T @ ours[i]
+        torch.testing.assert_close(gram, torch.eye(cols), rtol=0, atol=tolerance)
 
 
 def test_orthogonalize_refuses_wide_or_unbatched_input() -> None:

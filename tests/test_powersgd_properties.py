@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +37,7 @@ from zerofn.hooks.powersgd import (
 from zerofn.testing import strategies as zst
 from zerofn.testing.world import run_programs
 
-SETTINGS = settings(max_examples=30, deadline=None)
+SETTINGS = settings(max_examples=draws(30), deadline=None)
 State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
 Layout = list[list[int]]  # buckets of parameter keys
 VARIANTS: dict[str, Callable[[PowerSGDConfig], PowerSGDHook]] = {

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,7 +46,7 @@ shards = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(shards, st.sampled_from([1.0, 2.0, 3.0, math.inf]))
 def test_global_norm_over_shards_equals_the_whole_norm(
     per_rank: list[list[float]], norm_type: float
@@ -63,7 +64,7 @@ def test_global_norm_over_shards_equals_the_whole_norm(
     assert norms[0] == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=8))
 def test_any_rank_with_inf_makes_every_rank_skip(poisoned: list[bool]) -> None:
     grads = [
@@ -91,7 +92,7 @@ def test_clip_coefficient_refuses_bad_max_norm_and_propagates_nan() -> None:
     assert clip_coefficient(math.inf, 1.0) == 0.0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=draws(200), deadline=None)
 @given(st.lists(st.booleans(), max_size=60), st.integers(1, 5))
 def test_loss_scale_schedule(found: list[bool], interval: int) -> None:
     config = LossScaleConfig(init_scale=2.0**8, growth_interval=interval)

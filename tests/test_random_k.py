@@ -16,6 +16,7 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
+from _draws import draws
 from _world import run_world
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -65,7 +66,7 @@ def sparse_sizes(draw: st.DrawFn, max_numel: int = 200) -> tuple[int, float]:
 # ----- the positions ------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(st.integers(0, 10_000), st.data())
 def test_random_positions_are_distinct_and_one_per_stretch(numel: int, data: st.DataObject) -> None:
     k = data.draw(st.integers(0, numel))
@@ -78,7 +79,7 @@ def test_random_positions_are_distinct_and_one_per_stretch(numel: int, data: st.
         assert j * numel // k <= position < (j + 1) * numel // k
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=draws(40), deadline=None)
 @given(sparse_sizes(), st.integers(0, 2**40), st.integers(1, 3))
 def test_positions_differ_across_iterations_and_buckets(
     sizes: tuple[int, float], seed: int, ranks: int
@@ -101,7 +102,7 @@ def test_positions_differ_across_iterations_and_buckets(
     assert states is not None and states[0].global_state == StreamState(30)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=draws(40), deadline=None)
 @given(
     st.integers(2, 4),
     st.lists(st.integers(1, 120), min_size=1, max_size=3),
@@ -129,7 +130,7 @@ def test_positions_agree_across_ranks(
         assert torch.equal(outs[0][b][kept], (total / ranks)[kept])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(st.integers(0, 2**40), st.integers(0, 10**6), st.integers(0, 50), st.integers(1, 500))
 def test_a_draw_depends_on_seed_iteration_bucket_and_length_only(
     seed: int, iteration: int, bucket: int, numel: int
@@ -163,7 +164,7 @@ def run_steps(hook: CommHook[StreamState, Any], grads: Grads) -> tuple[torch.Ten
     return sent, owed
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=draws(12), deadline=None)
 @given(st.integers(2, 24), st.floats(0.25, 0.9), st.integers(1, 2), st.integers(0, 2**40))
 def test_error_feedback_sends_every_entry_eventually(
     numel: int, k_fraction: float, ranks: int, seed: int
@@ -208,7 +209,7 @@ def test_error_feedback_replays_the_real_runs_positions_under_cast() -> None:
 # ----- bytes and bad inputs ---------------------------------------------------------------
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=draws(30), deadline=None)
 @given(
     st.lists(st.integers(1, 300), min_size=1, max_size=3),
     st.floats(0.01, 1.0),

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ from zerofn import (
 )
 from zerofn.testing import strategies as zst
 
-SETTINGS = settings(max_examples=100, deadline=None)
+SETTINGS = settings(max_examples=draws(100), deadline=None)
 
 MAKERS = {"greedy": greedy_partition, "balanced": balanced_partition, "flat": flat_partition}
 GROUPS = zst.group_sizes(max_groups=3, max_params_per_group=6, max_numel=24, large_numel=200)

@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerofn.testing import strategies as zst
 
-SETTINGS = settings(max_examples=100, deadline=None)
+SETTINGS = settings(max_examples=draws(100), deadline=None)
 
 
 def test_zerofn_does_not_import_hypothesis() -> None:

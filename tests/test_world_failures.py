@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,7 @@ from zerofn.testing.world import (
     simulate_iteration,
 )
 
-SETTINGS = settings(max_examples=30, deadline=None)
+SETTINGS = settings(max_examples=draws(30), deadline=None)
 pytestmark = pytest.mark.timeout(120)
 
 HOOKS: dict[str, CommHook[Any, Any]] = {

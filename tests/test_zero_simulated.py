@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _draws import draws
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,7 @@ from zerofn.zero.exchange import exchange_program, flat_grad, group_slots
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan, plan_shards
 
-SETTINGS = settings(max_examples=200, deadline=None)
+SETTINGS = settings(max_examples=draws(200), deadline=None)
 pytestmark = pytest.mark.timeout(120)
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -238,7 +239,7 @@ def assert_every_rank_equals(
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=draws(150), deadline=None)
 @given(case=overlapped_runs(), name=st.sampled_from(sorted(OPTIMIZERS)))
 def test_overlapped_step_equals_ddp_then_the_unsharded_optimizer(
     case: dict[str, Any], name: str
@@ -255,7 +256,7 @@ def test_overlapped_step_equals_ddp_then_the_unsharded_optimizer(
     assert_every_rank_equals(run.params, expected, rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=draws(60), deadline=None)
 @given(case=overlapped_runs(), name=st.sampled_from(sorted(OPTIMIZERS)))
 def test_overlapped_step_with_fp16_compression_steps_the_rounded_average(
     case: dict[str, Any], name: str
@@ -300,7 +301,7 @@ def test_fp16_compression_reaches_the_step() -> None:
             assert torch.equal(p, -3 * average)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=draws(150), deadline=None)
 @given(case=overlapped_runs(), reduce_to_owner=st.booleans())
 def test_overlapped_step_makes_the_collectives_the_plan_accounts_for(
     case: dict[str, Any], reduce_to_owner: bool
