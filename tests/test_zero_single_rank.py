@@ -59,6 +59,46 @@ def test_bad_params_raise(params: Any, error: type[Exception]) -> None:
         ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
 
 
+@pytest.mark.parametrize(
+    ("optimizer_class", "message"),
+    [
+        ("adam", r"optimizer_class='adam' is a string; .*torch\.optim\.Adam\b"),
+        ("lion", r"is a string; .*torch\.optim\.AdamW"),
+        (torch.nn.Linear, r"torch\.nn\.modules\.linear\.Linear is not a torch\.optim\.Optimizer"),
+        (3, r"must be a torch\.optim\.Optimizer subclass .*got a int"),
+        (lambda params, **kw: params, r"built a list, not a torch\.optim\.Optimizer"),
+    ],
+    ids=[
+        "name-of-an-optimizer",
+        "unknown-name",
+        "module-class",
+        "number",
+        "factory-of-no-optimizer",
+    ],
+)
+def test_an_optimizer_class_that_is_none_is_refused_before_anything_is_built(
+    optimizer_class: Any, message: str
+) -> None:
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=message):
+        ZeroRedundancyOptimizer(model.parameters(), optimizer_class, lr=0.1)
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q) and p.grad is None
+
+
+def test_a_factory_that_builds_an_optimizer_is_accepted() -> None:
+    import functools
+
+    model, twin = make_model(), make_model()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), functools.partial(torch.optim.SGD, momentum=0.9), lr=0.1
+    )
+    train(model, opt, 3)
+    train(twin, torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9), 3)
+    assert_same_params(model, twin)
+
+
 def test_manual_partition_errors_name_the_problem() -> None:
     model = make_model()
     params = list(model.parameters())

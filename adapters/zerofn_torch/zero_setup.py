@@ -108,10 +108,16 @@ def check_local_optimizer(
     Raises:
         ValueError: ``optimizer_class`` refuses a value (``torch.optim``'s
             checks: a negative ``lr``, ``betas`` out of range, ...).
-        TypeError: ``optimizer_class`` takes no option of that name.
+        TypeError: ``optimizer_class`` takes no option of that name, or
+            (a factory rather than a class) builds no ``torch.optim.Optimizer``.
     """
     probes = [{**hyperparameters(g), "params": [probe.clone()]} for g in groups]
-    optimizer_class(probes, **defaults)
+    built = optimizer_class(probes, **defaults)
+    if not isinstance(built, Optimizer):
+        raise TypeError(
+            f"optimizer_class={optimizer_class!r} built a {type(built).__name__}, not a "
+            "torch.optim.Optimizer; pass an optimizer class such as torch.optim.AdamW"
+        )
 
 
 def zero_options(

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from zerofn.zero.optimizers import check_elementwise
+from zerofn.zero.optimizers import check_elementwise, check_optimizer_class
 from zerofn.zero.params import check_same_dense_type, normalize_params
 from zerofn.zero.plan import PlanMode, ShardPlan, plan_shards
 
@@ -32,11 +32,14 @@ def check_arguments(
     """Refuse what the optimizer's constructor cannot build, before anything is built.
 
     Raises:
+        TypeError: ``optimizer_class`` is not an optimizer class (a string,
+            a module class, ...).
         ValueError: sparse or mixed-type parameters; ``overlap_with_ddp``
             with a partition other than the default; ``partition="flat"``
             with an optimizer not known to be element-wise.
         RuntimeError: ``overlap_with_ddp`` with more than one param group.
     """
+    check_optimizer_class(optimizer_class)
     check_same_dense_type([p for g in groups for p in g["params"]])
     if overlap_with_ddp and len(groups) != 1:
         raise RuntimeError(

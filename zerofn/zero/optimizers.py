@@ -1,10 +1,11 @@
-"""Which optimizers may step a flat shard that cuts through tensors."""
+"""What may serve as the local optimizer: an optimizer class at all, and which
+of them may step a flat shard that cuts through tensors."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_elementwise"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_elementwise", "check_optimizer_class"]
 
 # Each of these updates every element from that element's own gradient and
 # state (plus scalars such as the step count), so stepping any concatenation
@@ -24,6 +25,56 @@ ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
         torch.optim.ASGD,
     }
 )
+
+
+def check_optimizer_class(optimizer_class: object) -> None:
+    """Refuse an ``optimizer_class`` that cannot build an optimizer.
+
+    A ``torch.optim.Optimizer`` subclass passes, and so does any other
+    callable that is not a class (a ``functools.partial`` or a factory
+    function): what it builds is checked once it is called.
+
+    Args:
+        optimizer_class: what the caller passed as the local optimizer.
+
+    Raises:
+        TypeError: a string (naming the class it probably meant), another
+            object that is not callable, or a class that is not a
+            ``torch.optim.Optimizer`` subclass (a module, say).
+    """
+    if isinstance(optimizer_class, str):
+        meant = _optimizer_named(optimizer_class)
+        hint = f"torch.optim.{meant.__name__}" if meant is not None else "torch.optim.AdamW"
+        raise TypeError(
+            f"optimizer_class={optimizer_class!r} is a string; pass the optimizer class "
+            f"itself, e.g. optimizer_class={hint}"
+        )
+    if isinstance(optimizer_class, type):
+        if not issubclass(optimizer_class, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer_class={optimizer_class.__module__}.{optimizer_class.__qualname__} "
+                "is not a torch.optim.Optimizer subclass; pass an optimizer class such as "
+                "torch.optim.AdamW (the model's parameters go in params)"
+            )
+        return
+    if not callable(optimizer_class):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"torch.optim.AdamW, got a {type(optimizer_class).__name__} ({optimizer_class!r})"
+        )
+
+
+def _optimizer_named(name: str) -> type[torch.optim.Optimizer] | None:
+    wanted = name.lower().replace("_", "")
+    for attribute in dir(torch.optim):
+        candidate = getattr(torch.optim, attribute)
+        if (
+            isinstance(candidate, type)
+            and issubclass(candidate, torch.optim.Optimizer)
+            and attribute.lower() == wanted
+        ):
+            return candidate
+    return None
 
 
 def check_elementwise(optimizer_class: type, declared_elementwise: bool = False) -> None:
