@@ -4,10 +4,11 @@ resuming from the newest whole checkpoint.
 
 The pattern (see docs/resilience.md):
 
-1. at start, ``latest_checkpoint(run_dir)`` names the newest whole checkpoint
-   of the run (``None`` on the first start); ``load_sharded`` loads the
-   optimizer's shard from it and returns the ``extra`` saved with it: the
-   model's state and the step count;
+1. at start, rank 0's ``latest_checkpoint(run_dir)``, broadcast to every
+   rank, names the newest whole checkpoint of the run (``None`` on the first
+   start); ``load_sharded`` loads the optimizer's shard from it and returns
+   the ``extra`` saved with it: the model's state and the step count; rank 0
+   prints ``resumed from step N (checkpoint DIR)``;
 2. every ``--save-every`` steps, ``save_sharded(..., blocking=False,
    keep_last=2)`` copies the state and writes it in the background while
    training goes on; the run directory keeps the 2 newest checkpoints;
@@ -23,7 +24,7 @@ bit for bit.
 Run (gloo on CPU; the variable works around torch 2.13's torchrun, see
 :func:`warn_if_restarts_share_a_store`)::
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node 2 --max-restarts 3 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nproc_per_node 2 --max-restarts 3 \\
         examples/train_resumable.py --run-dir runs/demo --steps 200 --save-every 20
 
 and ``kill -9`` one of the workers while it trains. ``--kill`` makes the job
@@ -132,7 +133,8 @@ def resume(optimizer: ZeroRedundancyOptimizer, model: nn.Module, run_dir: str) -
         run_dir: the run's checkpoint directory.
 
     Returns:
-        How many steps the checkpoint holds (0 when there is none).
+        How many steps the checkpoint holds (0 when there is none); rank 0
+        prints it and the checkpoint's directory.
 
     Raises:
         zerofn.errors.CheckpointError: the checkpoint is damaged (every rank).
@@ -142,7 +144,10 @@ def resume(optimizer: ZeroRedundancyOptimizer, model: nn.Module, run_dir: str) -
         return 0
     extra = load_sharded(optimizer, path)
     model.load_state_dict(extra["model"])
-    return int(extra["step"])
+    step = int(extra["step"])
+    if dist.get_rank() == 0:
+        print(f"resumed from step {step} (checkpoint {path})", flush=True)
+    return step
 
 
 def save(

@@ -2,7 +2,8 @@
 program the simulated world runs (bitwise equal to it), every rank's
 parameters are bitwise identical, the bytes sent are the payloads', and a
 checkpoint (consolidated or sharded) resumes exactly, also resharded to
-another partition; and the overlapped step compresses its owners' sends. One spawned
+another partition; and the overlapped step compresses its owners' sends, with its
+memory counted as held (masters, no exchange buffer between iterations). One spawned
 world runs every check (spawning is slow on 2 cores)."""
 
 from __future__ import annotations
@@ -141,10 +142,22 @@ def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
         for step in range(6):
             g = torch.Generator().manual_seed(900 + 10 * step + rank)
-            ddp(torch.randn(5, 9, generator=g)).square().mean().backward()
+            with collective_traffic() as seen:
+                ddp(torch.randn(5, 9, generator=g)).square().mean().backward()
             zero.zero_grad()
         out[("identical_overlap", compression)] = gathered_equal(ddp.module)
         finals[compression] = [p.detach().clone() for p in ddp.module.parameters()]
+        # What memory_bytes() counts, against what the optimizer really holds
+        # between iterations: the tensors its local optimizer steps (the
+        # masters, with compression) and no exchange buffer (the hook's
+        # payloads live during backward only).
+        stepped = [p for group in zero.optim.param_groups for p in group["params"]]
+        out[("overlap_memory", compression)] = (
+            zero.memory_bytes(),
+            sum(p.numel() * p.element_size() for p in stepped),
+            zero.setup.exchange is None and not zero.setup.shards.buffers,
+        )
+        out[("overlap_sent", compression)] = seen.payload_bytes["broadcast"]
     out["overlap_gap"] = max(
         (a - b).abs().max().item() for a, b in zip(finals[None], finals["int8"], strict=True)
     )
@@ -216,6 +229,18 @@ def test_the_overlapped_step_compresses_too(results: dict[str, Any]) -> None:
     assert results[("identical_overlap", "int8")]
     # Six Adam steps of lr 0.01: int8 codes resolve a step to 1/254.
     assert 0 < results["overlap_gap"] < 1e-3
+
+
+def test_the_overlapped_steps_memory_is_counted(results: dict[str, Any]) -> None:
+    exact, _, exact_holds_none = results[("overlap_memory", None)]
+    counted, masters, holds_none = results[("overlap_memory", "int8")]
+    assert exact["master_weights"] == 0
+    assert counted["master_weights"] == masters > 0
+    # No exchange buffer is held between iterations, exact or compressed.
+    assert exact_holds_none and holds_none
+    assert exact["exchange_buffers"] == counted["exchange_buffers"] == 0
+    # The compressed sends carry the payloads: about a quarter of fp32's bytes.
+    assert results[("overlap_sent", "int8")] < 0.3 * results[("overlap_sent", None)]
 
 
 def test_the_optimizer_runs_the_simulated_program(results: dict[str, Any]) -> None:

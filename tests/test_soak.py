@@ -168,6 +168,7 @@ def _explain(job: Job) -> str:
 
 
 @SOAK_TIMEOUT
+@pytest.mark.slow
 def test_both_jobs_finish_and_log_every_start(jobs: tuple[Job, Job]) -> None:
     reference, killed = jobs
     assert reference.returncode == 0, _explain(reference)
@@ -180,6 +181,7 @@ def test_both_jobs_finish_and_log_every_start(jobs: tuple[Job, Job]) -> None:
 
 
 @SOAK_TIMEOUT
+@pytest.mark.slow
 def test_every_planned_kill_happened_where_planned(jobs: tuple[Job, Job]) -> None:
     _, killed = jobs
     rows = restarts(killed.records)
@@ -208,14 +210,22 @@ def _check_resume(row: Restart, save_every: int) -> None:
 
 
 @SOAK_TIMEOUT
+@pytest.mark.slow
 def test_each_restart_resumes_from_the_newest_whole_checkpoint(jobs: tuple[Job, Job]) -> None:
     _, killed = jobs
     assert starts(killed.records)[0]["resumed_from"] == 0
     for row in restarts(killed.records):
         _check_resume(row, TEST.save_every)
+    # Each start that resumed says so, naming the step and the checkpoint.
+    for start in starts(killed.records):
+        step = start["resumed_from"]
+        if step:
+            said = f"resumed from step {step} (checkpoint {killed.run_dir}"
+            assert said in killed.output, _explain(killed)
 
 
 @SOAK_TIMEOUT
+@pytest.mark.slow
 def test_the_run_ends_with_its_two_newest_checkpoints_and_no_temporaries(
     jobs: tuple[Job, Job],
 ) -> None:
@@ -226,6 +236,7 @@ def test_the_run_ends_with_its_two_newest_checkpoints_and_no_temporaries(
 
 
 @SOAK_TIMEOUT
+@pytest.mark.slow
 def test_the_killed_run_ends_bitwise_equal_to_the_uninterrupted_one(
     jobs: tuple[Job, Job],
 ) -> None:

@@ -22,7 +22,10 @@ def memory_bytes(setup: ZeroSetup, params: list[torch.Tensor], optim: Optimizer)
     Returns:
         ``parameters``, ``gradients``, ``master_weights``,
         ``optimizer_state`` and ``exchange_buffers`` (buffer bytes no
-        parameter lives in, plus the compressed exchange's payloads).
+        parameter lives in, plus the compressed exchange's payloads). With
+        ``overlap_with_ddp`` no exchange buffer is held between iterations,
+        exact or compressed (the hook's messages live during backward only),
+        so ``exchange_buffers`` is 0.
     """
     aliased = 0
     for buffer in setup.shards.buffers:
