@@ -703,3 +703,21 @@ def test_the_parameters_keys_stay_with_the_live_state_not_its_state_dict() -> No
     fresh = PowerSGDState(None)
     fresh.load_state_dict(saved)
     assert fresh.hook_state.global_state.parameter_keys.known == {}
+
+
+@pytest.mark.slow
+def test_runs_to_the_end_the_script_on_which_pytorchs_hook_aborts() -> None:
+    """examples/powersgd_on_gloo.py: PyTorch 2.13's hook ends this run with
+    SIGABRT some iterations after compression starts (gloo pairs collectives
+    of different sizes); zerofn's runs well past that, replicas equal."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import powersgd_on_gloo as script
+
+    steps = script.START + 25
+    (losses0, params0), (losses1, params1) = run_world(script.train_rank, 2, "zerofn", steps, True)
+    assert len(losses0) == len(losses1) == steps
+    assert all(torch.isfinite(torch.tensor(losses0 + losses1)))
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1, strict=True))
