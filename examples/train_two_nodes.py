@@ -94,16 +94,15 @@ def planned_link_bytes(numel: int, syncs: int) -> int:
 
     - DiLoCo's start: rank 0 broadcasts its parameters: 4N bytes;
     - each sync: one reduce per owner's slice (S = 4N / W = 2N bytes each),
-      then one broadcast per slice from its owner (the all-gather). gloo's
-      reduce is a ring reduce-scatter followed by a gather of the reduced
-      halves to the root: 1.5 S cross the link (the non-root sends S, the
-      root S / 2; measured), not the S a direct send would take. A
-      broadcast moves S. So a sync moves W * 1.5 S + W * S = 10N bytes, 1.25
-      times the 8N of one all-reduce (the reduce-scatter and all-gather
-      DiLoCo's sync amounts to: 2 (W - 1) / W * 4N per rank).
+      then one broadcast per slice from its owner (the all-gather). On gloo
+      zerofn sends a reduce's contributions straight to the owner (an
+      all-to-all; gloo's own reduce would move 1.5 S here), so each moves
+      (W - 1) S, and a broadcast S: a sync moves W * S + W * S = 8N bytes,
+      the bytes of one ring all-reduce of the model (2 (W - 1) / W * 4N per
+      rank).
 
     There are 2 such groups (local rank 0's and local rank 1's), each
-    syncing the whole model: ``2 * (4N + syncs * 10N)`` bytes.
+    syncing the whole model: ``2 * (4N + syncs * 8N)`` bytes.
 
     Args:
         numel: N, the model's parameter count.
@@ -114,7 +113,7 @@ def planned_link_bytes(numel: int, syncs: int) -> int:
     """
     model_bytes = 4 * numel
     slice_bytes = model_bytes / NODES
-    per_sync = NODES * 1.5 * slice_bytes + NODES * slice_bytes
+    per_sync = NODES * (NODES - 1) * slice_bytes + NODES * slice_bytes
     return round(PER_NODE * (model_bytes + syncs * per_sync))
 
 

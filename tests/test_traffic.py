@@ -41,3 +41,32 @@ def test_restores_the_collectives() -> None:
     with collective_traffic():
         assert dist.all_reduce is not before
     assert dist.all_reduce is before
+
+
+def _reduce_on_three_ranks(rank: int, world_size: int) -> dict[str, object]:
+    """Each rank reduces its own values onto each owner in turn, through the
+    adapter's issuer; the owner's sums, and what the counter saw."""
+    from zerofn_torch.issue import issue
+
+    from zerofn.comm import Reduce
+
+    sums = []
+    with collective_traffic() as traffic:
+        for owner in range(world_size):
+            mine = torch.arange(6.0).reshape(2, 3) * (rank + 1) + owner
+            (summed,) = issue(Reduce(mine, dst=owner), None).wait()
+            sums.append(summed.clone() if rank == owner else None)
+    return {"sums": sums, "calls": dict(traffic.calls), "bytes": dict(traffic.payload_bytes)}
+
+
+def test_a_reduce_on_gloo_sums_onto_its_owner_and_counts_as_a_reduce() -> None:
+    from _world import run_world
+
+    world = 3
+    results = run_world(_reduce_on_three_ranks, world)
+    for owner in range(world):
+        expected = sum(torch.arange(6.0).reshape(2, 3) * (r + 1) + owner for r in range(world))
+        assert torch.equal(results[owner]["sums"][owner], expected)
+    for out in results:
+        # Carried by an all-to-all on gloo, counted as the reduce it is.
+        assert out["calls"] == {"reduce": world} and out["bytes"] == {"reduce": world * 24}

@@ -4,7 +4,9 @@ For benchmarks, tests and the demo: wrap a training step in
 :func:`collective_traffic` and read how many collectives of each kind went out
 and how many payload bytes they carried. Only collectives called through the
 ``torch.distributed`` module are seen (DDP's built-in all-reduce, issued from
-C++, is not: register a hook such as ``allreduce_hook`` to count it).
+C++, is not: register a hook such as ``allreduce_hook`` to count it). A
+collective the adapter carries by another one (on gloo, a reduce sent as an
+all-to-all, :func:`counted_as`) is counted as what it is.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["Traffic", "collective_traffic"]
+__all__ = ["Traffic", "collective_traffic", "counted_as"]
 
 # Bytes a rank sends per payload byte under ring algorithms, N ranks.
 _SEND_FACTOR: dict[str, Callable[[int], float]] = {
@@ -77,6 +79,28 @@ def _leaving_bytes(
     return (input.numel() - own) * input.element_size()
 
 
+# Set by counted_as while the collective carrying another is called: what
+# that call is counted as (its kind and payload bytes).
+_carrying: list[tuple[str, int]] = []
+
+
+@contextmanager
+def counted_as(kind: str, payload_bytes: int) -> Iterator[None]:
+    """The one collective called inside the block is counted as ``kind`` with
+    ``payload_bytes``: for a collective the adapter carries by another (gloo's
+    reduce sent as an all-to-all is still a reduce of the tensor handed over).
+
+    Args:
+        kind: the collective counted (a key such as ``"reduce"``).
+        payload_bytes: its payload, as that collective's caller hands it.
+    """
+    _carrying.append((kind, payload_bytes))
+    try:
+        yield
+    finally:
+        _carrying.pop()
+
+
 @contextmanager
 def collective_traffic() -> Iterator[Traffic]:
     """Count ``torch.distributed`` collectives issued inside the ``with`` block."""
@@ -85,9 +109,11 @@ def collective_traffic() -> Iterator[Traffic]:
 
     def counting(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            size = _payload_bytes(kind, args, kwargs)
-            traffic.calls[kind] = traffic.calls.get(kind, 0) + 1
-            traffic.payload_bytes[kind] = traffic.payload_bytes.get(kind, 0) + size
+            what, size = _carrying[-1] if _carrying else (kind, 0)
+            if not _carrying:
+                size = _payload_bytes(kind, args, kwargs)
+            traffic.calls[what] = traffic.calls.get(what, 0) + 1
+            traffic.payload_bytes[what] = traffic.payload_bytes.get(what, 0) + size
             return original(*args, **kwargs)
 
         return counted
