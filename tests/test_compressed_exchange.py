@@ -117,6 +117,7 @@ def distance(rank: SimulatedRank) -> torch.Tensor:
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     sizes=st.lists(st.integers(1, 90), min_size=1, max_size=5),
     bucket_view=st.booleans(),
+    piece_elements=st.sampled_from([1, 200]),
     seed=st.integers(0, 1000),
 )
 def test_replicas_stay_identical_and_close_to_the_masters(
@@ -126,24 +127,33 @@ def test_replicas_stay_identical_and_close_to_the_masters(
     dtype: torch.dtype,
     sizes: list[int],
     bucket_view: bool,
+    piece_elements: int,
     seed: int,
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     params = [torch.randn(n, generator=g).to(dtype) for n in sizes]
     plan = plan_shards([sizes], ["k"] * len(sizes), [True] * len(sizes), world, mode)  # type: ignore[arg-type]
-    ranks = simulated_ranks(
-        plan,
-        params,
-        torch.optim.Adam,
-        bucket_view=bucket_view,
-        exchange_compression=compression,
-        lr=0.05,
-    )
+
+    def world_of(piece: int) -> list[SimulatedRank]:
+        return simulated_ranks(
+            plan,
+            params,
+            torch.optim.Adam,
+            bucket_view=bucket_view,
+            exchange_compression=compression,
+            piece_elements=piece,
+            lr=0.05,
+        )
+
+    # Segments of up to 450 elements: one piece, and pieces of one or two
+    # 128-element blocks, which must send the same codes.
+    ranks, whole = world_of(piece_elements), world_of(10**6)
     planned = exchange_bytes(quantizer_for(compression), plan)
     for _ in range(12):
         grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
         requests = step_simulated(ranks, grads)
-        for other in ranks[1:]:
+        step_simulated(whole, grads)
+        for other in [*ranks[1:], whole[0]]:
             assert all(
                 torch.equal(a, b) for a, b in zip(ranks[0].params, other.params, strict=True)
             )

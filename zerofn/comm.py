@@ -7,6 +7,11 @@ with ``torch.distributed`` collectives, :mod:`zerofn.testing.world` with a pure
 reduction over simulated ranks. So one program serves real training and
 property tests alike, and every rank issues the same requests in the same
 order by construction.
+
+A request yielded plainly is waited for before the program goes on. To
+compute while bytes travel (encode the next piece of a message while this
+one is on the wire), a program yields :class:`Post` around the request,
+works, and later yields :class:`Collect` for its response.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ __all__ = [
     "AllReduce",
     "AllToAll",
     "Broadcast",
+    "Collect",
     "CollectiveKind",
     "GatherSegments",
+    "Post",
     "Program",
+    "ProgramStep",
     "Reduce",
     "Reduction",
     "Request",
@@ -184,6 +192,42 @@ Request: TypeAlias = AllReduce | AllGather | Broadcast | Reduce | GatherSegments
 """Any collective a program may ask for."""
 
 
+@attrs.frozen(eq=False)
+class Post:
+    """Start ``request`` and go on at once: the program computes while it
+    travels and takes its response with a later :class:`Collect`. Every
+    posted request must be collected before the program returns.
+
+    Attributes:
+        request: the collective to start (its ``last`` is ignored; a
+            :class:`Collect` says which is last).
+
+    The response is ``()``.
+    """
+
+    request: Request
+
+
+@attrs.frozen(eq=False)
+class Collect:
+    """Wait for a request posted earlier.
+
+    Attributes:
+        request: the request, as it was posted.
+        last: as for :class:`AllReduce`.
+
+    The response is the posted request's.
+    """
+
+    request: Request
+    last: bool = False
+
+
+ProgramStep: TypeAlias = Request | Post | Collect
+"""What a program may yield: a request (waited for at once), or a request
+posted and later collected."""
+
+
 CollectiveKind: TypeAlias = Literal[
     "all_reduce", "all_gather", "broadcast", "reduce", "exchange", "all_to_all"
 ]
@@ -264,17 +308,20 @@ Response: TypeAlias = tuple[torch.Tensor, ...]
 """What a program receives back for a request."""
 
 R = TypeVar("R")
-Program: TypeAlias = Generator[Request, Response, R]
-"""A communication program: yields requests, receives responses, returns ``R``."""
+Program: TypeAlias = Generator[ProgramStep, Response, R]
+"""A communication program: yields requests (plain, or posted and
+collected), receives responses, returns ``R``."""
 
 
 def watched(program: Program[R], see: Callable[[Request], object]) -> Program[R]:
     """``program`` unchanged, calling ``see`` on each request it makes (to
-    count or record them), before the request goes out."""
+    count or record them; a posted one when it is posted), before the
+    request goes out."""
     try:
         request = next(program)
         while True:
-            see(request)
+            if not isinstance(request, Collect):
+                see(request.request if isinstance(request, Post) else request)
             request = program.send((yield request))
     except StopIteration as stop:
         result: R = stop.value
@@ -285,7 +332,7 @@ Q = TypeVar("Q")
 
 
 def answering(
-    program: Generator[Request | Q, Any, R], kind: type[Q], answer: Callable[[Q], Any]
+    program: Generator[ProgramStep | Q, Any, R], kind: type[Q], answer: Callable[[Q], Any]
 ) -> Program[R]:
     """``program`` with its local requests of type ``kind`` answered here by
     ``answer`` (a step of the caller's own, such as the local optimizer's),

@@ -2,7 +2,8 @@
 
 A program (see :mod:`zerofn.comm`) yields requests; the driver issues each
 as a collective on a process group (:func:`zerofn_torch.issue.issue`). Every
-request but the program's last is awaited before the next one is computed,
+request but the program's last is awaited before the next one is computed
+(a posted one when the program collects it: meanwhile the program computes),
 so all collectives are issued from the caller's thread in program order:
 ranks that call hooks in bucket order issue identical sequences, whatever
 order futures complete in. The last request is left in flight and the
@@ -28,7 +29,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from zerofn.comm import Program, Response
+from zerofn.comm import Collect, Post, Program, ProgramStep, Response
+from zerofn_torch.foreign_hooks import Await
 from zerofn_torch.issue import Step, issue
 
 __all__ = ["PolledProgram", "ProgramPipeline", "drive", "finish_polled"]
@@ -60,24 +62,51 @@ class _Running(Generic[R]):
         self.done = False
         self.number = 0
         self.pending: torch.futures.Future[Response] | None = None
+        # Posted requests in flight, by the identity of the request record.
+        self.posted: dict[int, torch.futures.Future[Response]] = {}
         self._step(lambda: next(program))
 
-    def _step(self, resume: Callable[[], Step]) -> None:
-        """Resume the program and issue the request it makes next."""
+    def _step(self, resume: Callable[[], ProgramStep | Await]) -> None:
+        """Resume the program and issue the request it makes next (a posted
+        one, and the program resumed at once, until it makes one to wait for)."""
         try:
             request = resume()
+            while isinstance(request, Post):
+                self.posted[id(request.request)] = self._issue(request.request)
+                request = self.program.send(())
+            if isinstance(request, Collect):
+                pending = self.posted.pop(id(request.request), None)
+                if pending is None:
+                    raise RuntimeError(
+                        f"the communication program for {self.purpose} collected a request "
+                        "it had not posted"
+                    )
+            else:
+                pending = self._issue(request)
         except StopIteration as stop:
+            if self.posted:
+                self._fail(
+                    RuntimeError(
+                        f"the communication program for {self.purpose} returned with "
+                        f"{len(self.posted)} posted request(s) never collected"
+                    )
+                )
+                return
             self._issued_all()
             self.result.set_result(stop.value)
             return
         except Exception as e:  # a failed request, or the program's own error
             self._fail(e)
             return
-        self.pending = issue(request, self.group, f"{self.purpose}, collective #{self.number}")
-        self.number += 1
+        self.pending = pending
         if request.last:
             self._issued_all()
             self.pending.add_done_callback(self._complete)
+
+    def _issue(self, request: Step) -> torch.futures.Future[Response]:
+        future = issue(request, self.group, f"{self.purpose}, collective #{self.number}")
+        self.number += 1
+        return future
 
     def _issued_all(self) -> None:
         """Nothing is left to issue: mark it, and let go of the group."""

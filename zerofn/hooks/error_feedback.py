@@ -50,7 +50,7 @@ from typing import Generic, TypeVar
 import attrs
 import torch
 
-from zerofn.comm import AllGather, AllReduce, Program, Request, Response
+from zerofn.comm import AllGather, AllReduce, Collect, Post, Program, Request, Response
 from zerofn.hooks.hook import BucketInfo, CommHook
 
 __all__ = ["ErrorFeedbackState", "compensate", "error_feedback", "split_residual"]
@@ -134,10 +134,17 @@ def decode_alone(
 def run_alone(program: Program[R]) -> R:
     """Run ``program`` as the only rank: each collective returns this rank's
     own tensors (copies, so the program may write into them)."""
+    posted: dict[int, Response] = {}
     try:
-        request = next(program)
+        step = next(program)
         while True:
-            request = program.send(_fulfil_alone(request))
+            if isinstance(step, Post):
+                posted[id(step.request)] = _fulfil_alone(step.request)
+                step = program.send(())
+            elif isinstance(step, Collect):
+                step = program.send(posted.pop(id(step.request)))
+            else:
+                step = program.send(_fulfil_alone(step))
     except StopIteration as stop:
         result: R = stop.value
         return result

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import Program, Request
+from zerofn.comm import Program, ProgramStep
 from zerofn.overlap.ddp_buckets import BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
 from zerofn.overlap.step import broadcast_differences_from_owners, broadcast_from_owners
@@ -129,7 +129,7 @@ def obey(
     params: Sequence[torch.Tensor],
     checks: StepChecks,
     compressed: SendCompressed | None = None,
-) -> Generator[Request | StepGradients, Any, Obeyed]:
+) -> Generator[ProgramStep | StepGradients, Any, Obeyed]:
     """Everything rank ``config.rank`` does for ``order``.
 
     Args:

@@ -25,8 +25,11 @@ from zerofn.comm import (
     AllReduce,
     AllToAll,
     Broadcast,
+    Collect,
     GatherSegments,
+    Post,
     Program,
+    ProgramStep,
     Reduce,
     Request,
     Response,
@@ -164,9 +167,11 @@ def _all_reduce(requests: Sequence[Request], op: str) -> list[Response]:
 
 
 def _lost(
-    requests: Sequence[Request | None], drop: Dropout, purpose: str, number: int
+    requests: Sequence[ProgramStep | None], drop: Dropout, purpose: str, number: int
 ) -> CollectiveError:
     asked = next(r for r in requests if r is not None)
+    if isinstance(asked, Post | Collect):
+        asked = asked.request
     world = len(requests)
     error = CollectiveError(
         describe(asked),
@@ -178,12 +183,34 @@ def _lost(
     return error
 
 
+def _answer(pending: Sequence[ProgramStep], posted: list[dict[int, Response]]) -> list[Response]:
+    """Every rank's response at one point of the programs: a collective is
+    carried out (at once, when posted: the simulated bytes take no time),
+    a collect answered from what its rank posted."""
+    if all(isinstance(p, Collect) for p in pending):
+        return [
+            posted[rank].pop(id(p.request))
+            for rank, p in enumerate(pending)
+            if isinstance(p, Collect)
+        ]
+    if all(isinstance(p, Post) for p in pending):
+        requests = [p.request for p in pending if isinstance(p, Post)]
+        for rank, (request, response) in enumerate(zip(requests, fulfil(requests), strict=True)):
+            posted[rank][id(request)] = response
+        return [() for _ in pending]
+    if any(isinstance(p, Post | Collect) for p in pending):
+        kinds = sorted({type(p).__name__ for p in pending})
+        raise CollectiveMismatch(f"at one point the ranks yield different steps: {kinds}")
+    return fulfil([p for p in pending if not isinstance(p, Post | Collect)])
+
+
 def _run(
     programs: Sequence[Program[R]], drop: Dropout | None, purpose: str, first: int
 ) -> tuple[list[R], int]:
     """Drive ``programs`` in lockstep; their results and how many requests
     each rank made. ``first`` is the number of requests made before them."""
-    pending: list[Request | None] = []
+    pending: list[ProgramStep | None] = []
+    posted: list[dict[int, Response]] = [{} for _ in programs]
     results: list[Any] = [None] * len(programs)
 
     def resume(rank: int, response: Response | None) -> None:
@@ -193,6 +220,11 @@ def _run(
         except StopIteration as stop:
             pending[rank] = None
             results[rank] = stop.value
+            if posted[rank]:
+                raise CollectiveMismatch(
+                    f"rank {rank}'s program returned with {len(posted[rank])} posted "
+                    "request(s) never collected"
+                ) from None
 
     for rank in range(len(programs)):
         pending.append(None)
@@ -201,14 +233,16 @@ def _run(
     while any(p is not None for p in pending):
         if any(p is None for p in pending):
             raise CollectiveMismatch("some ranks finished while others still communicate")
-        if drop is not None and drop.at == number:
+        steps = [p for p in pending if p is not None]
+        collective = not isinstance(steps[0], Collect)
+        if collective and drop is not None and drop.at == number:
             for program in programs:
                 program.close()
             raise _lost(pending, drop, purpose, number)
-        responses = fulfil([p for p in pending if p is not None])
+        responses = _answer(steps, posted)
         for rank in range(len(programs)):
             resume(rank, responses[rank])
-        number += 1
+        number += collective
     return results, number - first
 
 

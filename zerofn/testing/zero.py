@@ -31,6 +31,8 @@ from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Program, Request, watched
 from zerofn.testing.world import run_programs
 from zerofn.zero.compressed_exchange import (
+    PIECE_ELEMENTS,
+    block_scales,
     compressed_exchange,
     compression_master_dtype,
     local_spans,
@@ -103,6 +105,7 @@ def simulated_ranks(
     bucket_view: bool | None = None,
     master_dtype: torch.dtype | None = None,
     exchange_compression: str | BlockQuantizer | None = None,
+    piece_elements: int = PIECE_ELEMENTS,
     **defaults: Any,
 ) -> list[SimulatedRank]:
     """``plan.world_size`` simulated ranks, built as the optimizer builds its
@@ -116,6 +119,8 @@ def simulated_ranks(
             the optimizer's default, on for a flat partition).
         master_dtype: keep master copies in this dtype.
         exchange_compression: as ``ZeroRedundancyOptimizer``'s.
+        piece_elements: the compressed exchange's piece length (a small one
+            sends every segment in many pieces).
         **defaults: the optimizer's hyperparameters.
 
     Raises:
@@ -150,7 +155,7 @@ def simulated_ranks(
         compressed = None
         if quantizer is not None:
             assert masters is not None
-            exchange = compressed_exchange(quantizer, plan, mine[0].device)
+            exchange = compressed_exchange(quantizer, plan, mine[0].device, piece_elements)
             compressed = Compressed(exchange, masters.master)
         ranks.append(
             SimulatedRank(mine, shards, optimizer_class(local, **defaults), masters, compressed)
@@ -251,7 +256,7 @@ def master_replica_gap(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]
     steps = []
     for index, layout in enumerate(plan.layouts):
         length = layout.segments[me].length
-        scales = exchange.parts(index)[me][: quantizer.blocks(length) * 4].view(torch.float32)
+        scales = block_scales(exchange, index, me, length)
         steps.append(scales.repeat_interleave(quantizer.block)[:length].double())
     sources = rank.shards.local_sources(rank.params)
     gaps, bounds = [], []

@@ -9,11 +9,17 @@ int4 codes and one ``float32`` scale per block):
   local optimizer steps, :mod:`zerofn.zero.masters`); the parameters every
   rank holds, the owner's included, are the *replica*.
 * After the local step the owner encodes ``master - replica`` for its segment
-  into its part of one byte buffer; one :class:`~zerofn.comm.GatherSegments`
-  brings every rank's part to every rank.
+  into its part of one byte buffer; :class:`~zerofn.comm.GatherSegments`
+  requests bring every rank's part to every rank.
 * Every rank decodes every part and adds it to its replica of that segment
   with the same arithmetic (:func:`add_difference`). Decoding is a function of
   the bytes alone, so the replicas stay bitwise identical on every rank.
+* The codec runs beside the wire: each segment travels in pieces of
+  :data:`PIECE_ELEMENTS` (a payload of its own each), and while piece ``k``
+  is on the wire the program encodes piece ``k + 1``, then decodes piece
+  ``k`` while piece ``k + 1`` travels (posted and collected requests,
+  :class:`~zerofn.comm.Post`). On a link slower than the codec a step costs
+  about the wire time of its bytes, not the wire time plus the codec's.
 
 Error feedback needs no state of its own: what one step's codes leave out,
 ``master - replica`` still holds, so the next difference carries it. After a
@@ -34,7 +40,7 @@ import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
-from zerofn.comm import GatherSegments, Program
+from zerofn.comm import Collect, GatherSegments, Post, Program
 from zerofn.zero.chunks import ChunkSource
 from zerofn.zero.exchange import ExchangeVia, slot_view
 from zerofn.zero.layout import BufferLayout
@@ -43,9 +49,11 @@ from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.shards import Shards
 
 __all__ = [
+    "PIECE_ELEMENTS",
     "CompressedExchange",
     "LocalSpan",
     "add_difference",
+    "block_scales",
     "compressed_buffer_bytes",
     "compressed_exchange",
     "compressed_exchange_program",
@@ -123,6 +131,30 @@ def compression_master_dtype(
     return torch.float32 if torch.finfo(param_dtype).bits < 32 else param_dtype
 
 
+PIECE_ELEMENTS = 1 << 20
+"""Elements per piece of a segment (rounded up to whole blocks): about 1 MB
+of int8 codes, few enough pieces that their latencies stay small against a
+20M-parameter shard's bytes, enough that the codec overlaps the wire."""
+
+
+def _piece_count(piece: int, layout: BufferLayout) -> int:
+    """The pieces every rank's segment of ``layout`` travels in (at least
+    one): the longest segment's; a shorter segment's later pieces are empty."""
+    longest = max((s.length for s in layout.segments), default=0)
+    return max(1, -(-longest // piece))
+
+
+def _piece(quantizer: BlockQuantizer, piece: int, length: int, k: int) -> tuple[int, int, int, int]:
+    """Piece ``k`` (of ``piece`` elements, whole blocks) of a segment of
+    ``length`` elements: its first element and element count, and where its
+    payload starts in the segment's part and how many bytes it has. Pieces
+    other than the last hold whole blocks, so their payloads laid end to end
+    fill exactly ``payload_nbytes(length)``."""
+    start = min(k * piece, length)
+    numel = min(piece, length - start)
+    return start, numel, quantizer.payload_nbytes(start), quantizer.payload_nbytes(numel)
+
+
 def _payload_offsets(quantizer: BlockQuantizer, layout: BufferLayout) -> tuple[int, ...]:
     offsets = [0]
     for segment in layout.segments:
@@ -136,16 +168,26 @@ def exchange_bytes(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
     return sum(_payload_offsets(quantizer, layout)[-1] for layout in plan.layouts)
 
 
-def _work_numel(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
+def _difference_numel(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
     lengths = [s.length for layout in plan.layouts for s in layout.segments]
     return quantizer.padded_numel(max(lengths, default=0))
 
 
-def compressed_buffer_bytes(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
+def _work_numel(quantizer: BlockQuantizer, plan: ShardPlan, piece: int) -> int:
+    # The longest segment's difference, then one piece decoded beside it.
+    longest = _difference_numel(quantizer, plan)
+    return longest + min(longest, piece)
+
+
+def compressed_buffer_bytes(
+    quantizer: BlockQuantizer, plan: ShardPlan, piece_elements: int = PIECE_ELEMENTS
+) -> int:
     """The bytes a rank keeps for the compressed exchange: the payload
     buffers (every rank's codes and scales) and one ``float32`` scratch as
-    long as the longest segment (the difference, then each decoded part)."""
-    return exchange_bytes(quantizer, plan) + 4 * _work_numel(quantizer, plan)
+    long as the longest segment (the difference) plus one piece (each piece
+    decoded, while the difference's later pieces are still to encode)."""
+    piece = quantizer.padded_numel(piece_elements)
+    return exchange_bytes(quantizer, plan) + 4 * _work_numel(quantizer, plan, piece)
 
 
 @attrs.define(eq=False)
@@ -159,15 +201,17 @@ class CompressedExchange:
         payloads: per layout, every rank's payload laid end to end.
         offsets: per layout, where each rank's payload starts (and, last,
             where the buffer ends).
-        work: ``float32`` scratch for the longest segment, reused by every
-            encode and decode (fresh pages for each would cost more than the
-            arithmetic on a large shard).
+        piece: elements per piece a segment travels in (whole blocks).
+        work: ``float32`` scratch for the longest segment and one piece,
+            reused by every encode and decode (fresh pages for each would
+            cost more than the arithmetic on a large shard).
     """
 
     quantizer: BlockQuantizer
     payloads: list[torch.Tensor]
     offsets: tuple[tuple[int, ...], ...]
     work: torch.Tensor
+    piece: int
 
     def parts(self, index: int) -> tuple[torch.Tensor, ...]:
         """Each rank's payload in buffer ``index``, as views, in rank order."""
@@ -181,13 +225,37 @@ class CompressedExchange:
 
 
 def compressed_exchange(
-    quantizer: BlockQuantizer, plan: ShardPlan, device: torch.device
+    quantizer: BlockQuantizer,
+    plan: ShardPlan,
+    device: torch.device,
+    piece_elements: int = PIECE_ELEMENTS,
 ) -> CompressedExchange:
-    """Payload buffers and scratch for ``plan``'s layouts (zeroed)."""
+    """Payload buffers and scratch for ``plan``'s layouts (zeroed), each
+    segment to travel in pieces of ``piece_elements`` (rounded up to whole
+    blocks)."""
+    if piece_elements < 1:
+        raise ValueError(f"piece_elements must be positive, got {piece_elements}")
+    piece = quantizer.padded_numel(piece_elements)
     offsets = tuple(_payload_offsets(quantizer, layout) for layout in plan.layouts)
     payloads = [torch.zeros(o[-1], dtype=torch.uint8, device=device) for o in offsets]
-    work = torch.zeros(_work_numel(quantizer, plan), dtype=torch.float32, device=device)
-    return CompressedExchange(quantizer, payloads, offsets, work)
+    work = torch.zeros(_work_numel(quantizer, plan, piece), dtype=torch.float32, device=device)
+    return CompressedExchange(quantizer, payloads, offsets, work, piece)
+
+
+def block_scales(exchange: CompressedExchange, index: int, rank: int, length: int) -> torch.Tensor:
+    """The scale of every block of rank ``rank``'s segment (``length``
+    elements) of buffer ``index``, in order, read piece by piece from its
+    payload.
+
+    Returns:
+        ``float32`` scales, one per block.
+    """
+    quantizer, part = exchange.quantizer, exchange.parts(index)[rank]
+    scales = []
+    for k in range(max(1, -(-length // exchange.piece))):
+        _, numel, at, _ = _piece(quantizer, exchange.piece, length, k)
+        scales.append(part[at : at + 4 * quantizer.blocks(numel)].view(torch.float32))
+    return torch.cat(scales)
 
 
 def local_spans(
@@ -269,49 +337,123 @@ def compressed_exchange_program(
         via: how the payloads move.
 
     Returns:
-        A program making one request per buffer; when it returns, every
-        rank's replica has every segment's difference added.
+        A program making, per buffer, one posted request per piece (the
+        codec of the neighbouring pieces runs while each travels); when it
+        returns, every rank's replica has every segment's difference added.
 
     Raises:
         ValueError: masters that do not match the local tensors.
     """
     layouts = shards.plan.layouts
-    rank = shards.rank
     sources = shards.local_sources(params)
     if len(sources) != len(masters):
         raise ValueError(f"{len(masters)} masters for {len(sources)} local tensors")
-    spans = local_spans(shards.plan, rank, sources)
+    spans = local_spans(shards.plan, shards.rank, sources)
+    for index in range(len(layouts)):
+        difference = _difference(shards, index, masters, spans, exchange)
+        yield from _send_pieces(
+            shards, index, params, difference, exchange, via, last=index == len(layouts) - 1
+        )
+
+
+def _difference(
+    shards: Shards,
+    index: int,
+    masters: Sequence[torch.Tensor],
+    spans: Sequence[LocalSpan | None],
+    exchange: CompressedExchange,
+) -> torch.Tensor:
+    """``master - replica`` over this rank's segment of buffer ``index``
+    (in the exchange's scratch, for float32 masters)."""
+    layout, buffer = shards.plan.layouts[index], shards.buffers[index]
+    own = layout.segments[shards.rank]
+    # A rank that owns nothing has no masters and sends an empty payload.
+    wide = masters[0].dtype if masters else torch.float32
+    if wide == torch.float32:
+        difference = exchange.work[: own.length]
+    else:  # wider masters: the difference is taken at their width
+        difference = torch.empty(own.length, dtype=wide, device=buffer.device)
+    covered = 0
+    for master, span in zip(masters, spans, strict=True):
+        if span is not None and span.layout == index:
+            difference[span.offset : span.offset + span.numel] = master.detach().view(-1)
+            covered += span.numel
+    if covered != own.length:
+        raise ValueError(
+            f"the masters cover {covered} of the {own.length} elements of rank "
+            f"{shards.rank}'s segment of the {layout.key} buffer"
+        )
+    return difference.sub_(buffer[own.offset : own.offset + own.length])
+
+
+def _send_pieces(
+    shards: Shards,
+    index: int,
+    params: Sequence[torch.Tensor],
+    difference: torch.Tensor,
+    exchange: CompressedExchange,
+    via: ExchangeVia,
+    last: bool,
+) -> Program[None]:
+    """Buffer ``index``'s exchange, piece by piece: encode piece ``k + 1``
+    while piece ``k`` travels, decode piece ``k`` while ``k + 1`` travels."""
     quantizer = exchange.quantizer
-    for index, (layout, buffer) in enumerate(zip(layouts, shards.buffers, strict=True)):
-        own = layout.segments[rank]
-        # A rank that owns nothing has no masters and sends an empty payload.
-        wide = masters[0].dtype if masters else torch.float32
-        if wide == torch.float32:
-            difference = exchange.work[: own.length]
-        else:  # wider masters: the difference is taken at their width
-            difference = torch.empty(own.length, dtype=wide, device=buffer.device)
-        covered = 0
-        for master, span in zip(masters, spans, strict=True):
-            if span is not None and span.layout == index:
-                difference[span.offset : span.offset + span.numel] = master.detach().view(-1)
-                covered += span.numel
-        if covered != own.length:
-            raise ValueError(
-                f"the masters cover {covered} of the {own.length} elements of rank {rank}'s "
-                f"segment of the {layout.key} buffer"
-            )
-        difference.sub_(buffer[own.offset : own.offset + own.length])
-        parts = exchange.parts(index)
-        quantizer.encode(difference, parts[rank], exchange.work)
-        yield GatherSegments(parts, rank, via, last=index == len(layouts) - 1)
-        for segment, part in zip(layout.segments, parts, strict=True):
-            decoded = quantizer.decode(part, segment.length, exchange.work[: segment.length])
-            if shards.bucket_view:
-                # The parameters are views of the buffer: one add covers them.
-                add_difference(buffer[segment.offset : segment.offset + segment.length], decoded)
-                continue
-            for slot in layout.slots[segment.rank]:
-                lo = slot.offset - segment.offset
+    layout = shards.plan.layouts[index]
+    parts = exchange.parts(index)
+    count = _piece_count(exchange.piece, layout)
+    # Beside the difference (whose later pieces are still to encode).
+    scratch = exchange.work[_difference_numel(quantizer, shards.plan) :]
+
+    def payload(rank: int, k: int) -> torch.Tensor:
+        _, _, at, nbytes = _piece(quantizer, exchange.piece, layout.segments[rank].length, k)
+        return parts[rank][at : at + nbytes]
+
+    def encode(k: int) -> None:
+        start, numel, _, _ = _piece(
+            quantizer, exchange.piece, layout.segments[shards.rank].length, k
+        )
+        if numel:
+            work = exchange.work[start : start + quantizer.padded_numel(numel)]
+            quantizer.encode(difference[start : start + numel], payload(shards.rank, k), work)
+
+    requests = [
+        GatherSegments(tuple(payload(r, k) for r in range(len(parts))), shards.rank, via)
+        for k in range(count)
+    ]
+    encode(0)
+    yield Post(requests[0])
+    for k in range(count):
+        if k + 1 < count:
+            encode(k + 1)
+        yield Collect(requests[k], last=last and k + 1 == count)
+        if k + 1 < count:
+            yield Post(requests[k + 1])
+        for segment in layout.segments:
+            start, numel, _, _ = _piece(quantizer, exchange.piece, segment.length, k)
+            if numel:
+                decoded = quantizer.decode(payload(segment.rank, k), numel, scratch[:numel])
+                _apply(shards, index, params, segment.offset + start, decoded)
+
+
+def _apply(
+    shards: Shards, index: int, params: Sequence[torch.Tensor], at: int, decoded: torch.Tensor
+) -> None:
+    """Add ``decoded``, the difference of buffer ``index``'s elements from
+    ``at`` on, to the replica those elements hold."""
+    buffer = shards.buffers[index]
+    stop = at + decoded.numel()
+    if shards.bucket_view:
+        # The parameters are views of the buffer: one add covers them.
+        add_difference(buffer[at:stop], decoded)
+        return
+    layout = shards.plan.layouts[index]
+    for segment in layout.segments:
+        if segment.offset + segment.length <= at or segment.offset >= stop:
+            continue
+        for slot in layout.slots[segment.rank]:
+            lo, hi = max(slot.offset, at), min(slot.stop, stop)
+            if lo < hi:
+                view = slot_view(params[slot.piece.param], slot)
                 add_difference(
-                    slot_view(params[slot.piece.param], slot), decoded[lo : lo + slot.piece.numel]
+                    view[lo - slot.offset : hi - slot.offset], decoded[lo - at : hi - at]
                 )

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
-from zerofn.comm import Program, Request, answering
+from zerofn.comm import Program, ProgramStep, answering
 from zerofn.zero.compressed_exchange import CompressedExchange, compressed_exchange_program
 from zerofn.zero.exchange import ExchangeVia, exchange_program
 from zerofn.zero.masters import Masters
@@ -61,7 +61,7 @@ class LocalStep:
     rank: int
 
 
-StepProgram = Generator[Request | LocalStep, Any, R]
+StepProgram = Generator[ProgramStep | LocalStep, Any, R]
 """A program that asks for collectives and for local steps."""
 
 
