@@ -17,12 +17,17 @@ each difference between two runs has one cause:
 ``zero+bf16``: bf16 parameters with fp32 master shards; ``diloco-h50`` and
 ``diloco-streaming``: DiLoCo syncing every 50 steps, and Streaming DiLoCo).
 ``--diloco`` trains ``ddp`` beside the three DiLoCo runs. It prints one table
-(held-out loss and the gap to each run's baseline, whether losses match
-bitwise, memory per rank by kind, bytes sent per step, time per step split), a
-line per comparison, and writes one figure to ``--figure``. Last, it samples
-text from each run and shows it where it reads as text (most of its words are
-words of the training text): ``--long`` trains a larger model for longer, to
-that point; the default run is too short, so its samples are named, not shown.
+(held-out loss and the gap to each run's baseline; the training loss averaged
+over the last steps and its gap; whether the training losses match the
+baseline's bitwise; memory per rank by kind beside the planner's prediction;
+bytes sent per step; time per step split, as medians with their quartiles), a
+line for each run that holds more memory than ``ddp`` naming the kinds that do,
+a line per comparison (with the largest single-step difference in training
+loss, and whether it is one run's spike), and writes one figure to
+``--figure``. Last, it samples text from each run and shows it where it reads
+as text (most of its words occur in the training text): ``--long`` trains a
+larger model for longer, to that point; the default run is too short, so a
+line says so, with each run's share.
 
 The modules: ``demo_data.py`` (the text), ``demo_model.py`` (the model),
 ``demo_runs.py`` (the runs), ``demo_trainer.py`` (one run on one rank, stepped
@@ -41,18 +46,31 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 from demo_data import Corpus, load_corpus, vocabulary
 from demo_figure import figure, save
 from demo_model import ModelConfig, TinyGPT
-from demo_report import METHOD, dominant_line, findings, legend, samples, table
+from demo_report import (
+    METHOD,
+    Plan,
+    dominant_line,
+    findings,
+    legend,
+    memory_notes,
+    samples,
+    table,
+    time_note,
+)
 from demo_runs import CATALOGUE, DEFAULT_RUNS, DILOCO_RUNS, select
 from demo_summary import RunSummary, summarize
 from demo_train import PROMPT, Config, train_rank
 from zerofn_torch.launch import run_local_world
 
-from zerofn.footprint import Footprint, plan_footprint
+from zerofn.diloco.footprint import outer_state_bytes
+from zerofn.diloco.fragments import plan_fragments
+from zerofn.footprint import HookKind, plan_footprint
 
 
 @attrs.frozen
@@ -162,24 +180,43 @@ def parse(argv: Sequence[str] | None) -> tuple[Config, int, str]:
     return cfg, args.world_size, args.figure
 
 
-def plans(cfg: Config, world_size: int) -> dict[str, Footprint]:
-    """The planner's prediction for each run it models: ZeRO without a
-    compressed exchange (it counts neither the masters nor the codes)."""
+def plans(cfg: Config, world_size: int) -> dict[str, Plan]:
+    """The predicted memory of every run, per rank by kind: ZeRO's (compressed
+    exchanges included) by ``plan_footprint`` with the run's options; DDP's
+    AdamW, and DiLoCo's inner one, hold what one unsharded rank holds
+    (``plan_footprint`` on one rank), and DiLoCo's outer state is
+    ``outer_state_bytes``'s. PowerSGD's hook state is left unplanned."""
     shapes = TinyGPT(cfg.model)
+    sizes = [p.numel() for p in shapes.parameters()]
     out = {}
     for spec in cfg.runs:
-        if spec.optimizer == "zero" and spec.exchange_compression is None:
-            out[spec.key] = plan_footprint(
+        hook: HookKind = "powersgd" if spec.gradients == "powersgd" else "allreduce"
+        options: dict[str, Any] = {
+            "param_dtype": spec.param_dtype,
+            "master_dtype": spec.master_dtype,
+            "optimizer": "adamw",
+            "hook": hook,
+            "powersgd_rank": spec.powersgd_rank,
+            "bucket_view": True,
+        }
+        if spec.optimizer == "zero":
+            footprint = plan_footprint(
                 shapes,
                 world_size,
                 "flat",
-                param_dtype=spec.param_dtype,
-                master_dtype=spec.master_dtype,
-                optimizer="adamw",
-                hook="powersgd" if spec.gradients == "powersgd" else "allreduce",
-                powersgd_rank=spec.powersgd_rank,
-                bucket_view=True,
+                exchange_compression=spec.exchange_compression,
+                **options,
             )
+            out[spec.key] = Plan.of(footprint)
+            continue
+        extra = {}
+        if spec.optimizer == "diloco":
+            fragments = plan_fragments(sizes, spec.fragments, world_size)
+            extra["diloco_state"] = [
+                outer_state_bytes(fragments, r, compressed=False) for r in range(world_size)
+            ]
+        unsharded = plan_footprint(shapes, 1, "greedy", **options)
+        out[spec.key] = Plan.of(unsharded, world_size, **extra)
     return out
 
 
@@ -197,21 +234,22 @@ def header(cfg: Config, world_size: int, corpus: Corpus) -> str:
 
 def report(
     summaries: Sequence[RunSummary],
-    planned: Mapping[str, Footprint],
+    planned: Mapping[str, Plan],
     texts: Mapping[str, bytes],
     known: frozenset[bytes],
 ) -> str:
     """Everything printed after training; ``known``: the training text's words."""
     parts = [
         table(summaries, planned),
+        "\n".join(memory_notes(summaries)),
         "\n".join(["Runs (baseline: the run each is compared with):", *legend(summaries)]),
         "\n".join(findings(summaries)),
-        dominant_line(summaries),
+        time_note(summaries) + " " + dominant_line(summaries),
         METHOD,
     ]
     if any(texts.values()):
         parts.append(samples(summaries, texts, PROMPT, known))
-    return "\n\n".join(parts)
+    return "\n\n".join(p for p in parts if p)
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunSummary]:
@@ -223,9 +261,10 @@ def main(argv: Sequence[str] | None = None) -> list[RunSummary]:
     print(title + ".\nRuns: " + ", ".join(s.key for s in cfg.runs), flush=True)
     results = run_local_world(train_rank, world_size, cfg, timeout_s=300)
     summaries = summarize(results, cfg.runs)
-    save(figure(summaries, title), path)
+    planned = plans(cfg, world_size)
+    save(figure(summaries, title, {k: p.total() for k, p in planned.items()}), path)
     texts = {s.key: results[0][s.key].sample for s in cfg.runs}
-    print("\n" + report(summaries, plans(cfg, world_size), texts, vocabulary(corpus.train)))
+    print("\n" + report(summaries, planned, texts, vocabulary(corpus.train)))
     print(f"\nFigure: {path}. Wall time, spawn included: {time.perf_counter() - started:.0f} s")
     return list(summaries)
 

@@ -3,9 +3,10 @@ from the runs' summaries.
 
 Top: held-out loss against step for every run, and each run's held-out loss
 relative to its baseline run (with its target, if it has one). Bottom: memory
-per rank by kind, bytes sent per step, with a DiLoCo run the final held-out
-loss against the bytes sent in the run, and time per step split into compute,
-communication and the optimizer step.
+per rank by kind (with the planner's prediction), bytes sent per step, with a
+DiLoCo run the final held-out loss against the bytes sent in the run, and time
+per step split into compute, communication and the optimizer step (medians,
+whiskers from the first to the third quartile).
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ RUN_MARKERS = ("o", "x", "s", "^", "v", "D", "P")
 KIND_COLORS = ("#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f", "#e5c494")
 
 
-def figure(summaries: Sequence[RunSummary], title: str) -> Any:
-    """The figure (a ``matplotlib.figure.Figure``), not yet saved."""
+def figure(
+    summaries: Sequence[RunSummary], title: str, planned: Mapping[str, int] | None = None
+) -> Any:
+    """The figure (a ``matplotlib.figure.Figure``), not yet saved; ``planned``:
+    run key -> the predicted bytes on rank 0, marked beside its memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,7 +44,7 @@ def figure(summaries: Sequence[RunSummary], title: str) -> Any:
     _gap_panel(fig.add_subplot(grid[0, 2:]), summaries, colors)
     # The loss-against-bytes panel sits between the bytes and the time bars.
     bars = [fig.add_subplot(grid[1, i]) for i in (0, 1, columns - 1)]
-    _memory_panel(bars[0], summaries)
+    _memory_panel(bars[0], summaries, planned or {})
     _bytes_panel(bars[1], summaries)
     _time_panel(bars[2], summaries)
     if diloco:
@@ -64,7 +68,7 @@ def save(fig: Any, path: str) -> None:
 
 def _label(s: RunSummary) -> str:
     label = f"{s.spec.key}: {s.spec.title}"
-    if s.spec.exact and s.max_loss_difference == 0:
+    if s.spec.exact and s.losses_equal:
         label += f"\n  (same curve as {s.spec.baseline}: every loss bitwise equal)"
     return label
 
@@ -154,20 +158,34 @@ def _stacked(
     return bottom
 
 
-def _memory_panel(ax: Any, summaries: Sequence[RunSummary]) -> None:
+def _memory_panel(ax: Any, summaries: Sequence[RunSummary], planned: Mapping[str, int]) -> None:
     keys = [s.spec.key for s in summaries]
     parts = {
         kind.replace("_", " "): [s.memory[0].get(kind, 0) / MIB for s in summaries]
         for kind in memory_kinds(summaries)
     }
-    _stacked(ax, keys, parts, "MiB")
+    tops = _stacked(ax, keys, parts, "MiB")
     if len(summaries[0].memory) > 1:
         xs = [x for x, s in enumerate(summaries) for _ in s.memory[1:]]
         ys = [total_memory(m) / MIB for s in summaries for m in s.memory[1:]]
         ax.plot(
             xs, ys, ls="none", marker="_", ms=22, mew=2, color="black", label="other ranks' totals"
         )
-        ax.legend(fontsize=7, loc="upper left")
+    at = [(x, planned[s.spec.key] / MIB) for x, s in enumerate(summaries) if s.spec.key in planned]
+    if at:
+        ax.plot(
+            [x + 0.3 for x, _ in at],
+            [y for _, y in at],
+            ls="none",
+            marker="<",
+            ms=7,
+            color="black",
+            label="planned, rank 0"
+            + (" (hook state not planned)" if "hook_state" in memory_kinds(summaries) else ""),
+        )
+    # Room above the bars for a legend of up to nine entries, in two columns.
+    ax.set_ylim(0, 1.7 * max([*tops, *(y for _, y in at)], default=1.0) or 1.0)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.set(ylabel="MiB on the rank")
     ax.set_title("Memory per rank, by kind (bars: rank 0)")
 
@@ -215,13 +233,29 @@ def _loss_bytes_panel(ax: Any, summaries: Sequence[RunSummary], colors: dict[str
     ax.grid(alpha=0.3, which="both")
 
 
+TIME_PARTS = (
+    ("total", "step (forward+backward + optimizer.step)"),
+    ("compute", "compute (forward+backward, no_sync)"),
+    ("communication", "communication (+ hook math, waiting)"),
+    ("optimizer", "optimizer step (local AdamW)"),
+)
+
+
 def _time_panel(ax: Any, summaries: Sequence[RunSummary]) -> None:
+    """Each part's median per run, its quartiles as whiskers (the table's numbers)."""
     timed = [s for s in summaries if s.time is not None]
-    parts = {
-        "compute (forward+backward)": [s.time.compute for s in timed if s.time],
-        "communication (+ hook math, waiting)": [s.time.communication for s in timed if s.time],
-        "optimizer step (local AdamW)": [s.time.optimizer for s in timed if s.time],
-    }
-    _stacked(ax, [s.spec.key for s in timed], parts, "ms")
-    ax.set(ylabel="ms per step on rank 0 (mean)")
-    ax.set_title("Time per step, split")
+    width, top = 0.8 / len(TIME_PARTS), 1.0
+    for i, (part, label) in enumerate(TIME_PARTS):
+        spreads = [getattr(s.time, part) for s in timed]
+        xs = [x + (i - (len(TIME_PARTS) - 1) / 2) * width for x in range(len(timed))]
+        medians = [t.median for t in spreads]
+        whiskers = [[t.median - t.q1 for t in spreads], [t.q3 - t.median for t in spreads]]
+        ax.bar(xs, medians, width, yerr=whiskers, capsize=2, label=label, color=KIND_COLORS[i])
+        top = max([top, *(t.q3 for t in spreads)])
+    ax.set_xticks(
+        range(len(timed)), [s.spec.key for s in timed], rotation=25, ha="right", fontsize=8
+    )
+    ax.set_ylim(0, 1.45 * top)  # room for the legend above the whiskers
+    ax.set(ylabel="ms per step on rank 0: median, whiskers q1 to q3")
+    ax.set_title("Time per step, split (medians, quartiles)")
+    ax.legend(fontsize=7, loc="upper left")

@@ -14,7 +14,10 @@ import attrs
 from demo_runs import RunSpec
 from zerofn_torch.traffic import Traffic
 
-WARMUP_STEPS = 5  # left out of the timing means: first steps allocate and warm caches
+WARMUP_STEPS = 5  # left out of the timings: first steps allocate and warm caches
+TRAIN_WINDOW = 20  # the last steps whose training loss is averaged and compared
+SPIKE_SPAN = 5  # steps either side of the largest difference, to tell a spike from a gap
+SPIKE_FACTOR = 4  # a spike: a difference this many times the usual one around it
 MEMORY_ORDER = (
     "parameters",
     "gradients",
@@ -80,21 +83,49 @@ class Sent:
 
 
 @attrs.frozen
+class Spread:
+    """Milliseconds measured over several steps: their median and quartiles."""
+
+    median: float
+    q1: float
+    q3: float
+    samples: int
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Spread:
+        """The spread of ``seconds`` (one value or more), in milliseconds.
+
+        Raises:
+            ValueError: no values.
+        """
+        if not seconds:
+            raise ValueError("a spread needs at least one value")
+        ms = [1e3 * x for x in seconds]
+        if len(ms) == 1:
+            return cls(ms[0], ms[0], ms[0], 1)
+        q1, median, q3 = statistics.quantiles(ms, n=4, method="inclusive")
+        return cls(median, q1, q3, len(ms))
+
+
+@attrs.frozen
 class TimeSplit:
-    """Rank 0's mean milliseconds per step (warm-up steps left out)."""
+    """Rank 0's milliseconds per step, as medians and quartiles over steps
+    (warm-up steps left out). Each part is its own median, so the parts need
+    not add up to the total's.
 
-    compute: float  # forward+backward under no_sync
-    backward_communication: float  # the rest of forward+backward: hook, all-reduce, waiting
-    step_communication: float  # optimizer.step() outside the local AdamW: exchange, sync
-    optimizer: float  # the local AdamW's step
+    Attributes:
+        total: forward+backward plus ``optimizer.step()``, every step.
+        compute: forward+backward under ``no_sync``, on the split steps.
+        communication: the rest of forward+backward (hook, all-reduce,
+            waiting) plus ``optimizer.step()`` outside the local AdamW
+            (exchange, sync), on the split steps.
+        optimizer: the local AdamW's step, every step.
+    """
 
-    @property
-    def communication(self) -> float:
-        return self.backward_communication + self.step_communication
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.communication + self.optimizer
+    total: Spread
+    compute: Spread
+    communication: Spread
+    optimizer: Spread
 
 
 @attrs.frozen
@@ -114,13 +145,70 @@ class Gap:
 
 
 @attrs.frozen
+class StepDifference:
+    """The step where a run's training loss is farthest from its baseline's.
+
+    Attributes:
+        step: the step, counted from 1.
+        rank: the rank whose losses differ most there.
+        loss: this run's training loss there.
+        baseline_loss: the baseline's.
+        usual_difference: the median ``|loss - baseline's|`` on that rank
+            over the ``SPIKE_SPAN`` steps either side: how far apart the two
+            usually were around then.
+        usual_higher: the median loss, over the same steps, of whichever of
+            the two is higher at ``step``.
+    """
+
+    step: int
+    rank: int
+    loss: float
+    baseline_loss: float
+    usual_difference: float
+    usual_higher: float
+
+    @property
+    def difference(self) -> float:
+        return abs(self.loss - self.baseline_loss)
+
+    @property
+    def higher_is_baseline(self) -> bool:
+        return self.baseline_loss > self.loss
+
+    @property
+    def spike(self) -> bool:
+        """Whether the difference is one run's spike: more than ``SPIKE_FACTOR``
+        times the usual difference around it, and most of it the higher
+        run's own excursion above its usual loss (not the runs drifting apart)."""
+        above = max(self.loss, self.baseline_loss) - self.usual_higher
+        return self.difference > SPIKE_FACTOR * self.usual_difference and above > (
+            self.difference / 2
+        )
+
+
+@attrs.frozen
 class RunSummary:
-    """One run's numbers, as the report and the figure show them."""
+    """One run's numbers, as the report and the figure show them.
+
+    Attributes:
+        train_loss: the mean training loss of the last ``train_window``
+            steps, over every rank (each trains on its slice of the batch).
+        train_window: how many of the last steps ``train_loss`` averages.
+        train_gap: ``train_loss`` relative to the baseline's over the same
+            steps (``None``: no baseline).
+        losses_equal: whether every step's training loss on every rank equals
+            the baseline's bitwise (``None``: no baseline).
+        worst_step: where the training losses differ most from the
+            baseline's (``None``: no baseline).
+    """
 
     spec: RunSpec
     held_out: tuple[tuple[int, float], ...]
-    train_loss: float  # rank 0, mean of the last 10 steps
-    max_loss_difference: float | None  # vs the baseline, every step and rank
+    train_loss: float
+    train_window: int
+    train_gap: float | None
+    losses_equal: bool | None
+    worst_step: StepDifference | None
     gap: Gap | None
     memory: tuple[Mapping[str, int], ...]  # per rank
     sent: Sent
@@ -131,25 +219,73 @@ class RunSummary:
     def final_held_out(self) -> float:
         return self.held_out[-1][1]
 
+    @property
+    def max_loss_difference(self) -> float | None:
+        """The largest ``|training loss - baseline's|``, every step and rank."""
+        return None if self.worst_step is None else self.worst_step.difference
 
-def _mean(xs: Sequence[float]) -> float:
-    return statistics.fmean(xs[WARMUP_STEPS:] if len(xs) > WARMUP_STEPS else xs)
+
+def _after_warmup(xs: Sequence[float], steps: Sequence[int] | None = None) -> list[float]:
+    """``xs`` without those of the first ``WARMUP_STEPS`` steps (``steps``:
+    each value's step, default its index), unless that leaves none."""
+    at = range(len(xs)) if steps is None else steps
+    kept = [x for x, step in zip(xs, at, strict=True) if step >= WARMUP_STEPS]
+    return kept or list(xs)
 
 
 def time_split(m: Measured) -> TimeSplit | None:
-    """Mean milliseconds per step: compute, communication in backward and in
-    the optimizer step, the local optimizer step (``None`` if no step was split)."""
+    """Milliseconds per step, median and quartiles: the step, compute,
+    communication (in backward and in the optimizer step), the local
+    optimizer step (``None`` if no step was split)."""
     if not m.compute:
         return None
-    pairs = [(m.forward_backward[step], seconds) for step, seconds in m.compute]
-    compute = statistics.fmean(c for _, c in pairs)
-    backward = statistics.fmean(max(0.0, f - c) for f, c in pairs)
-    after = [s - local for s, local in zip(m.optimizer_step, m.local_step, strict=True)]
+    split = [step for step, _ in m.compute]
+    compute = [c for _, c in m.compute]
+    communication = [
+        max(0.0, m.forward_backward[step] - c) + m.optimizer_step[step] - m.local_step[step]
+        for step, c in m.compute
+    ]
+    totals = [f + s for f, s in zip(m.forward_backward, m.optimizer_step, strict=True)]
     return TimeSplit(
-        compute=1e3 * compute,
-        backward_communication=1e3 * backward,
-        step_communication=1e3 * _mean(after),
-        optimizer=1e3 * _mean(m.local_step),
+        total=Spread.of(_after_warmup(totals)),
+        compute=Spread.of(_after_warmup(compute, split)),
+        communication=Spread.of(_after_warmup(communication, split)),
+        optimizer=Spread.of(_after_warmup(m.local_step)),
+    )
+
+
+def window_mean(losses: Sequence[Sequence[float]], window: int) -> float:
+    """The mean training loss of the last ``window`` steps, over every rank's ``losses``."""
+    return statistics.fmean(x for rank in losses for x in rank[-window:])
+
+
+def worst_step(mine: Sequence[Sequence[float]], base: Sequence[Sequence[float]]) -> StepDifference:
+    """Where ``mine`` (per rank, per step) differs most from ``base`` (the
+    first such step), and how the two compared around it.
+
+    Raises:
+        ValueError: no steps, or ``mine`` and ``base`` of different lengths.
+    """
+    if [len(m) for m in mine] != [len(b) for b in base]:
+        raise ValueError("a run and its baseline must have as many ranks and steps")
+    rank, step = max(
+        ((r, i) for r, ms in enumerate(mine) for i in range(len(ms))),
+        key=lambda at: abs(mine[at[0]][at[1]] - base[at[0]][at[1]]),
+    )
+    ms, bs = mine[rank], base[rank]
+    higher = bs if bs[step] > ms[step] else ms
+    around = [
+        i
+        for i in range(max(0, step - SPIKE_SPAN), min(len(ms), step + SPIKE_SPAN + 1))
+        if i != step
+    ] or [step]
+    return StepDifference(
+        step=step + 1,
+        rank=rank,
+        loss=ms[step],
+        baseline_loss=bs[step],
+        usual_difference=statistics.median(abs(ms[i] - bs[i]) for i in around),
+        usual_higher=statistics.median(higher[i] for i in around),
     )
 
 
@@ -174,32 +310,39 @@ def _gap(spec: RunSpec, mine: float, base: float) -> Gap:
     )
 
 
-def summarize(results: Results, specs: Sequence[RunSpec]) -> tuple[RunSummary, ...]:
-    """One summary per run, in ``specs`` order.
+def summarize(
+    results: Results, specs: Sequence[RunSpec], train_window: int = TRAIN_WINDOW
+) -> tuple[RunSummary, ...]:
+    """One summary per run, in ``specs`` order; training losses compared over
+    the last ``train_window`` steps (all of them, if fewer).
 
     Raises:
         KeyError: a run missing from some rank's results.
     """
     world_size = len(results)
     finals = {s.key: results[0][s.key].held_out[-1][1] for s in specs}
+    losses = {s.key: [r[s.key].losses for r in results] for s in specs}
+    window = max(1, min(train_window, len(results[0][specs[0].key].losses)))
+    windowed = {key: window_mean(ls, window) for key, ls in losses.items()}
     out = []
     for spec in specs:
         mine = [r[spec.key] for r in results]
-        diff = gap = None
+        gap = train_gap = equal = worst = None
         if spec.baseline is not None:
-            base = [r[spec.baseline] for r in results]
-            diff = max(
-                abs(a - b)
-                for m, b_ in zip(mine, base, strict=True)
-                for a, b in zip(m.losses, b_.losses, strict=True)
-            )
+            base = losses[spec.baseline]
+            equal = losses[spec.key] == base
+            worst = worst_step(losses[spec.key], base)
             gap = _gap(spec, finals[spec.key], finals[spec.baseline])
+            train_gap = (windowed[spec.key] - windowed[spec.baseline]) / windowed[spec.baseline]
         out.append(
             RunSummary(
                 spec=spec,
                 held_out=mine[0].held_out,
-                train_loss=statistics.fmean(mine[0].losses[-10:]),
-                max_loss_difference=diff,
+                train_loss=windowed[spec.key],
+                train_window=window,
+                train_gap=train_gap,
+                losses_equal=equal,
+                worst_step=worst,
                 gap=gap,
                 memory=tuple(m.memory for m in mine),
                 sent=sent_per_step(spec, mine[0], world_size),

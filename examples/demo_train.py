@@ -11,8 +11,8 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -23,6 +23,7 @@ from demo_runs import RunSpec
 from demo_summary import Measured
 from demo_trainer import StepRecord, Trainer
 
+T = TypeVar("T")
 PROMPT = b"Return the "  # how many of the docstrings begin
 
 
@@ -40,7 +41,8 @@ class Config:
         data_bytes: bytes of standard-library docstrings to read (at most).
         eval_every: steps between held-out evaluations (the last step is one).
         eval_windows: held-out windows per evaluation, split across the ranks.
-        split_every: steps between the time split's ``no_sync`` re-runs.
+        split_every: steps between the time split's ``no_sync`` re-runs; the
+            runs' order turns by one after each.
         count_steps: the last steps whose collectives are counted.
         sample_bytes: bytes of text to sample after training (0: none).
         progress_bar: a tqdm bar on rank 0 instead of plain lines.
@@ -59,7 +61,7 @@ class Config:
     data_bytes: int = 4_000_000
     eval_every: int = 20
     eval_windows: int = 128
-    split_every: int = 10
+    split_every: int = 4
     count_steps: int = 20
     sample_bytes: int = 0
     progress_bar: bool = False
@@ -105,6 +107,16 @@ def lr_schedule(peak: float, steps: int, warmup: int = 10) -> Callable[[int], fl
         return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
     return lr
+
+
+def turn(items: Sequence[T], by: int) -> list[T]:
+    """``items`` rotated left by ``by``: which run steps first changes from one
+    split step to the next, so that every run is timed in every place of the
+    order, and equal work measures as equal time."""
+    if not items:
+        return []
+    k = by % len(items)
+    return [*items[k:], *items[:k]]
 
 
 class Progress:
@@ -210,7 +222,7 @@ def train_rank(rank: int, world_size: int, cfg: Config) -> dict[str, Measured]:
         xy = batch(corpus.train, step, cfg.seed, cfg.batch_size * world_size, cfg.model.context)
         x, y = rank_slice(xy, rank, world_size)
         split = step % cfg.split_every == cfg.split_every - 1 or step == cfg.steps - 2
-        for trainer in trainers:
+        for trainer in turn(trainers, step // cfg.split_every):
             log = logs[trainer.spec.key]
             if split:  # compute alone, then the same batch with communication
                 log.compute.append((step, trainer.compute_seconds(x, y)))
