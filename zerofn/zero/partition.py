@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import attrs
+import torch
 
 __all__ = [
     "FlatPartition",
@@ -261,11 +262,10 @@ def greedy_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> P
     heap = [(0, rank) for rank in range(world_size)]
     assignment: list[list[list[int]]] = [[[] for _ in frozen] for _ in range(world_size)]
     for g, group in enumerate(frozen):
-        # sorted() is stable, and reverse=True keeps equal keys in input order.
-        for local in sorted(range(len(group)), key=group.__getitem__, reverse=True):
+        for local, size in zip(*_largest_first(group), strict=True):
             load, rank = heap[0]
             assignment[rank][g].append(offsets[g] + local)
-            heapq.heapreplace(heap, (load + group[local], rank))
+            heapq.heapreplace(heap, (load + size, rank))
     return _to_partition(world_size, frozen, assignment)
 
 
@@ -326,14 +326,31 @@ def manual_partition(
     return _to_partition(world_size, frozen, [[list(ix)] for ix in params_per_rank])
 
 
-def _lpt_owners(sizes: Sequence[int], order: Sequence[int], world_size: int) -> list[int]:
-    """Owner of each parameter when taken in ``order`` by the least-loaded rank."""
+def _largest_first(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The indices of ``sizes`` largest first (equal sizes in index order,
+    as ``sorted(..., reverse=True)`` keeps them), and the sizes in that order.
+
+    Sorted by torch and handed back as two lists built in the order the
+    greedy loops read them: a Python sort of indices by size leaves each
+    loop reading ``sizes[i]`` at random places, and once a model's list
+    outgrows the CPU caches (~100k parameters) those reads double the cost
+    per parameter; this way 10x the parameters cost ~11x the time.
+    """
+    values = torch.tensor(sizes, dtype=torch.int64)
+    order = torch.sort(values, descending=True, stable=True).indices
+    indices: list[int] = order.tolist()
+    ordered: list[int] = values[order].tolist()
+    return indices, ordered
+
+
+def _lpt_owners(sizes: Sequence[int], world_size: int) -> list[int]:
+    """Owner of each parameter when taken largest first by the least-loaded rank."""
     owners = [0] * len(sizes)
     heap = [(0, rank) for rank in range(world_size)]
-    for i in order:
+    for i, size in zip(*_largest_first(sizes), strict=True):
         load, rank = heap[0]
         owners[i] = rank
-        heapq.heapreplace(heap, (load + sizes[i], rank))
+        heapq.heapreplace(heap, (load + size, rank))
     return owners
 
 
@@ -421,8 +438,7 @@ def balanced_partition(group_sizes: Sequence[Sequence[int]], world_size: int) ->
     """
     greedy = greedy_partition(group_sizes, world_size)
     sizes = greedy.sizes
-    order = sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True)
-    candidates = [list(greedy.owners), _lpt_owners(sizes, order, world_size)]
+    candidates = [list(greedy.owners), _lpt_owners(sizes, world_size)]
     best_owners: list[int] | None = None
     best_max = -1
     for owners in candidates:
