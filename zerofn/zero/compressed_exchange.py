@@ -356,41 +356,71 @@ def compressed_exchange_program(
         )
 
 
+@attrs.frozen(eq=False)
+class _Difference:
+    """``master - replica`` over this rank's segment of one buffer, taken a
+    piece at a time (:meth:`take`), so the first piece's codes leave before
+    the rest of the segment is read.
+
+    Attributes:
+        values: where the difference is taken (the exchange's scratch, for
+            float32 masters), one element per element of the segment.
+        masters: the parts of this rank's masters in the segment, with
+            where each starts in it.
+        replica: the segment of the buffer (the replica of the shard).
+    """
+
+    values: torch.Tensor
+    masters: tuple[tuple[int, torch.Tensor], ...]
+    replica: torch.Tensor
+
+    def take(self, start: int, numel: int) -> torch.Tensor:
+        """The difference over ``[start, start + numel)`` of the segment, written."""
+        stop = start + numel
+        piece = self.values[start:stop]
+        for offset, master in self.masters:
+            lo, hi = max(start, offset), min(stop, offset + master.numel())
+            if lo < hi:
+                piece[lo - start : hi - start] = master[lo - offset : hi - offset]
+        return piece.sub_(self.replica[start:stop])
+
+
 def _difference(
     shards: Shards,
     index: int,
     masters: Sequence[torch.Tensor],
     spans: Sequence[LocalSpan | None],
     exchange: CompressedExchange,
-) -> torch.Tensor:
-    """``master - replica`` over this rank's segment of buffer ``index``
-    (in the exchange's scratch, for float32 masters)."""
+) -> _Difference:
+    """Where ``master - replica`` over this rank's segment of buffer
+    ``index`` will be taken, checked to be covered by the masters."""
     layout, buffer = shards.plan.layouts[index], shards.buffers[index]
     own = layout.segments[shards.rank]
     # A rank that owns nothing has no masters and sends an empty payload.
     wide = masters[0].dtype if masters else torch.float32
     if wide == torch.float32:
-        difference = exchange.work[: own.length]
+        values = exchange.work[: own.length]
     else:  # wider masters: the difference is taken at their width
-        difference = torch.empty(own.length, dtype=wide, device=buffer.device)
-    covered = 0
-    for master, span in zip(masters, spans, strict=True):
-        if span is not None and span.layout == index:
-            difference[span.offset : span.offset + span.numel] = master.detach().view(-1)
-            covered += span.numel
+        values = torch.empty(own.length, dtype=wide, device=buffer.device)
+    parts = tuple(
+        (span.offset, master.detach().view(-1))
+        for master, span in zip(masters, spans, strict=True)
+        if span is not None and span.layout == index
+    )
+    covered = sum(part.numel() for _, part in parts)
     if covered != own.length:
         raise ValueError(
             f"the masters cover {covered} of the {own.length} elements of rank "
             f"{shards.rank}'s segment of the {layout.key} buffer"
         )
-    return difference.sub_(buffer[own.offset : own.offset + own.length])
+    return _Difference(values, parts, buffer[own.offset : own.offset + own.length])
 
 
 def _send_pieces(
     shards: Shards,
     index: int,
     params: Sequence[torch.Tensor],
-    difference: torch.Tensor,
+    difference: _Difference,
     exchange: CompressedExchange,
     via: ExchangeVia,
     last: bool,
@@ -414,7 +444,7 @@ def _send_pieces(
         )
         if numel:
             work = exchange.work[start : start + quantizer.padded_numel(numel)]
-            quantizer.encode(difference[start : start + numel], payload(shards.rank, k), work)
+            quantizer.encode(difference.take(start, numel), payload(shards.rank, k), work)
 
     requests = [
         GatherSegments(tuple(payload(r, k) for r in range(len(parts))), shards.rank, via)
