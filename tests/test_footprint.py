@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer, hooks
 from zerofn_torch.traffic import collective_traffic
 
-from zerofn.footprint import COLUMNS, Column, main, plan_footprint, shapes_of, table
+from zerofn.footprint import plan_footprint, shapes_of
+from zerofn.footprint.cli import COLUMNS, Column, main, table
 from zerofn.model_shapes import MODELS
 
 pytestmark = pytest.mark.timeout(180)

@@ -571,14 +571,24 @@ def test_failed_load_leaves_the_state_alone() -> None:
 
 
 @pytest.mark.usefixtures("single_rank_group")
-def test_hooks_register_with_ddp() -> None:
-    for hook in (powerSGD_hook, batched_powerSGD_hook):
-        model = DDP(make_model())
-        model.register_comm_hook(PowerSGDState(None, start_powerSGD_iter=START), hook)
-        for step in range(START + 1):
-            model(
-                torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
-            ).sum().backward()
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook])
+def test_hooks_register_with_ddp(hook: Hook) -> None:
+    model, alone = DDP(make_model()), make_model()
+    state = PowerSGDState(None, start_powerSGD_iter=START)
+    model.register_comm_hook(state, hook)
+    for step in range(START + 1):
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step))
+        for m in (model, alone):
+            m.zero_grad()
+            m(x).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and g.isfinite().all() for g in grads)
+        if step < START:  # plain averaging over one rank: the local gradients exactly
+            assert all(map(torch.equal, grads, (p.grad for p in alone.parameters())))
+    # DDP called the hook for every iteration, and the last one compressed.
+    assert state.iter == START + 1
+    _, before, after = state.compression_stats()
+    assert before > after > 0
 
 
 def _one_iteration(state: PowerSGDState, buckets: list[list[tuple[int, ...]]]) -> None:

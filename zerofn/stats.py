@@ -29,7 +29,7 @@ from zerofn.comm import (
     request_bytes,
     watched,
 )
-from zerofn.hooks.hook import BucketInfo, CommHook, HookState
+from zerofn.hooks.hook import BucketInfo, CommHook, HookState, WrappedCall, wrap
 
 __all__ = [
     "CollectiveRecord",
@@ -109,27 +109,23 @@ def with_stats(inner: CommHook[G, B]) -> CommHook[G, StatsState[B]]:
     for :func:`comm_stats` to find the records.
     """
 
-    def start(
-        grad: torch.Tensor, bucket: BucketInfo, g: G, b: StatsState[B] | None
-    ) -> tuple[G, Program[tuple[torch.Tensor, StatsState[B]]]]:
-        new_g, inner_program = inner.start(grad, bucket, g, b.inner if b is not None else None)
+    def enter(
+        grad: torch.Tensor, bucket: BucketInfo, b: StatsState[B] | None
+    ) -> tuple[torch.Tensor, B | None]:
+        return grad, b.inner if b is not None else None
 
-        def program() -> Program[tuple[torch.Tensor, StatsState[B]]]:
-            records: list[CollectiveRecord] = []
-            seen = watched(inner_program, lambda request: records.append(_record(request)))
-            result, inner_state = yield from seen
-            runs, total = (b.runs, b.total_bytes) if b is not None else (0, 0)
-            nbytes = sum(r.nbytes for r in records)
-            return result, StatsState(tuple(records), runs + 1, total + nbytes, inner_state)
+    def leave(
+        inner_program: Program[tuple[torch.Tensor, B]], call: WrappedCall[G, B, StatsState[B]]
+    ) -> Program[tuple[torch.Tensor, StatsState[B]]]:
+        records: list[CollectiveRecord] = []
+        seen = watched(inner_program, lambda request: records.append(_record(request)))
+        result, inner_state = yield from seen
+        b = call.state
+        runs, total = (b.runs, b.total_bytes) if b is not None else (0, 0)
+        nbytes = sum(r.nbytes for r in records)
+        return result, StatsState(tuple(records), runs + 1, total + nbytes, inner_state)
 
-        return new_g, program()
-
-    return CommHook(
-        init=inner.init,
-        start=start,
-        end_iteration=inner.end_iteration,
-        name=f"with_stats({inner.name})",
-    )
+    return wrap(inner, f"with_stats({inner.name})", enter, leave)
 
 
 def comm_stats(state: HookState[Any, StatsState[Any]]) -> CommStats:

@@ -55,6 +55,25 @@ def _payloads(
     ]
 
 
+def _encoded(
+    fragment: Fragment,
+    rank: int,
+    gradient: torch.Tensor,
+    residual: torch.Tensor,
+    quantizer: BlockQuantizer,
+) -> list[torch.Tensor]:
+    """Each owner's slice of ``gradient`` as a payload for it (the own slice's
+    payload is left unwritten), and into ``residual`` what the codes leave out."""
+    sends = _payloads(quantizer, fragment.lengths, gradient.device)
+    for owner, (part, payload) in enumerate(zip(fragment.slices(gradient), sends, strict=True)):
+        carried = part
+        if owner != rank:
+            quantizer.encode(part, payload)
+            carried = quantizer.decode(payload, part.numel())
+        residual[fragment.owned(owner)] = part - carried
+    return sends
+
+
 def compressed_sync_program(
     fragment: Fragment,
     rank: int,
@@ -87,31 +106,15 @@ def compressed_sync_program(
     Raises:
         ValueError: a tensor that does not fit the fragment.
     """
+    fragment.check_fits(rank, ("master", master), values=values, replica=replica, residual=residual)
     lengths = fragment.lengths
     world_size = len(lengths)
-    for name, tensor in (("values", values), ("replica", replica), ("residual", residual)):
-        if tensor.shape != (fragment.numel,) or tensor.dtype != torch.float32:
-            raise ValueError(
-                f"fragment {fragment.index}: {name} must be float32 of shape ({fragment.numel},), "
-                f"got {tensor.dtype} {tuple(tensor.shape)}"
-            )
-    if master.shape != (lengths[rank],):
-        raise ValueError(
-            f"fragment {fragment.index}: rank {rank}'s master slice has {lengths[rank]} "
-            f"elements, got shape {tuple(master.shape)}"
-        )
     device = values.device
     gradient = replica - values + residual
     # The own slice never leaves this rank: it is summed exact, not encoded.
     nothing = torch.empty(0, dtype=torch.uint8, device=device)
-    sends = _payloads(quantizer, lengths, device)
+    sends = _encoded(fragment, rank, gradient, residual, quantizer)
     sends[rank] = nothing
-    for owner, (part, payload) in enumerate(zip(fragment.slices(gradient), sends, strict=True)):
-        carried = part
-        if owner != rank:
-            quantizer.encode(part, payload)
-            carried = quantizer.decode(payload, part.numel())
-        residual[fragment.owned(owner)] = part - carried
 
     total = fragment.slices(gradient)[rank].clone()
     receives = _payloads(quantizer, (lengths[rank],) * world_size, device)

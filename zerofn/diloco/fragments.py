@@ -60,6 +60,26 @@ class Fragment:
         """Views of ``values`` (the fragment's elements), one per owner, in rank order."""
         return tuple(values[self.owned(rank)] for rank in range(len(self.bounds) - 1))
 
+    def check_fits(self, rank: int, own: tuple[str, torch.Tensor], **whole: torch.Tensor) -> None:
+        """Check a sync's tensors: each of ``whole`` the fragment's elements
+        in ``float32``, and ``own`` (its name, the tensor) rank ``rank``'s slice.
+
+        Raises:
+            ValueError: the first tensor that does not fit, named.
+        """
+        for name, tensor in whole.items():
+            if tensor.shape != (self.numel,) or tensor.dtype != torch.float32:
+                raise ValueError(
+                    f"fragment {self.index}: {name} must be float32 of shape ({self.numel},), "
+                    f"got {tensor.dtype} {tuple(tensor.shape)}"
+                )
+        name, tensor = own
+        if tensor.shape != (self.lengths[rank],):
+            raise ValueError(
+                f"fragment {self.index}: rank {rank}'s {name} slice has "
+                f"{self.lengths[rank]} elements, got shape {tuple(tensor.shape)}"
+            )
+
 
 @attrs.frozen
 class FragmentPlan:

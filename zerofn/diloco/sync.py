@@ -62,16 +62,7 @@ def sync_program(
         ValueError: ``values`` or ``anchor`` does not fit the fragment.
     """
     world_size = len(fragment.lengths)
-    if values.shape != (fragment.numel,) or values.dtype != torch.float32:
-        raise ValueError(
-            f"fragment {fragment.index}: values must be float32 of shape ({fragment.numel},), "
-            f"got {values.dtype} {tuple(values.shape)}"
-        )
-    if anchor.shape != (fragment.lengths[rank],):
-        raise ValueError(
-            f"fragment {fragment.index}: rank {rank}'s anchor slice has "
-            f"{fragment.lengths[rank]} elements, got shape {tuple(anchor.shape)}"
-        )
+    fragment.check_fits(rank, ("anchor", anchor), values=values)
     slices = fragment.slices(values)
     for owner, part in enumerate(slices):
         if part.numel():

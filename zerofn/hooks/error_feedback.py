@@ -51,7 +51,7 @@ import attrs
 import torch
 
 from zerofn.comm import AllGather, AllReduce, Collect, Post, Program, Request, Response
-from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.hooks.hook import BucketInfo, CommHook, WrappedCall, wrap
 
 __all__ = ["ErrorFeedbackState", "compensate", "error_feedback", "split_residual"]
 
@@ -83,33 +83,29 @@ def error_feedback(inner: CommHook[G, B]) -> CommHook[G, ErrorFeedbackState[B]]:
     per bucket.
     """
 
-    def start(
-        grad: torch.Tensor, bucket: BucketInfo, g: G, b: ErrorFeedbackState[B] | None
-    ) -> tuple[G, Program[tuple[torch.Tensor, ErrorFeedbackState[B]]]]:
-        compensated = grad + remembered_error(b, grad, bucket)
-        inner_b = b.inner if b is not None else None
-        new_g, inner_program = inner.start(compensated, bucket, g, inner_b)
+    def enter(
+        grad: torch.Tensor, bucket: BucketInfo, b: ErrorFeedbackState[B] | None
+    ) -> tuple[torch.Tensor, B | None]:
+        return grad + remembered_error(b, grad, bucket), b.inner if b is not None else None
 
-        def program() -> Program[tuple[torch.Tensor, ErrorFeedbackState[B]]]:
-            # With more ranks, settle the error before the real run: the driver
-            # may reduce that run's request tensors (``compensated`` among them)
-            # in place. With one rank, the real run is the run alone.
-            error = None
-            if bucket.world_size > 1:
-                error = compensated - decode_alone(inner, compensated, bucket, g, inner_b)
-            result, inner_state = yield from inner_program
-            if error is None:
-                error = compensated - result
-            return result, ErrorFeedbackState(error, bucket.shapes, inner_state)
+    def leave(
+        inner_program: Program[tuple[torch.Tensor, B]],
+        call: WrappedCall[G, B, ErrorFeedbackState[B]],
+    ) -> Program[tuple[torch.Tensor, ErrorFeedbackState[B]]]:
+        compensated, bucket = call.given, call.bucket
+        # With more ranks, settle the error before the real run: the driver
+        # may reduce that run's request tensors (``compensated`` among them)
+        # in place. With one rank, the real run is the run alone.
+        error = None
+        if bucket.world_size > 1:
+            alone = decode_alone(inner, compensated, bucket, call.global_state, call.inner_state)
+            error = compensated - alone
+        result, inner_state = yield from inner_program
+        if error is None:
+            error = compensated - result
+        return result, ErrorFeedbackState(error, bucket.shapes, inner_state)
 
-        return new_g, program()
-
-    return CommHook(
-        init=inner.init,
-        start=start,
-        end_iteration=inner.end_iteration,
-        name=f"error_feedback({inner.name})",
-    )
+    return wrap(inner, f"error_feedback({inner.name})", enter, leave)
 
 
 def remembered_error(

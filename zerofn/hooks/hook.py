@@ -20,8 +20,11 @@ other's updates. :class:`HookState` holds both kinds, and the functions
 :func:`begin_bucket`, :func:`finish_bucket` and :func:`finish_iteration` are its
 transitions.
 
-Combinators build hooks from hooks: :func:`cast` runs any hook in a lower
-precision. :func:`allreduce_mean` is the plain averaging hook.
+Combinators build hooks from hooks, all through :func:`wrap`: :func:`cast`
+runs any hook in a lower precision, and
+:func:`zerofn.hooks.error_feedback.error_feedback` and
+:func:`zerofn.stats.with_stats` are wrappers too. :func:`allreduce_mean` is
+the plain averaging hook.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "BucketInfo",
     "CommHook",
     "HookState",
+    "WrappedCall",
     "allreduce_mean",
     "begin_bucket",
     "cast",
@@ -45,10 +49,12 @@ __all__ = [
     "finish_iteration",
     "init_hook_state",
     "noop",
+    "wrap",
 ]
 
 G = TypeVar("G")
 B = TypeVar("B")
+W = TypeVar("W")
 
 
 @attrs.frozen
@@ -194,6 +200,68 @@ def noop() -> CommHook[None, None]:
     return CommHook(init=lambda: None, start=start, name="noop")
 
 
+@attrs.frozen
+class WrappedCall(Generic[G, B, W]):
+    """One bucket's call of a hook made by :func:`wrap`, as the wrapper sees it.
+
+    Attributes:
+        grad: the bucket's flat gradient, as the wrapper received it.
+        given: what the inner hook was given in its place.
+        bucket: the bucket.
+        global_state: the global state before the inner hook's ``start``.
+        state: the wrapper's state for this bucket (``None`` before its first run).
+        inner_state: the inner hook's state for this bucket, as ``enter`` took
+            it out of ``state``.
+    """
+
+    grad: torch.Tensor
+    given: torch.Tensor
+    bucket: BucketInfo
+    global_state: G
+    state: W | None
+    inner_state: B | None
+
+
+def wrap(
+    inner: CommHook[G, B],
+    name: str,
+    enter: Callable[[torch.Tensor, BucketInfo, W | None], tuple[torch.Tensor, B | None]],
+    leave: Callable[
+        [Program[tuple[torch.Tensor, B]], WrappedCall[G, B, W]], Program[tuple[torch.Tensor, W]]
+    ],
+) -> CommHook[G, W]:
+    """``inner`` inside a wrapper that changes what it is given and what it returns.
+
+    The inner hook keeps its global state, which the wrapper never sees
+    change: ``start`` and ``end_iteration`` advance it as ``inner``'s do, in
+    bucket order. Only each bucket's input, program and bucket state pass
+    through the wrapper.
+
+    Args:
+        inner: the wrapped hook.
+        name: the new hook's label.
+        enter: ``(grad, bucket, wrapper_bucket_state_or_None) -> (given,
+            inner_bucket_state_or_None)``, run in ``start``: the gradient
+            ``inner`` is given, and its own bucket state taken out of the
+            wrapper's.
+        leave: ``(inner_program, call) -> program``: the wrapper's program
+            around ``inner``'s (``call`` is a :class:`WrappedCall`); it returns
+            the result and the wrapper's new bucket state.
+
+    Returns:
+        The wrapped hook.
+    """
+
+    def start(
+        grad: torch.Tensor, bucket: BucketInfo, g: G, b: W | None
+    ) -> tuple[G, Program[tuple[torch.Tensor, W]]]:
+        given, inner_b = enter(grad, bucket, b)
+        new_g, inner_program = inner.start(given, bucket, g, inner_b)
+        return new_g, leave(inner_program, WrappedCall(grad, given, bucket, g, b, inner_b))
+
+    return CommHook(init=inner.init, start=start, end_iteration=inner.end_iteration, name=name)
+
+
 def cast(inner: CommHook[G, B], dtype: torch.dtype) -> CommHook[G, B]:
     """Run ``inner`` on the gradient cast to ``dtype``, and cast its result back.
 
@@ -201,20 +269,13 @@ def cast(inner: CommHook[G, B], dtype: torch.dtype) -> CommHook[G, B]:
     hook; ``cast(any_hook, torch.bfloat16)`` is its bf16 wrapper.
     """
 
-    def start(
-        grad: torch.Tensor, bucket: BucketInfo, g: G, b: B | None
-    ) -> tuple[G, Program[tuple[torch.Tensor, B]]]:
-        g2, inner_program = inner.start(grad.to(dtype), bucket, g, b)
+    def enter(grad: torch.Tensor, bucket: BucketInfo, b: B | None) -> tuple[torch.Tensor, B | None]:
+        return grad.to(dtype), b
 
-        def program() -> Program[tuple[torch.Tensor, B]]:
-            result, new_b = yield from inner_program
-            return result.to(grad.dtype), new_b
+    def leave(
+        inner_program: Program[tuple[torch.Tensor, B]], call: WrappedCall[G, B, B]
+    ) -> Program[tuple[torch.Tensor, B]]:
+        result, inner_state = yield from inner_program
+        return result.to(call.grad.dtype), inner_state
 
-        return g2, program()
-
-    return CommHook(
-        init=inner.init,
-        start=start,
-        end_iteration=inner.end_iteration,
-        name=f"{inner.name}@{str(dtype).removeprefix('torch.')}",
-    )
+    return wrap(inner, f"{inner.name}@{str(dtype).removeprefix('torch.')}", enter, leave)

@@ -15,20 +15,7 @@ The names of :mod:`~zerofn.overlap.state` are importable from here too
 (``zerofn.overlap`` was that one module before the folder).
 """
 
-from zerofn.overlap.state import (
-    OverlapState,
-    OverlapStatus,
-    finish_overlap_iteration,
-    observe_bucket,
-    owned_params_per_rank,
-    shard_element_range,
-)
+from zerofn.overlap import state
+from zerofn.overlap.state import *  # noqa: F403  (one list of names: state's own)
 
-__all__ = [
-    "OverlapState",
-    "OverlapStatus",
-    "finish_overlap_iteration",
-    "observe_bucket",
-    "owned_params_per_rank",
-    "shard_element_range",
-]
+__all__ = state.__all__

@@ -122,7 +122,11 @@ def assign_buckets(
             for b, bucket in enumerate(sizes)
         )
         return BucketPlan(world_size, sizes, shards)
+    return BucketPlan(world_size, sizes, _cut_buckets(sizes, world_size))
 
+
+def _cut_buckets(sizes: tuple[tuple[int, ...], ...], world_size: int) -> tuple[BucketShard, ...]:
+    """The runs of :func:`assign_buckets` with ``shard_buckets``, smallest bucket first."""
     threshold = sum(sum(bucket) for bucket in sizes) / world_size
     loads = [0] * world_size
     out: list[BucketShard] = []
@@ -143,4 +147,4 @@ def assign_buckets(
         rank = _least_loaded(loads, taken)
         out.append(BucketShard(b, rank, start, len(bucket) - start, run))
         loads[rank] += run
-    return BucketPlan(world_size, sizes, tuple(out))
+    return tuple(out)

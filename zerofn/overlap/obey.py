@@ -24,7 +24,7 @@ import torch
 
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Program, ProgramStep
-from zerofn.overlap.ddp_buckets import BucketShard
+from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
 from zerofn.overlap.step import broadcast_differences_from_owners, broadcast_from_owners
 from zerofn.zero.compressed_exchange import add_difference
@@ -173,19 +173,33 @@ def obey(
         return Obeyed(True, (), order.reshard)
     plan = state.overlap.plan
     assert plan is not None  # gradients_to_step refused an order without one
+    sends = _owners_sends(plan, config.rank, order, handed, params, compressed)
+    return Obeyed(True, sends, order.reshard, differences=compressed is not None)
+
+
+def _owners_sends(
+    plan: BucketPlan,
+    rank: int,
+    order: StepOrder,
+    handed: Handed,
+    params: Sequence[torch.Tensor],
+    compressed: SendCompressed | None,
+) -> tuple[tuple[tuple[int, ...], Program[Sent]], ...]:
+    """Per bucket the order names, its parameters' indices and the program
+    sending its owners' updates (values, or quantized differences)."""
     sends = []
     for index in order.buckets:
         indices = handed[index][0]
         bucket_params = [params[i] for i in indices]
         if compressed is None:
-            send = broadcast_from_owners(plan, config.rank, index, bucket_params)
+            send = broadcast_from_owners(plan, rank, index, bucket_params)
         else:
             masters = [compressed.masters[i] for i in indices]
             send = broadcast_differences_from_owners(
-                plan, config.rank, index, bucket_params, masters, compressed.quantizer
+                plan, rank, index, bucket_params, masters, compressed.quantizer
             )
         sends.append((indices, send))
-    return Obeyed(True, tuple(sends), order.reshard, differences=compressed is not None)
+    return tuple(sends)
 
 
 def step_with_gradients(

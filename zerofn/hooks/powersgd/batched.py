@@ -24,15 +24,15 @@ import torch
 
 from zerofn.comm import AllReduce, Program
 from zerofn.hooks.error_feedback import compensate, split_residual
-from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.hooks.hook import BucketInfo
 from zerofn.hooks.powersgd import codec
 from zerofn.hooks.powersgd.common import (
+    BucketCall,
     BucketResult,
     PowerSGDHook,
-    averaging,
-    begin,
     draw,
     errors_of,
+    powersgd_hook,
 )
 from zerofn.hooks.powersgd.config import PowerSGDConfig
 from zerofn.hooks.powersgd.layout import square_side
@@ -42,8 +42,6 @@ from zerofn.hooks.powersgd.state import (
     PowerSGDBucketState,
     PowerSGDGlobalState,
     SquareMemory,
-    end_iteration,
-    init_global_state,
     record_compression,
 )
 
@@ -162,15 +160,11 @@ def _starting_q(
 
 
 def _compress(
-    grad: torch.Tensor,
-    bucket: BucketInfo,
-    state: PowerSGDGlobalState,
-    keys: tuple[Key, ...],
-    params: tuple[ParamMemory | None, ...],
-    square: SquareMemory | None,
-    config: PowerSGDConfig,
+    config: PowerSGDConfig, call: BucketCall, state: PowerSGDGlobalState
 ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
     """The compressing iteration's program for one bucket (see :func:`batched`)."""
+    grad, bucket, keys, params = call.grad, call.bucket, call.keys, call.params
+    square = call.bucket_state.square if call.bucket_state is not None else None
     numel = grad.numel()
     side = square_side(numel)
     rank = min(side, config.matrix_approximation_rank)
@@ -215,22 +209,4 @@ def batched(config: PowerSGDConfig) -> PowerSGDHook:
         ValueError: (from ``start``) if the bucket's state was made for other
             gradient shapes.
     """
-
-    def start(
-        grad: torch.Tensor,
-        bucket: BucketInfo,
-        state: PowerSGDGlobalState,
-        bucket_state: PowerSGDBucketState | None,
-    ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
-        state, keys, params = begin(bucket, state, bucket_state)
-        if state.iteration < config.start_powerSGD_iter:
-            return state, averaging(grad, bucket.world_size, bucket_state)
-        square = bucket_state.square if bucket_state is not None else None
-        return _compress(grad, bucket, state, keys, params, square, config)
-
-    return CommHook(
-        init=lambda: init_global_state(config),
-        start=start,
-        end_iteration=end_iteration,
-        name="batched_powersgd",
-    )
+    return powersgd_hook(config, "batched_powersgd", _compress)

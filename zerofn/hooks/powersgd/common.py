@@ -1,8 +1,10 @@
-"""What PowerSGD's two hooks share: reading a bucket's memories, plain
-averaging before compression starts, and drawing a random start."""
+"""What PowerSGD's two hooks share: the hook itself around their compressing
+steps, reading a bucket's memories, plain averaging before compression
+starts, and drawing a random start."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeAlias
 
 import attrs
@@ -18,18 +20,23 @@ from zerofn.hooks.powersgd.state import (
     PowerSGDBucketState,
     PowerSGDGlobalState,
     default_keys,
+    end_iteration,
     fits_bucket,
+    init_global_state,
     record_bucket,
 )
 
 __all__ = [
+    "BucketCall",
     "BucketResult",
+    "Compress",
     "PowerSGDHook",
     "averaging",
     "begin",
     "draw",
     "errors_of",
     "fresh_start_due",
+    "powersgd_hook",
 ]
 
 PowerSGDHook: TypeAlias = CommHook[PowerSGDGlobalState, PowerSGDBucketState | None]
@@ -39,6 +46,66 @@ PowerSGDHook: TypeAlias = CommHook[PowerSGDGlobalState, PowerSGDBucketState | No
 BucketResult: TypeAlias = tuple[torch.Tensor, PowerSGDBucketState | None]
 """What a PowerSGD bucket program returns: the averaged flat gradient and the
 bucket's new state."""
+
+
+@attrs.frozen(eq=False)
+class BucketCall:
+    """One bucket's call of a PowerSGD hook in a compressing iteration.
+
+    Attributes:
+        grad: the bucket's flat gradient.
+        bucket: the bucket.
+        keys: its parameters' keys, as :func:`begin` read them.
+        params: its parameters' memories (``None`` where none yet).
+        bucket_state: the bucket's state before this call.
+    """
+
+    grad: torch.Tensor
+    bucket: BucketInfo
+    keys: tuple[Key, ...]
+    params: tuple[ParamMemory | None, ...]
+    bucket_state: PowerSGDBucketState | None
+
+
+Compress: TypeAlias = Callable[
+    [PowerSGDConfig, BucketCall, PowerSGDGlobalState],
+    tuple[PowerSGDGlobalState, Program[BucketResult]],
+]
+"""A hook's compressing step for one bucket: ``(config, call, state) -> (state,
+program)``."""
+
+
+def powersgd_hook(config: PowerSGDConfig, name: str, compress: Compress) -> PowerSGDHook:
+    """A PowerSGD hook: each bucket read by :func:`begin`, averaged plainly
+    before ``config.start_powerSGD_iter``, then ``compress``-ed.
+
+    Args:
+        config: the hyperparameters.
+        name: the hook's label.
+        compress: the compressing step.
+
+    Returns:
+        The hook, its global state advanced by
+        :func:`zerofn.hooks.powersgd.end_iteration` after each iteration.
+    """
+
+    def start(
+        grad: torch.Tensor,
+        bucket: BucketInfo,
+        state: PowerSGDGlobalState,
+        bucket_state: PowerSGDBucketState | None,
+    ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+        state, keys, params = begin(bucket, state, bucket_state)
+        if state.iteration < config.start_powerSGD_iter:
+            return state, averaging(grad, bucket.world_size, bucket_state)
+        return compress(config, BucketCall(grad, bucket, keys, params, bucket_state), state)
+
+    return CommHook(
+        init=lambda: init_global_state(config),
+        start=start,
+        end_iteration=end_iteration,
+        name=name,
+    )
 
 
 def begin(

@@ -21,16 +21,16 @@ import torch
 
 from zerofn.comm import AllReduce, Program
 from zerofn.hooks.error_feedback import compensate, split_residual
-from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.hooks.hook import BucketInfo
 from zerofn.hooks.powersgd import codec
 from zerofn.hooks.powersgd.common import (
+    BucketCall,
     BucketResult,
     PowerSGDHook,
-    averaging,
-    begin,
     draw,
     errors_of,
     fresh_start_due,
+    powersgd_hook,
 )
 from zerofn.hooks.powersgd.config import PowerSGDConfig
 from zerofn.hooks.powersgd.layout import BucketLayout, bucket_layout
@@ -39,8 +39,6 @@ from zerofn.hooks.powersgd.state import (
     ParamMemory,
     PowerSGDBucketState,
     PowerSGDGlobalState,
-    end_iteration,
-    init_global_state,
     record_compression,
 )
 
@@ -192,6 +190,21 @@ def _program(
     return out, _new_state(keys, bucket, layout, residual, qs, config)
 
 
+def _compress(
+    config: PowerSGDConfig, call: BucketCall, state: PowerSGDGlobalState
+) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
+    """The compressing iteration's program for one bucket (see :func:`layerwise`)."""
+    grad, bucket, keys, params = call.grad, call.bucket, call.keys, call.params
+    rank, rate = config.matrix_approximation_rank, config.min_compression_rate
+    layout = bucket_layout(bucket.shapes, rank, rate)
+    state = record_compression(state, layout.numel, layout.sent_numel, bucket.is_last, config)
+    state, qs = _starting_factors(state, bucket, layout, keys, params, grad, config)
+    signal = grad
+    if config.use_error_feedback:
+        signal = compensate(grad, errors_of(params), bucket.numels, owned=False)
+    return state, _program(signal, layout, qs, keys, bucket, config)
+
+
 def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
     """PowerSGD compressing each gradient matrix on its own (PyTorch's ``powerSGD_hook``).
 
@@ -222,28 +235,4 @@ def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
         ValueError: (from ``start``) if the bucket's state was made for other
             gradient shapes.
     """
-
-    def start(
-        grad: torch.Tensor,
-        bucket: BucketInfo,
-        state: PowerSGDGlobalState,
-        bucket_state: PowerSGDBucketState | None,
-    ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
-        state, keys, params = begin(bucket, state, bucket_state)
-        if state.iteration < config.start_powerSGD_iter:
-            return state, averaging(grad, bucket.world_size, bucket_state)
-        rank, rate = config.matrix_approximation_rank, config.min_compression_rate
-        layout = bucket_layout(bucket.shapes, rank, rate)
-        state = record_compression(state, layout.numel, layout.sent_numel, bucket.is_last, config)
-        state, qs = _starting_factors(state, bucket, layout, keys, params, grad, config)
-        signal = grad
-        if config.use_error_feedback:
-            signal = compensate(grad, errors_of(params), bucket.numels, owned=False)
-        return state, _program(signal, layout, qs, keys, bucket, config)
-
-    return CommHook(
-        init=lambda: init_global_state(config),
-        start=start,
-        end_iteration=end_iteration,
-        name="powersgd",
-    )
+    return powersgd_hook(config, "powersgd", _compress)
