@@ -330,14 +330,28 @@ def _digest(params: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int) -> Any:
+def _step_rank(
+    rank: int,
+    world_size: int,
+    quick: bool,
+    rounds: int,
+    warmup: int,
+    labels: Sequence[str] | None = None,
+    exchange_only: bool = True,
+    count_link: Callable[[Callable[[], object]], int] | None = None,
+) -> Any:
+    """One rank's timings; ``labels`` picks set-ups of :data:`IMPLS` (default
+    all), ``exchange_only`` also times each one's exchange without its update,
+    ``count_link`` (bytes a link carried while a call ran) counts one more step
+    of each set-up."""
     shapes = model_shapes(quick)
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
     optimizers: dict[str, torch.optim.Optimizer] = {}
     copies: dict[str, list[torch.Tensor]] = {}
-    for label, (impl, options) in IMPLS.items():
+    for label in labels or IMPLS:
+        impl, options = IMPLS[label]
         params = [t.clone().requires_grad_() for t in init]
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
@@ -347,7 +361,10 @@ def _step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int
     numel = sum(t.numel() for t in init)
 
     runs: dict[str, Callable[[], object]] = {label: opt.step for label, opt in optimizers.items()}
-    runs |= {f"{label}: exchange only": _exchange_only(opt) for label, opt in optimizers.items()}
+    if exchange_only:
+        runs |= {
+            f"{label}: exchange only": _exchange_only(opt) for label, opt in optimizers.items()
+        }
     runs |= _floors(numel, world_size)
     times = take_turns(runs, rounds, warmup)
 
@@ -356,16 +373,20 @@ def _step_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int
         with collective_traffic() as counted:
             opt.step()
         traffic[label] = {"calls": counted.total_calls, "sent": counted.sent_bytes(world_size)}
+    on_link = {}
+    if count_link is not None:
+        on_link = {label: count_link(opt.step) for label, opt in optimizers.items()}
     exact = copies["zerofn exact"]
     return {
         "times": times,
         "traffic": traffic,
+        "on_link": on_link,
         # Exact implementations run the same Adam on the same gradients.
         "exact_diff": max(
             (p - q).abs().max().item()
-            for label, (impl, options) in IMPLS.items()
-            if "exchange_compression" not in options
-            for p, q in zip(copies[label], exact, strict=True)
+            for label, params in copies.items()
+            if "exchange_compression" not in IMPLS[label][1]
+            for p, q in zip(params, exact, strict=True)
         ),
         # Compressed ones differ from it by their rounding.
         "compressed_diff": {

@@ -18,7 +18,7 @@ Prints Markdown; no timing is asserted anywhere. (No postponed annotations in
 this file: DDP checks a hook's annotations when it is registered.)
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -73,9 +73,25 @@ def _torch_hook_per_bucket(num_buckets: int) -> tuple[list[Any], Callable[..., A
     return states, dispatch
 
 
-def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[str, Any]:
+BUILTIN = "DDP all-reduce"
+"""DDP with its built-in (C++) all-reduce and no hook: what PowerSGD replaces."""
+
+
+def _rank(
+    rank: int,
+    world: int,
+    width: int,
+    depth: int,
+    rounds: int,
+    timed: Sequence[str] = ("zerofn", "pytorch"),
+    count_link: Callable[[Callable[[], object]], int] | None = None,
+) -> dict[str, Any]:
+    """One rank's timings of the set-ups in ``timed`` ("zerofn", "pytorch",
+    :data:`BUILTIN`), taking turns, and their collectives counted;
+    ``count_link`` (bytes a link carried while a call ran) counts one more
+    iteration of each."""
+    models: dict[str, torch.nn.Module] = {}
     ours = DDP(make_model(width, depth), bucket_cap_mb=BUCKET_CAP_MB)
-    theirs = DDP(make_model(width, depth), bucket_cap_mb=BUCKET_CAP_MB)
     state = PowerSGDState(
         process_group=None,
         matrix_approximation_rank=RANK,
@@ -83,9 +99,15 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
         min_compression_rate=1,
     )
     ours.register_comm_hook(state, powerSGD_hook)
-    # More groups than buckets; each bucket index picks its own.
-    torch_states, dispatch = _torch_hook_per_bucket(MAX_BUCKETS)
-    theirs.register_comm_hook(torch_states, dispatch)
+    models["zerofn"] = ours
+    if "pytorch" in timed:
+        theirs = DDP(make_model(width, depth), bucket_cap_mb=BUCKET_CAP_MB)
+        # More groups than buckets; each bucket index picks its own.
+        torch_states, dispatch = _torch_hook_per_bucket(MAX_BUCKETS)
+        theirs.register_comm_hook(torch_states, dispatch)
+        models["pytorch"] = theirs
+    if BUILTIN in timed:
+        models[BUILTIN] = DDP(make_model(width, depth), bucket_cap_mb=BUCKET_CAP_MB)
     plain = DDP(make_model(width, depth), bucket_cap_mb=BUCKET_CAP_MB)
     plain.register_comm_hook(None, allreduce_hook)  # the same all-reduce, visible to the count
 
@@ -97,21 +119,28 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
         model(batch).square().mean().backward()
 
     times = take_turns(
-        {"zerofn": lambda: iteration(ours), "pytorch": lambda: iteration(theirs)},
+        {name: (lambda m=models[name]: iteration(m)) for name in timed},
         rounds,
         warmup=START_ITER + 3,
     )
 
     counted: dict[str, dict[str, int]] = {}
     iteration(plain)  # DDP rebuilds its buckets after the first iteration
-    for name, model in (("zerofn", ours), ("pytorch", theirs), ("plain all-reduce", plain)):
+    counted_models = [(n, m) for n, m in models.items() if n != BUILTIN] + [
+        ("plain all-reduce", plain)
+    ]
+    for name, model in counted_models:
         with collective_traffic() as traffic:
             iteration(model)
         counted[name] = {"calls": traffic.total_calls, "bytes": sum(traffic.payload_bytes.values())}
+    on_link = {}
+    if count_link is not None:
+        on_link = {name: count_link(lambda m=m: iteration(m)) for name, m in models.items()}
     return {
         "times": times,
         "counted": counted,
         "numel": sum(p.numel() for p in ours.parameters()),
+        "on_link": on_link,
     }
 
 

@@ -50,10 +50,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.hooks import allreduce_hook
+from zerofn_torch.issue import issue
 from zerofn_torch.launch import run_local_world
 from zerofn_torch.overlap import hook_with_zero_step
 from zerofn_torch.traffic import Traffic, collective_traffic
 
+from zerofn.comm import Reduce
 from zerofn.zero.partition import greedy_partition
 
 SETUPS = ("overlapped", "separate", "pytorch")
@@ -80,14 +82,15 @@ def wire_traffic(fn: Callable[[], None]) -> Traffic:
 
 def _reductions(lengths: Sequence[int]) -> Callable[[], None]:
     """Rank ``r``'s segment of ``lengths[r]`` float32 elements reduced to ``r``,
-    every rank's at once: the gradients' bytes the overlapped step moves in."""
+    every rank's at once, issued as the overlapped step issues them (on
+    gloo, each carried to its owner by an all-to-all): the gradients' bytes
+    the overlapped step moves in."""
     segments = torch.split(torch.zeros(sum(lengths)), list(lengths))
 
     def run() -> None:
-        works = [dist.reduce(s, dst=r, async_op=True) for r, s in enumerate(segments)]
-        for work in works:
-            assert work is not None
-            work.wait()
+        futures = [issue(Reduce(s, dst=r), None) for r, s in enumerate(segments)]
+        for future in futures:
+            future.wait()
 
     return run
 
@@ -144,7 +147,16 @@ def missed_bytes_line(kinds: dict[str, int], sent: float, one_allreduce: float) 
     )
 
 
-def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[str, Any]:
+def _rank(
+    rank: int,
+    world: int,
+    width: int,
+    depth: int,
+    rounds: int,
+    count_link: Callable[[Callable[[], object]], int] | None = None,
+) -> dict[str, Any]:
+    """One rank's timings; ``count_link`` (bytes a link carried while a call
+    ran) counts one more iteration of each set-up."""
     overlapped = DDP(make_model(width, depth), bucket_cap_mb=4)
     zero_o = ZeroRedundancyOptimizer(
         overlapped.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=1e-3
@@ -201,7 +213,15 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
     wire = {name: traffic.sent_bytes(world) for name, traffic in seen.items()}
     kinds = {name: dict(traffic.payload_bytes) for name, traffic in seen.items()}
     grad_bytes = sum(p.numel() * p.element_size() for p in separate.parameters())
-    return {"times": times, "wire": wire, "kinds": kinds, "grad_bytes": grad_bytes, "diff": diff}
+    on_link = {name: count_link(fn) for name, fn in runs.items()} if count_link else {}
+    return {
+        "times": times,
+        "wire": wire,
+        "kinds": kinds,
+        "grad_bytes": grad_bytes,
+        "diff": diff,
+        "on_link": on_link,
+    }
 
 
 def bench_overlap(quick: bool) -> Section:

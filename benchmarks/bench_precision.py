@@ -503,9 +503,10 @@ def headlines(
         ),
         Headline(
             f"mixed precision ({what})",
-            "bytes/param, heaviest rank: PyTorch ZeRO fp32 (live tensors)",
+            # A reference beside the target above, not a target of its own.
+            f"bytes/param, heaviest rank: PyTorch ZeRO fp32 (live tensors; "
+            f"4 + 4 + 8/d = {pytorch_formula(d):.2f})",
             Spread.exact(heaviest["torch"]),
-            f"{pytorch_formula(d):.2f} (4 + 4 + 8/d)",
         ),
         Headline(
             f"mixed precision ({what})",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -51,6 +52,12 @@ class Spread:
         """A deterministic quantity (a byte count, a load): no spread."""
         return cls(value, value, value, 1)
 
+    @classmethod
+    def unmeasured(cls) -> Spread:
+        """No measurement at all (a benchmark that could not run here): shown
+        as "-", never drawn."""
+        return cls(math.nan, math.nan, math.nan, 0)
+
     @property
     def iqr(self) -> float:
         return self.q3 - self.q1
@@ -59,7 +66,9 @@ class Spread:
         return Spread(self.median * factor, self.q1 * factor, self.q3 * factor, self.n)
 
     def fmt(self, digits: int = 2) -> str:
-        """``median`` alone when exact, else ``median [q1, q3]``."""
+        """``median`` alone when exact, else ``median [q1, q3]``; "-" when unmeasured."""
+        if self.n == 0:
+            return "-"
         if self.n == 1:
             return f"{self.median:.{digits}f}"
         return f"{self.median:.{digits}f} [{self.q1:.{digits}f}, {self.q3:.{digits}f}]"
@@ -153,6 +162,10 @@ class Headline:
         short: a few words naming the row in the figure ("" = ``benchmark``).
         why: for a missed target, one line saying why (what bound the value
             sits near on this machine).
+
+    Raises:
+        ValueError: a target without a verdict (``met`` is ``None``): every
+            row held to a target says whether it met it.
     """
 
     benchmark: str
@@ -163,13 +176,20 @@ class Headline:
     short: str = ""
     why: str = ""
 
+    def __attrs_post_init__(self) -> None:
+        if self.target and self.met is None:
+            raise ValueError(
+                f"{self.benchmark}: {self.measure}: a target ({self.target!r}) needs a verdict"
+            )
+
+    @property
+    def verdict(self) -> str:
+        """``"yes"``, ``"no"``, or ``"-"`` where there is no target."""
+        return "-" if self.met is None else "yes" if self.met else "no"
+
 
 def _met(h: Headline) -> str:
-    if h.met is None:
-        return "-"
-    if h.met:
-        return "yes"
-    return f"no: {h.why}" if h.why else "no"
+    return f"no: {h.why}" if h.met is False and h.why else h.verdict
 
 
 @attrs.frozen

@@ -1,6 +1,10 @@
 """``make bench``: every benchmark in one run, written to one page and one figure.
 
-Runs the ZeRO step, the ZeRO step by partition mode against its floor, DDP +
+Runs, first, the features that save bytes on shaped links (1 and 10 Gbit/s
+loopbacks of a network namespace: the ZeRO step exact / int8 / int4, DDP +
+ZeRO overlapped, DDP + PowerSGD and DiLoCo against PyTorch or no
+communication; skipped with the reason where namespaces cannot be made),
+then the ZeRO step, the ZeRO step by partition mode against its floor, DDP +
 PowerSGD, overlap, mixed precision (bytes per parameter, exchange bytes and
 step time of bf16 + fp32 masters against PyTorch's ZeRO on fp32), the
 compressed exchange (int8/int4 bytes per step against the exact exchange, the
@@ -12,7 +16,7 @@ while training (a background sharded save against a blocking one), then the
 soak (2,000 steps of DDP + PowerSGD + the overlapped ZeRO step: replicas
 bitwise equal, memory flat) and the kill-and-restart soak under torchrun
 (steps lost per kill, restart time), each also runnable alone
-(``bench_zero.py``, ``bench_modes.py``, ``bench_hooks.py``,
+(``bench_links.py``, ``bench_zero.py``, ``bench_modes.py``, ``bench_hooks.py``,
 ``bench_overlap.py``, ``bench_precision.py``, ``bench_compressed.py``,
 ``bench_diloco.py``,
 ``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``); prints
@@ -25,8 +29,9 @@ each section as it ends, and writes:
   ranges, bytes per parameter against world size, partition imbalance against
   world size, planning time against model size, the soak's resident memory
   against step.
-* the figures README.md, docs/zero.md, docs/overlap.md, docs/powersgd.md,
-  docs/compressed_exchange.md and docs/diloco.md
+* the figures README.md (its headline table: a few summary rows, short),
+  docs/zero.md, docs/overlap.md, docs/powersgd.md,
+  docs/compressed_exchange.md, docs/diloco.md and docs/links.md
   quote, in their ``<!-- bench:NAME:begin -->`` blocks (full runs only;
   see ``generated_blocks.py``).
 * ``docs/resilience.md``: the kill-and-restart soak's table, between its
@@ -34,6 +39,10 @@ each section as it ends, and writes:
 
 ``--quick`` shrinks every benchmark for a smoke run and, unless ``--out`` is
 given, writes under ``benchmarks/out/`` instead of over the committed pages.
+``--rewrite-readme`` runs nothing: it rebuilds README's headline table from the
+summary table on docs/benchmarks.md (as the last full run wrote it); so does
+``python benchmarks/generated_blocks.py``, which needs none of the benchmarks'
+own dependencies (matplotlib).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import bench_checkpoint
 import bench_compressed
 import bench_diloco
 import bench_hooks
+import bench_links
 import bench_modes
 import bench_overlap
 import bench_precision
@@ -56,15 +66,17 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display here or in CI
 import matplotlib.pyplot as plt
-from generated_blocks import quote_everywhere
+from generated_blocks import quote_everywhere, rewrite_readme
 from matplotlib.axes import Axes
 from report import Headline, Panel, Section, environment, headline_table, parser_for, run_benches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Order of the page: the comparisons with PyTorch first, then the core alone,
+# Order of the page: the link figures first (where the features that save
+# bytes are for), the comparisons with PyTorch next, then the core alone,
 # then the soak (the longest, and a check rather than a comparison).
 BENCHES: dict[str, Callable[[bool], Section]] = {
+    "links": bench_links.bench_links,
     "zero-step": bench_zero.bench_zero_step,
     "modes": bench_modes.bench_modes,
     "powersgd": bench_hooks.bench_powersgd,
@@ -172,7 +184,16 @@ def figure(sections: Sequence[Section], path: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = parser_for(BENCHES, __doc__)
     parser.add_argument("--out", help="Markdown page (default docs/benchmarks.md)")
+    parser.add_argument(
+        "--rewrite-readme",
+        action="store_true",
+        help="run nothing: rebuild README's headline table from docs/benchmarks.md's summary",
+    )
     args = parser.parse_args(argv)
+    if args.rewrite_readme:
+        rewrite_readme(ROOT)
+        print("(README.md's headline table rebuilt from docs/benchmarks.md)")
+        return
     out = args.out or (
         os.path.join(ROOT, "benchmarks", "out", "benchmarks.md")
         if args.quick

@@ -77,12 +77,21 @@ def test_scaling_section_reports_growth_per_function() -> None:
     section = bench_zero.bench_scaling(quick=True)
     measured = {h.measure.split(" time")[0] for h in section.headlines}
     assert {"greedy", "balanced", "flat", "assign_buckets"} <= measured
+    assert all(h.verdict in ("yes", "no") for h in section.headlines if h.target)
     assert [c.label for c in section.panels[0].curves] == [
         "greedy",
         "balanced",
         "flat",
         "assign_buckets",
     ]
+
+
+def test_growth_is_held_to_n_log_n_and_a_miss_says_why() -> None:
+    linear = bench_zero.growth_headline("greedy", 10_000, 100_000, 0.01, 0.1)
+    assert (linear.target, linear.met, linear.why) == ("<= 12.5 (n log n)", True, "")
+    steeper = bench_zero.growth_headline("greedy", 10_000, 100_000, 0.01, 0.2)
+    assert steeper.met is False and steeper.value.median == pytest.approx(20.0)
+    assert "1.00 µs per parameter at 10,000 and 2.00 µs at 100,000" in steeper.why
 
 
 STEPS = tuple(range(0, 2001, 100))
@@ -236,6 +245,75 @@ def test_every_page_that_quotes_figures_has_its_generated_blocks(page: str) -> N
         text = f.read()
     for name in generated_blocks.QUOTED[page]:
         generated_blocks.rewrite_text(text, name, "")  # raises unless exactly one block
+
+
+def test_a_target_without_a_verdict_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs a verdict"):
+        Headline("b", "m", Spread.exact(1.0), "<= 1.0")
+    assert Headline("b", "m", Spread.exact(1.0)).verdict == "-"
+
+
+def _made_up_headlines() -> list[Headline]:
+    """A summary with every README pick in it, and rows beside them."""
+    rows = [
+        Headline(
+            f"{pick.benchmark}x{', ' + pick.setting if pick.setting else ''})",
+            pick.measure,
+            Spread.of([0.5, 0.6, 0.7, 0.8]) if k % 2 else Spread.exact(0.25),
+            "<= 1.0" if k % 3 else "",
+            True if k % 3 == 1 else False if k % 3 == 2 else None,
+            why="the parts say so" if k % 3 == 2 else "",
+        )
+        for k, pick in enumerate(generated_blocks.README_ROWS)
+    ]
+    rows.append(Headline("other", "not a headline", Spread.exact(2.0), "<= 1.0", False))
+    return rows
+
+
+def test_readme_gets_a_short_headline_table_with_a_verdict_on_every_target() -> None:
+    assert len(generated_blocks.README_ROWS) <= 8
+    rows = [generated_blocks.Row.of(h) for h in _made_up_headlines()]
+    lines = generated_blocks.readme_table(rows).splitlines()[2:]
+    assert len(lines) == len(generated_blocks.README_ROWS)
+    for line in lines:
+        cells = line.strip("| ").split(" | ")
+        target, met = cells[-2], cells[-1]
+        assert met in ("yes", "no") if target != "-" else met == "-"
+        assert "parts say so" not in line  # the why stays on the full page
+    assert "not a headline" not in "\n".join(lines)
+
+
+def test_a_missing_or_ambiguous_headline_is_refused() -> None:
+    rows = [generated_blocks.Row.of(h) for h in _made_up_headlines()]
+    with pytest.raises(ValueError, match="matches 0 summary rows"):
+        generated_blocks.readme_table(rows[1:])
+    with pytest.raises(ValueError, match="matches 2 summary rows"):
+        generated_blocks.readme_table([*rows, rows[0]])
+
+
+def test_readme_from_a_run_equals_readme_from_the_page_it_wrote() -> None:
+    headlines = _made_up_headlines()
+    page = (
+        "# Benchmarks\n\nMeasured by `make bench` on 2026-01-02; torch 2.13.0+cpu; x86_64. "
+        f"Every timing ...\n\n## Summary\n\n{headline_table(headlines)}\n\n![x](y.png)\n"
+    )
+    from_run = generated_blocks.readme_block(
+        [generated_blocks.Row.of(h) for h in headlines], "2026-01-02; torch 2.13.0+cpu; x86_64."
+    )
+    assert generated_blocks.readme_block_from_page(page) == from_run
+    assert generated_blocks.summary_rows(page) == [generated_blocks.Row.of(h) for h in headlines]
+
+
+def test_readmes_headline_block_is_made_from_the_benchmark_page() -> None:
+    with open(os.path.join(ROOT, generated_blocks.BENCHMARKS_PAGE), encoding="utf-8") as f:
+        page = f.read()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    expected = generated_blocks.readme_block_from_page(page)
+    assert generated_blocks.rewrite_text(readme, "headlines", expected) == readme, (
+        "README's headline table is not what docs/benchmarks.md makes: "
+        "run python benchmarks/generated_blocks.py"
+    )
 
 
 # ----------------------------------------------------------------------------
