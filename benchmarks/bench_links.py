@@ -45,6 +45,21 @@ No delay: this needs ``netem``, which some kernels lack
 (``unavailable_reason(delay=True)`` says so); only rates are measured. Where
 namespaces cannot be made at all, the section says why and measures nothing.
 
+From the parts of the run at 1 Gbit/s the section computes where each
+feature starts to pay (:func:`payoff_part`: a table, and a block quoted on
+each feature's page): a feature that trades arithmetic for bytes pays below
+the rate at which the bytes it saves take as long as its arithmetic,
+``R* = 8 x bytes / seconds`` (the int8 and int4 exchange, their codec beside
+the wire: ``8 x PyTorch's fp32 bytes / the codec alone``); one that only
+saves bytes (the overlapped step, blocking DiLoCo) at every rate.
+
+A figure: DiLoCo's compute utilization (a step with no communication / time
+per inner step) against the rate (:data:`CURVE_RATES`, 0.1 to 10 Gbit/s) for
+H = 1 (DDP), 10, 50 and streaming, beside the DiLoCo papers' model (sync time
+= 2 N bytes (W - 1) / W / rate; utilization t / (t + sync / H) for blocking
+syncs). The full run measures DiLoCo alone at the rates other than 1 and 10
+Gbit/s, with fewer rounds; the quick run draws the model only.
+
 Run ``python benchmarks/bench_links.py`` for this section alone (as root;
 ``--quick``: one short case at 1 Gbit/s with tiny models, for CI);
 ``make bench`` runs it first through ``run_all.py``.
@@ -71,7 +86,9 @@ import bench_overlap
 import torch
 import torch.distributed as dist
 from report import (
+    Curve,
     Headline,
+    Panel,
     Section,
     Spread,
     floor_verdict,
@@ -81,6 +98,7 @@ from report import (
     standalone_main,
     take_turns,
 )
+from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import links
 from zerofn_torch.averaging import DiLoCoOptimizer
 from zerofn_torch.launch import run_local_world
@@ -115,12 +133,15 @@ class Sizes:
         overlap: ``(width, depth, rounds)`` of the DDP + ZeRO MLP.
         powersgd: ``(width, depth, rounds)`` of the PowerSGD MLP.
         diloco: ``(width, depth, rounds, warmup)`` of the DiLoCo MLP.
+        curve: ``(rounds, warmup)`` of DiLoCo at the figure's rates other
+            than :data:`RATES` (the same MLP, the figure's runs alone).
     """
 
     zero: tuple[int, int]
     overlap: tuple[int, int, int]
     powersgd: tuple[int, int, int]
     diloco: tuple[int, int, int, int]
+    curve: tuple[int, int] = (3, 1)
 
 
 SIZES = {
@@ -367,6 +388,383 @@ def diloco_why(
 
 
 # ----------------------------------------------------------------------------
+# Pure parts: where each feature starts to pay
+# ----------------------------------------------------------------------------
+
+EVERY_RATE = math.inf
+"""A pay-off rate meaning: at every rate where bytes cost anything."""
+
+PAYS_AT = {
+    "compressed": "pays-at-compressed",
+    "powersgd": "pays-at-powersgd",
+    "overlap": "pays-at-overlap",
+    "diloco": "pays-at-diloco",
+}
+"""Each feature's generated block (quoted on its page) by measurement."""
+
+
+def crossover_rate(nbytes: float, seconds: float) -> float:
+    """The rate (bit/s) at which ``nbytes`` take ``seconds`` on the link:
+    ``8 x nbytes / seconds``. Below it the bytes take longer than the
+    seconds. ``EVERY_RATE`` where ``seconds <= 0`` (nothing to pay back:
+    saving bytes pays wherever they cost anything); 0 where ``nbytes <= 0``
+    (nothing saved: it never pays)."""
+    if nbytes <= 0:
+        return 0.0
+    if seconds <= 0:
+        return EVERY_RATE
+    return nbytes * 8 / seconds
+
+
+def compressed_step_model(
+    update: float, codec: float, nbytes: float, bits_per_second: float
+) -> float:
+    """A compressed ZeRO step with the codec beside the wire:
+    ``update + max(link time of its bytes, codec)``. PyTorch's step is
+    ``update + link time of its fp32 bytes`` (``codec = 0``)."""
+    return update + max(link_seconds(nbytes, bits_per_second), codec)
+
+
+def compressed_pays_below(fp32_bytes: float, codec: float) -> float:
+    """The rate below which a compressed exchange beats PyTorch's fp32 one.
+
+    With the codec beside the wire the compressed step costs
+    ``u + max(8 B_c / R, c)`` and PyTorch's ``u + 8 B_32 / R``; ``B_c <
+    B_32``, so the first is smaller exactly when ``c < 8 B_32 / R``:
+    ``R* = 8 B_32 / c`` (its own bytes' link time drops out).
+    """
+    return crossover_rate(fp32_bytes, codec)
+
+
+def rate_phrase(bits_per_second: float) -> str:
+    """``below 1.6 Gbit/s``, ``at every rate``, ``at no rate``."""
+    if bits_per_second == EVERY_RATE:
+        return "at every rate"
+    if bits_per_second <= 0:
+        return "at no rate"
+    return f"below {rate_label(bits_per_second)}"
+
+
+def _sig(bits_per_second: float) -> float:
+    """``bits_per_second`` to 2 significant figures (a crossover is no
+    more precise than the medians it comes from)."""
+    if bits_per_second <= 0 or bits_per_second == EVERY_RATE:
+        return bits_per_second
+    return float(f"{bits_per_second:.2g}")
+
+
+@attrs.frozen
+class PayOff:
+    """Where one feature starts to pay against what it replaces.
+
+    Attributes:
+        feature: what pays (``int8 exchange``).
+        against: what it replaces.
+        rate: bit/s below which it pays; ``EVERY_RATE`` or 0.
+        how: the formula with this run's numbers.
+    """
+
+    feature: str
+    against: str
+    rate: float
+    how: str
+
+    def row(self) -> list[str]:
+        return [self.feature, self.against, rate_phrase(_sig(self.rate)), self.how]
+
+
+def compressed_payoffs(raw: Mapping[str, Any], bits_per_second: float) -> list[PayOff]:
+    """The int8 and int4 exchange against PyTorch's ZeRO step, from one
+    rate's ZeRO measurement: PyTorch's bytes on the link per step and each
+    codec alone (one rank's, medians)."""
+    times: Mapping[str, Sequence[float]] = raw["times"]
+    fp32 = raw["on_link"][PYTORCH]
+    out = []
+    for label, (codec, _) in ZERO_SETUPS.items():
+        if codec is None:
+            continue
+        work = statistics.median(times[bench_compressed.CODEC_ALONE[codec]])
+        mine = raw["on_link"][label]
+        rate = compressed_pays_below(fp32, work)
+        out.append(
+            PayOff(
+                f"{codec} exchange (ZeRO step)",
+                "PyTorch's ZeroRedundancyOptimizer (fp32)",
+                rate,
+                f"step u + max(8 B_c / R, c) against u + 8 B_32 / R: pays while c < 8 B_32 / R, "
+                f"R* = 8 x {_mb(fp32)} / {_ms(work)} (PyTorch's bytes on the link per step / "
+                f"the {codec} codec alone; its own {_mb(mine)} hide behind the codec above "
+                f"{rate_label(_sig(crossover_rate(mine, work)))})",
+            )
+        )
+    return out
+
+
+def powersgd_payoff(raw: Mapping[str, Any], bits_per_second: float) -> PayOff:
+    """zerofn's PowerSGD against DDP's all-reduce: its compression
+    arithmetic (what its iteration spends beside its bytes' link time, less
+    what DDP's spends beside its own) against the bytes it saves."""
+    times: Mapping[str, Sequence[float]] = raw["times"]
+    ours, theirs = raw["on_link"]["zerofn"], raw["on_link"][bench_hooks.BUILTIN]
+    beside = statistics.median(times["zerofn"]) - link_seconds(ours, bits_per_second)
+    ddp_beside = statistics.median(times[bench_hooks.BUILTIN]) - link_seconds(
+        theirs, bits_per_second
+    )
+    arithmetic = beside - ddp_beside
+    rate = crossover_rate(theirs - ours, arithmetic)
+    return PayOff(
+        f"PowerSGD rank {bench_hooks.RANK}",
+        "DDP's all-reduce",
+        rate,
+        f"R* = 8 x (B_DDP - B_PowerSGD) / a = 8 x ({_mb(theirs)} - {_mb(ours)}) / "
+        f"{_ms(arithmetic)}, a = what its iteration spends beside its bytes' link time "
+        f"({_ms(beside)}) less what DDP's does ({_ms(ddp_beside)}), at "
+        f"{rate_label(bits_per_second)}",
+    )
+
+
+def overlap_payoff(raw: Mapping[str, Any], bits_per_second: float) -> PayOff:
+    """The overlapped DDP + ZeRO step against DDP + PyTorch's separate step:
+    fewer bytes and no extra arithmetic."""
+    mine, theirs = raw["on_link"]["overlapped"], raw["on_link"]["pytorch"]
+    saved = theirs - mine
+    rate = crossover_rate(saved, 0.0)
+    if saved <= 0:
+        how = (
+            f"it puts {_mb(mine)} on the link per iteration against {_mb(theirs)}: no fewer "
+            "bytes, so nothing to gain from a slower link"
+        )
+    else:
+        how = (
+            f"{_mb(mine)} on the link per iteration against {_mb(theirs)} "
+            f"({mine / theirs:.2f} of the bytes) and no extra arithmetic: it saves "
+            f"8 x {_mb(saved)} / R a step, {_ms(link_seconds(saved, bits_per_second))} at "
+            f"{rate_label(bits_per_second)}"
+        )
+    return PayOff("overlapped DDP + ZeRO step", "DDP + PyTorch's separate ZeRO step", rate, how)
+
+
+DDP_NAME = "DDP (H = 1)"
+"""DiLoCo's reference run: DDP's built-in all-reduce every inner step."""
+DDP_STEPS = 2
+
+
+def diloco_payoffs(raw: Mapping[str, Any], bits_per_second: float) -> list[PayOff]:
+    """DiLoCo against DDP, per inner step: blocking H (fewer bytes, no
+    extra arithmetic) and streaming int8 (its sync's arithmetic per inner
+    step against the bytes it saves; its sync hidden behind ``delay`` inner
+    steps from ``8 B / (delay t)`` up)."""
+    steps: Mapping[str, int] = raw["steps"]
+    wire: Mapping[str, float] = raw["wire"]
+    if DDP_NAME in wire:
+        ddp = wire[DDP_NAME] / steps[DDP_NAME]
+        source = f"DDP's {_mb(ddp)} per step"
+    else:  # a blocking sync all-reduces what DDP's gradient all-reduce does
+        h = BLOCKING[0]
+        ddp = wire[blocking_name(h)]
+        source = f"DDP's {_mb(ddp)} per step (one blocking sync's bytes)"
+    out = []
+    for h in BLOCKING:
+        mine = wire[blocking_name(h)] / steps[blocking_name(h)]
+        out.append(
+            PayOff(
+                f"DiLoCo blocking, H={h}",
+                DDP_NAME,
+                crossover_rate(ddp - mine, 0.0),
+                f"{_mb(mine)} on the link per inner step against {source} and no extra arithmetic",
+            )
+        )
+    long: str = raw["long"]
+    t: float = raw["quiet_step"]
+    mine = wire[long] / steps[long]
+    stride = raw["sync_every"] // FRAGMENTS
+    codec = statistics.median(raw["codec"]) / WORLD
+    frag = raw["fragment_link_bytes"]
+    hide_1 = crossover_rate(frag, t)
+    out.append(
+        PayOff(
+            f"Streaming DiLoCo int8, P={FRAGMENTS}",
+            DDP_NAME,
+            crossover_rate(ddp - mine, codec / stride),
+            f"R* = 8 x (B_DDP - B) / (a / stride) = 8 x ({_mb(ddp)} - {_mb(mine)}) / "
+            f"({_ms(codec)} / {stride}), a its int8 sync's arithmetic; its sync "
+            f"({frag:,} bytes on the link) hides behind delay d inner steps of {_ms(t)} "
+            f"from R = 8 B / (d t) up: {rate_label(_sig(hide_1))} at delay 1, "
+            f"{rate_label(_sig(crossover_rate(frag, raw['delays'][long] * t)))} at the "
+            f"delay used here ({raw['delays'][long]})",
+        )
+    )
+    return out
+
+
+def payoffs(
+    measured: Mapping[str, Mapping[str, Any]], bits_per_second: float
+) -> dict[str, list[PayOff]]:
+    """Every feature's pay-off from one rate's measurements (by measurement)."""
+    makers: dict[str, Callable[[Mapping[str, Any], float], list[PayOff]]] = {
+        "zero": compressed_payoffs,
+        "powersgd": lambda raw, bits: [powersgd_payoff(raw, bits)],
+        "overlap": lambda raw, bits: [overlap_payoff(raw, bits)],
+        "diloco": diloco_payoffs,
+    }
+    return {
+        ("compressed" if name == "zero" else name): make(measured[name], bits_per_second)
+        for name, make in makers.items()
+        if name in measured
+    }
+
+
+PAYOFF_HEADER = ["feature", "against", "starts to pay", "from this run's parts"]
+
+
+def payoff_table(rows: Sequence[PayOff]) -> str:
+    return md_table(PAYOFF_HEADER, [p.row() for p in rows])
+
+
+def payoff_part(
+    results: Mapping[str, Mapping[str, Any]],
+) -> tuple[str, dict[str, str]]:
+    """The section's pay-off table and each feature's block, from the run at
+    :data:`TARGET_RATE` (else the first rate measured)."""
+    rate = TARGET_RATE if TARGET_RATE in results else next(iter(results))
+    bits = links.parse_rate(rate)
+    found = payoffs(results[rate], bits)
+    where = (
+        f"from the parts measured at {rate_label(bits)} in this run: bytes on the link from "
+        "the loopback's counter, the codec and arithmetic alone, medians"
+    )
+    body = (
+        f"**Where each feature starts to pay**, {where}. A feature that saves bytes at "
+        "the price of arithmetic pays below the "
+        "rate R* at which the bytes it saves take as long on the link as the arithmetic "
+        "takes, R* = 8 x bytes / seconds; one that saves bytes and adds no arithmetic pays "
+        "at every rate where bytes cost anything.\n\n"
+        + payoff_table([p for rows in found.values() for p in rows])
+    )
+    blocks = {
+        PAYS_AT[name]: f"Computed {where}.\n\n{payoff_table(rows)}" for name, rows in found.items()
+    }
+    return body, blocks
+
+
+# ----------------------------------------------------------------------------
+# Pure parts: DiLoCo's compute utilization against the rate
+# ----------------------------------------------------------------------------
+
+CURVE_RATES = ("100mbit", "300mbit", "1gbit", "3gbit", "10gbit")
+"""The rates of the utilization figure (the full run measures DiLoCo at
+each; the quick run draws the model only)."""
+
+
+def model_sync_seconds(nbytes: float, world: int, bits_per_second: float) -> float:
+    """The DiLoCo papers' sync time: a ring all-reduce of ``nbytes``,
+    ``2 nbytes (W - 1) / W`` bytes each way at the rate (full duplex)."""
+    return 2 * nbytes * (world - 1) / world * 8 / bits_per_second
+
+
+def model_utilization(step: float, sync: float, every: int, hidden: float = 0.0) -> float:
+    """Compute utilization (a step with no communication / time per inner
+    step) of a sync taking ``sync`` seconds every ``every`` inner steps of
+    ``step`` seconds, of which ``hidden`` overlap inner steps:
+    ``t / (t + max(0, sync - hidden) / H)``; blocking syncs hide nothing."""
+    return step / (step + max(0.0, sync - hidden) / every)
+
+
+def _curve_names(raw: Mapping[str, Any]) -> dict[str, str]:
+    """The figure's runs: label -> the run's name in ``raw``."""
+    return {
+        DDP_NAME: DDP_NAME,
+        **{f"blocking, H={h}": blocking_name(h) for h in BLOCKING},
+        f"streaming int8, P={FRAGMENTS}": raw["long"],
+    }
+
+
+def model_curves(raw: Mapping[str, Any], rates: Sequence[float]) -> dict[str, list[float]]:
+    """The papers' model at ``rates`` (bit/s) for one measurement's model
+    (``numel`` fp32 parameters; the int8 fragment's payload) and its inner
+    step with no communication: blocking at H = 1, 10, 50; streaming with
+    the delay that covers the link (:func:`streaming_delay`)."""
+    t = raw["quiet_step"]
+    full = 4 * raw["numel"]
+    frag = raw["fragment_link_bytes"] / 2  # every owner's payload, once
+    curves: dict[str, list[float]] = {}
+    for h, label in ((1, DDP_NAME), *((h, f"blocking, H={h}") for h in BLOCKING)):
+        curves[label] = [model_utilization(t, model_sync_seconds(full, WORLD, r), h) for r in rates]
+    streaming = []
+    for r in rates:
+        delay = streaming_delay(raw["fragment_link_bytes"], r, t)
+        stride = streaming_sync_every(delay, FRAGMENTS) // FRAGMENTS
+        sync = model_sync_seconds(frag, WORLD, r)
+        streaming.append(model_utilization(t, sync, stride, hidden=delay * t))
+    curves[f"streaming int8, P={FRAGMENTS}"] = streaming
+    return curves
+
+
+def measured_utilization(raw: Mapping[str, Any], name: str) -> float:
+    """No-communication step time / time per inner step of run ``name``:
+    1 / the median of the per-round ratios."""
+    steps = raw["steps"]
+    quiet = per_step(raw["times"][QUIET], steps[QUIET])
+    return 1 / paired_ratios(per_step(raw["times"][name], steps[name]), quiet).median
+
+
+def utilization_part(
+    reference: Mapping[str, Any], curve: Mapping[str, Mapping[str, Any]] | None
+) -> tuple[str, Panel]:
+    """The utilization table and panel: the model at :data:`CURVE_RATES`
+    from ``reference`` (a DiLoCo measurement), beside what ``curve`` (rate
+    -> DiLoCo measurement, ``None`` in the quick run) measured."""
+    bits = [float(links.parse_rate(r)) for r in CURVE_RATES]
+    model = model_curves(reference, bits)
+    x = [b / 1e9 for b in bits]
+    curves = [Curve(f"{label} (model)", x, ys) for label, ys in model.items()]
+    header = ["run", *(rate_label(b) for b in bits)]
+    rows = [[f"{label} (model)", *(f"{y:.2f}" for y in ys)] for label, ys in model.items()]
+    if curve:
+        measured_rates = [r for r in CURVE_RATES if r in curve]
+        mx = [links.parse_rate(r) / 1e9 for r in measured_rates]
+        for label in model:
+            ys = []
+            for r in measured_rates:
+                raw = curve[r]
+                name = _curve_names(raw)[label]
+                ys.append(measured_utilization(raw, name) if name in raw["times"] else math.nan)
+            curves.append(Curve(f"{label} (measured)", mx, ys))
+            cells = dict(zip(measured_rates, ys, strict=True))
+            rows.append(
+                [
+                    f"{label} (measured)",
+                    *(f"{cells[r]:.2f}" if r in cells else "-" for r in CURVE_RATES),
+                ]
+            )
+    t, numel = reference["quiet_step"], reference["numel"]
+    measured = (
+        "measured at each rate (fewer rounds at the rates other than 1 and 10 Gbit/s), "
+        "beside the model the DiLoCo papers use"
+        if curve
+        else "not measured in the quick run, which draws the model the DiLoCo papers use alone"
+    )
+    body = (
+        f"**DiLoCo's compute utilization against the rate** (a step with no communication / "
+        f"time per inner step; MLP {numel / 1e6:.1f}M params, t = {_ms(t)}): "
+        f"{measured}: sync time = 2 N bytes "
+        "(W - 1) / W / rate (N = 4 bytes a parameter for the fp32 blocking syncs, the int8 "
+        "fragment's payload for streaming), utilization = t / (t + sync / H) for blocking "
+        "syncs, and t / (t + max(0, sync - delay t) / stride) for streaming at the delay "
+        "that covers the link. The model assumes full duplex; the shaped loopback is half "
+        "duplex, so both ranks' bytes wait in one queue.\n\n" + md_table(header, rows)
+    )
+    panel = Panel(
+        "DiLoCo: compute utilization against link rate (2 ranks)",
+        "link rate (Gbit/s)",
+        "no-communication step / time per inner step",
+        curves,
+        log_x=True,
+    )
+    return body, panel
+
+
+# ----------------------------------------------------------------------------
 # Inside the namespace: the ranks
 # ----------------------------------------------------------------------------
 
@@ -451,7 +849,10 @@ def _diloco_rank(
     rounds: int,
     warmup: int,
     bits_per_second: float,
+    curve_only: bool = False,
 ) -> dict[str, Any]:
+    """DiLoCo's runs on this rank (``curve_only``: the figure's alone, no
+    separate delay-1 run)."""
     batch = torch.randn(32, width, generator=torch.Generator().manual_seed(rank))
     quiet_model = bench_diloco.make_model(width, depth)
     quiet = bench_diloco.window(quiet_model, bench_diloco.adamw(quiet_model), batch, QUIET_STEPS)
@@ -473,8 +874,8 @@ def _diloco_rank(
     configs: dict[str, dict[str, Any]] = {blocking_name(b): {"sync_every": b} for b in BLOCKING}
     # Where delay 1 already covers the link, that run serves both targets.
     long = covering_name(delay)
-    short = long if delay == 1 else streaming_name(1)
-    delays = {long: delay, short: 1}
+    short = long if delay == 1 or curve_only else streaming_name(1)
+    delays = {long: delay, short: 1} if short != long else {long: delay}
     for name, d in delays.items():
         configs[name] = {
             "sync_every": h,
@@ -482,8 +883,14 @@ def _diloco_rank(
             "delay": d,
             "compression": STREAM_COMPRESSION,
         }
-    runs: dict[str, Callable[[], None]] = {QUIET: quiet}
-    steps = {QUIET: QUIET_STEPS}
+    ddp_model = DDP(bench_diloco.make_model(width, depth))
+    ddp_opt = bench_diloco.adamw(ddp_model)
+    bench_diloco.window(ddp_model, ddp_opt, batch, 1)()  # DDP rebuilds its buckets
+    runs: dict[str, Callable[[], None]] = {
+        QUIET: quiet,
+        DDP_NAME: bench_diloco.window(ddp_model, ddp_opt, batch, DDP_STEPS),
+    }
+    steps = {QUIET: QUIET_STEPS, DDP_NAME: DDP_STEPS}
     optimizers = []
     for name, config in configs.items():
         model = bench_diloco.make_model(width, depth)
@@ -519,9 +926,12 @@ def _diloco_rank(
     }
 
 
-def _measure(name: str, quick: bool, bits_per_second: float) -> dict[str, Any]:
+def _measure(
+    name: str, quick: bool, bits_per_second: float, curve_only: bool = False
+) -> dict[str, Any]:
     """One measurement on 2 ranks (in this process's namespace): rank 0's
-    record, with what the other ranks add where it is needed."""
+    record, with what the other ranks add where it is needed (``curve_only``:
+    DiLoCo's runs for the utilization figure alone, fewer rounds)."""
     sizes = SIZES[quick]
     if name == "zero":
         ranks = run_local_world(_zero_rank, WORLD, quick, *sizes.zero)
@@ -546,7 +956,11 @@ def _measure(name: str, quick: bool, bits_per_second: float) -> dict[str, Any]:
             out["aborted"] = said[0] if said else type(error).__name__
         return dict(out)
     if name == "diloco":
-        return dict(run_local_world(_diloco_rank, WORLD, *sizes.diloco, bits_per_second)[0])
+        width, depth, rounds, warmup = sizes.diloco
+        if curve_only:
+            rounds, warmup = sizes.curve
+        args = (width, depth, rounds, warmup, bits_per_second, curve_only)
+        return dict(run_local_world(_diloco_rank, WORLD, *args)[0])
     raise ValueError(f"unknown measurement {name!r}; choose from {MEASUREMENTS}")
 
 
@@ -557,7 +971,7 @@ def child_main(argv: Sequence[str]) -> None:
     for name in spec["measure"]:
         started = time.perf_counter()
         print(f"[{spec['rate']}] {name} ...", file=sys.stderr, flush=True)
-        results[name] = _measure(name, spec["quick"], spec["bits"])
+        results[name] = _measure(name, spec["quick"], spec["bits"], spec.get("curve", False))
         results[name]["seconds"] = time.perf_counter() - started
     with open(argv[1], "w", encoding="utf-8") as f:
         json.dump(results, f)
@@ -571,15 +985,17 @@ CHILD = "import sys, bench_links; bench_links.child_main(sys.argv[1:])"
 
 
 def run_in_namespace(
-    rate: str, quick: bool, measure: Sequence[str] = MEASUREMENTS
+    rate: str, quick: bool, measure: Sequence[str] = MEASUREMENTS, curve: bool = False
 ) -> dict[str, Any]:
     """Make ``shaped_loopback(rate)``, run the measurements inside it in a
-    child Python, and return what it wrote (the namespace is removed)."""
+    child Python, and return what it wrote (the namespace is removed;
+    ``curve``: DiLoCo's utilization runs alone, see :func:`_measure`)."""
     spec = {
         "rate": rate,
         "bits": links.parse_rate(rate),
         "quick": quick,
         "measure": list(measure),
+        "curve": curve,
     }
     with tempfile.TemporaryDirectory() as tmp, links.shaped_loopback(rate) as node:
         out = os.path.join(tmp, "timings.json")
@@ -973,20 +1389,39 @@ def unavailable_section(reason: str, rates: Sequence[str]) -> Section:
         f"not measured: {reason}".replace("|", "/"),
         Spread.unmeasured(),
     )
-    return Section(TITLE, body, (headline,))
+    quoted = {
+        block: f"_Not measured: shaped links cannot be made here ({reason})._"
+        for block in PAYS_AT.values()
+    }
+    return Section(TITLE, body, (headline,), blocks=quoted)
 
 
 def section_from(
     results: Mapping[str, Mapping[str, Any]],
     seconds: Mapping[str, float],
     netem: str | None = None,
+    curve: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Section:
     """The section from every rate's child output (``rate -> measurement ->
-    raw``), each rate's wall time, and why links cannot be delayed here
-    (``unavailable_reason(delay=True)``; ``None``: they can)."""
+    raw``), each rate's wall time (the figure's extra rates' too), why links
+    cannot be delayed here (``unavailable_reason(delay=True)``; ``None``: they
+    can), and DiLoCo's measurement at each of the figure's rates (``curve``;
+    ``None``: the model alone)."""
     rates = list(results)
     blocks = [_intro(rates, netem)]
     headlines: list[Headline] = []
+    panels: list[Panel] = []
+    pays, quoted = payoff_part(results)
+    blocks.append(pays)
+    reference = next((m["diloco"] for m in results.values() if "diloco" in m), None)
+    if reference is not None:
+        body, panel = utilization_part(reference, curve)
+        extra = [r for r in (curve or {}) if r not in results and r in seconds]
+        if extra:
+            took = ", ".join(f"{rate_label(links.parse_rate(r))} {seconds[r]:.0f} s" for r in extra)
+            body += f"\n\nDiLoCo alone at the figure's other rates took {took}."
+        blocks.append(body)
+        panels.append(panel)
     for rate, measured in results.items():
         bits = links.parse_rate(rate)
         blocks.append(
@@ -997,7 +1432,7 @@ def section_from(
                 part = make(measured[name], rate, bits)
                 blocks.append(part.body)
                 headlines += part.headlines
-    return Section(TITLE, "\n\n".join(blocks), headlines)
+    return Section(TITLE, "\n\n".join(blocks), headlines, panels, blocks=quoted)
 
 
 def bench_links(quick: bool) -> Section:
@@ -1012,7 +1447,17 @@ def bench_links(quick: bool) -> Section:
         started = time.perf_counter()
         results[rate] = run_in_namespace(rate, quick)
         seconds[rate] = time.perf_counter() - started
-    return section_from(results, seconds, links.unavailable_reason(delay=True))
+    curve = None
+    if not quick:  # the utilization figure's rates: DiLoCo alone where not measured yet
+        curve = {}
+        for rate in CURVE_RATES:
+            if rate in results:
+                curve[rate] = results[rate]["diloco"]
+                continue
+            started = time.perf_counter()
+            curve[rate] = run_in_namespace(rate, quick, ("diloco",), curve=True)["diloco"]
+            seconds[rate] = time.perf_counter() - started
+    return section_from(results, seconds, links.unavailable_reason(delay=True), curve)
 
 
 BENCHES: dict[str, Callable[[bool], Section]] = {"links": bench_links}

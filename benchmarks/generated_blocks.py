@@ -47,15 +47,22 @@ __all__ = [
 
 QUOTED: dict[str, tuple[str, ...]] = {
     "README.md": ("headlines",),
-    "docs/powersgd.md": ("powersgd",),
-    "docs/overlap.md": ("overlap",),
+    "docs/powersgd.md": ("powersgd", "pays-at-powersgd"),
+    "docs/overlap.md": ("overlap", "pays-at-overlap"),
     "docs/zero.md": ("zero-step", "modes"),
-    "docs/compressed_exchange.md": ("compressed-bytes", "compressed-step", "compressed-soak"),
-    "docs/diloco.md": ("diloco",),
+    "docs/compressed_exchange.md": (
+        "compressed-bytes",
+        "compressed-step",
+        "compressed-soak",
+        "pays-at-compressed",
+    ),
+    "docs/diloco.md": ("diloco", "pays-at-diloco"),
     "docs/links.md": ("links",),
 }
 """Each page that quotes measured numbers, and its blocks: ``headlines`` is
-the headline table (:data:`README_ROWS`), any other name one benchmark's
+the headline table (:data:`README_ROWS`); a name one section lists in its
+``blocks`` (the link section's ``pays-at-*``: the rate at which a feature
+starts to pay) that section's Markdown; any other name one benchmark's
 summary rows (a key of ``run_all.BENCHES``)."""
 
 BENCHMARKS_PAGE = "docs/benchmarks.md"
@@ -271,15 +278,19 @@ def quote_everywhere(root: str, sections: Mapping[str, Section], when: str) -> l
         The pages rewritten.
 
     Raises:
-        KeyError: a block names a benchmark not in ``sections``.
+        KeyError: a block names neither a section's own block nor a benchmark
+            in ``sections``.
         ValueError: a page lacks one of its blocks.
     """
     everything = [Row.of(h) for section in sections.values() for h in section.headlines]
+    extra = {name: text for s in sections.values() for name, text in s.blocks.items()}
     for page, names in QUOTED.items():
         path = os.path.join(root, page)
         for name in names:
             if name == "headlines":
                 body = readme_block(everything, when)
+            elif name in extra:
+                body = _body(extra[name], when)
             else:
                 body = _body(headline_table(sections[name].headlines), when)
             rewrite_block(path, name, body)

@@ -217,13 +217,17 @@ class Panel:
 
 @attrs.frozen
 class Section:
-    """A benchmark's output: Markdown body, summary rows, plots."""
+    """A benchmark's output: Markdown body, summary rows, plots, and the
+    blocks other pages quote beside its summary rows (``blocks``: a
+    ``<!-- bench:NAME:begin -->`` block's name -> its Markdown, see
+    ``generated_blocks.quote_everywhere``)."""
 
     title: str
     body: str
     headlines: tuple[Headline, ...] = attrs.field(default=(), converter=tuple)
     panels: tuple[Panel, ...] = attrs.field(default=(), converter=tuple)
     seconds: float = 0.0
+    blocks: Mapping[str, str] = attrs.field(factory=dict)
 
     def markdown(self) -> str:
         timing = f"\n\n_section took {self.seconds:.1f} s_" if self.seconds else ""

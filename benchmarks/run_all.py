@@ -26,14 +26,16 @@ each section as it ends, and writes:
   its target), the figure, then each benchmark's own tables. It is the docs
   site's benchmark page, so a fresh ``make bench`` updates the site.
 * ``docs/img/benchmarks.png``: the summary ratios with their interquartile
-  ranges, bytes per parameter against world size, partition imbalance against
+  ranges, DiLoCo's compute utilization against link rate (measured and the
+  papers' model), bytes per parameter against world size, partition imbalance against
   world size, planning time against model size, the soak's resident memory
   against step.
 * the figures README.md (its headline table: a few summary rows, short),
   docs/zero.md, docs/overlap.md, docs/powersgd.md,
   docs/compressed_exchange.md, docs/diloco.md and docs/links.md
   quote, in their ``<!-- bench:NAME:begin -->`` blocks (full runs only;
-  see ``generated_blocks.py``).
+  see ``generated_blocks.py``), among them the rate at which each feature
+  starts to pay (``pays-at-*``, from the link section).
 * ``docs/resilience.md``: the kill-and-restart soak's table, between its
   ``<!-- soak:begin -->`` and ``<!-- soak:end -->`` markers.
 

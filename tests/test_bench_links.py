@@ -5,7 +5,8 @@ The measurements run inside network namespaces through ``make bench`` (CI:
 namespace: the delay that covers a link, the bytes a compressed DiLoCo sync
 puts on it, the why lines from made-up timings, the section built from a
 made-up child's output (targets held at the rates they are set for, every miss
-with its why, an aborted PyTorch hook reported), and the section where
+with its why, an aborted PyTorch hook reported), where each feature starts to
+pay from made-up parts, DiLoCo's utilization model, and the section where
 namespaces cannot be made (the reason, no numbers, nothing run).
 """
 
@@ -162,10 +163,20 @@ def test_powersgd_why_says_what_the_iteration_spends_beside_its_bytes() -> None:
 def _diloco_raw(delay: int = 2, step: float = 0.020) -> dict[str, Any]:
     long = bench_links.covering_name(delay)
     short = long if delay == 1 else bench_links.streaming_name(1)
-    names = [bench_links.QUIET, *map(bench_links.blocking_name, bench_links.BLOCKING), long, short]
-    steps = {name: 10 for name in names} | {bench_links.blocking_name(50): 50}
+    names = [
+        bench_links.QUIET,
+        bench_links.DDP_NAME,
+        *map(bench_links.blocking_name, bench_links.BLOCKING),
+        long,
+        short,
+    ]
+    steps = {name: 10 for name in names} | {
+        bench_links.blocking_name(50): 50,
+        bench_links.DDP_NAME: bench_links.DDP_STEPS,
+    }
     per_step = {
         bench_links.QUIET: step,
+        bench_links.DDP_NAME: 5 * step,
         bench_links.blocking_name(10): 3 * step,
         bench_links.blocking_name(50): 1.4 * step,
         long: 1.2 * step,
@@ -174,7 +185,12 @@ def _diloco_raw(delay: int = 2, step: float = 0.020) -> dict[str, Any]:
     return {
         "times": {name: _flat(per_step[name] * steps[name]) for name in names},
         "steps": steps,
-        "wire": {name: 1e6 * steps[name] for name in names},
+        "wire": {name: 1e6 * steps[name] for name in names}
+        | {
+            bench_links.DDP_NAME: 19.2e6 * bench_links.DDP_STEPS,
+            bench_links.blocking_name(10): 19.2e6,
+            bench_links.blocking_name(50): 19.2e6,
+        },
         "codec": _flat(0.030),  # both ranks' arithmetic: 15 ms a sync each
         "quiet_step": step,
         "fragment_link_bytes": 4_329_600,
@@ -337,3 +353,177 @@ def test_without_namespaces_the_section_says_why_and_runs_nothing(
 
 def test_the_loopbacks_counter_is_read() -> None:
     assert bench_links.lo_tx_bytes() >= 0
+
+
+# ----- where each feature starts to pay ------------------------------------------------
+
+
+def test_the_crossover_is_where_the_bytes_take_as_long_as_the_seconds() -> None:
+    assert bench_links.crossover_rate(125_000_000, 1.0) == pytest.approx(GBIT)
+    assert bench_links.crossover_rate(1_000, 0.0) == bench_links.EVERY_RATE
+    assert bench_links.crossover_rate(0, 1.0) == 0.0
+    assert bench_links.crossover_rate(-5, 0.0) == 0.0  # nothing saved: never
+    assert bench_links.rate_phrase(bench_links.EVERY_RATE) == "at every rate"
+    assert bench_links.rate_phrase(0.0) == "at no rate"
+    assert bench_links.rate_phrase(1.6e9) == "below 1.6 Gbit/s"
+
+
+@given(
+    st.floats(0.0, 1.0),  # update
+    st.floats(1e-4, 2.0),  # codec
+    st.floats(1e6, 1e9),  # fp32 bytes
+    st.floats(0.01, 0.99),  # compressed / fp32 bytes
+    st.floats(1e7, 1e11),  # rate
+)
+def test_a_compressed_step_beats_pytorchs_exactly_below_the_crossover(
+    update: float, codec: float, fp32: float, share: float, rate: float
+) -> None:
+    r_star = bench_links.compressed_pays_below(fp32, codec)
+    assert r_star == pytest.approx(8 * fp32 / codec)
+    mine = bench_links.compressed_step_model(update, codec, share * fp32, rate)
+    theirs = bench_links.compressed_step_model(update, 0.0, fp32, rate)
+    if not math.isclose(rate, r_star, rel_tol=1e-6):
+        assert (mine < theirs) == (rate < r_star)
+
+
+def test_a_codec_slower_than_the_link_at_every_rate_pays_below_all_of_them() -> None:
+    # 10 s of codec against 82.7 MB: R* = 66 Mbit/s, under every rate drawn;
+    # the codec is the larger term at each of them, so the step is u + c.
+    fp32, int8, codec, update = 82.7e6, 21.3e6, 10.0, 0.02
+    r_star = bench_links.compressed_pays_below(fp32, codec)
+    assert r_star == pytest.approx(66.16e6)
+    assert bench_links.rate_phrase(bench_links._sig(r_star)) == "below 66 Mbit/s"
+    for rate in map(bench_links.links.parse_rate, bench_links.CURVE_RATES):
+        assert bench_links.link_seconds(int8, rate) < codec
+        mine = bench_links.compressed_step_model(update, codec, int8, rate)
+        assert mine == pytest.approx(update + codec)
+        assert mine > bench_links.compressed_step_model(update, 0.0, fp32, rate)
+    # ... and at a rate below R* it pays.
+    assert bench_links.compressed_step_model(
+        update, codec, int8, 50e6
+    ) < bench_links.compressed_step_model(update, 0.0, fp32, 50e6)
+
+
+def test_the_int8_and_int4_exchange_pay_below_8_fp32_bytes_over_their_codec() -> None:
+    int8, int4 = bench_links.compressed_payoffs(_zero_raw(), GBIT)
+    # PyTorch's 83 MB on the link; the int8 codec 100 ms, int4 40 ms.
+    assert int8.rate == pytest.approx(8 * 83e6 / 0.10)
+    assert int4.rate == pytest.approx(8 * 83e6 / 0.04)
+    assert int8.row()[2] == "below 6.6 Gbit/s" and int4.row()[2] == "below 17 Gbit/s"
+    assert "R* = 8 x 83.0 MB / 100 ms" in int8.how
+    # Its own 21.4 MB hide behind the 100 ms codec above 8 x 21.4 MB / 100 ms.
+    assert "hide behind the codec above 1.7 Gbit/s" in int8.how
+
+
+def test_powersgd_pays_below_the_bytes_it_saves_over_its_extra_arithmetic() -> None:
+    payoff = bench_links.powersgd_payoff(_powersgd_raw(), GBIT)
+    # zerofn 80 ms - 1.2 ms of link = 78.8 ms; DDP 290 ms - 268.8 ms = 21.2 ms:
+    # 57.6 ms of compression against 33.45 MB saved.
+    arithmetic = (0.08 - 150_000 * 8 / GBIT) - (0.29 - 33_600_000 * 8 / GBIT)
+    assert payoff.rate == pytest.approx(8 * (33_600_000 - 150_000) / arithmetic)
+    assert payoff.row()[2] == "below 4.6 Gbit/s"
+    assert "a = what its iteration spends beside its bytes' link time (79 ms)" in payoff.how
+    # An iteration that spends no more than DDP's beside its bytes pays everywhere.
+    fast = _powersgd_raw() | {"times": {"zerofn": _flat(0.01), bench_hooks.BUILTIN: _flat(0.29)}}
+    assert bench_links.powersgd_payoff(fast, GBIT).rate == bench_links.EVERY_RATE
+
+
+def test_the_overlapped_step_pays_at_every_rate_it_saves_bytes() -> None:
+    raw = _overlap_raw()
+    payoff = bench_links.overlap_payoff(raw, GBIT)
+    assert payoff.rate == bench_links.EVERY_RATE and payoff.row()[2] == "at every rate"
+    assert "42.0 MB on the link per iteration against 50.4 MB (0.83 of the bytes)" in payoff.how
+    assert "8 x 8.4 MB / R a step, 67 ms at 1 Gbit/s" in payoff.how
+    more = raw | {"on_link": {"overlapped": 50.4e6, "pytorch": 50.4e6}}
+    never = bench_links.overlap_payoff(more, GBIT)
+    assert never.rate == 0.0 and "no fewer bytes" in never.how
+
+
+def test_diloco_pays_from_its_bytes_per_inner_step_and_its_syncs_arithmetic() -> None:
+    raw = _diloco_raw()
+    h10, h50, streaming = bench_links.diloco_payoffs(raw, GBIT)
+    assert h10.rate == h50.rate == bench_links.EVERY_RATE
+    assert "1.9 MB on the link per inner step against DDP's 19.2 MB per step" in h10.how
+    # 19.2 MB - 1 MB saved per inner step, 15 ms of arithmetic a sync every 5 steps.
+    assert streaming.rate == pytest.approx(8 * (19.2e6 - 1e6) / (0.015 / 5))
+    # The sync's 4.33 MB hides behind one 20 ms step from 1.7 Gbit/s, two from 0.87.
+    assert "1.7 Gbit/s at delay 1, 870 Mbit/s at the delay used here (2)" in streaming.how
+    section = bench_links.section_from({"1gbit": _results()}, {"1gbit": 1.0})
+    assert set(section.blocks) == set(bench_links.PAYS_AT.values())
+    assert "DiLoCo blocking, H=10" in section.blocks["pays-at-diloco"]
+    assert "int8 exchange" not in section.blocks["pays-at-diloco"]
+    assert "**Where each feature starts to pay**" in section.body
+
+
+def test_the_pay_off_blocks_are_quoted_on_the_features_pages(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = os.path.dirname(os.path.dirname(__file__))
+    pages = {
+        page: tuple(n for n in names if n.startswith("pays-at-"))
+        for page, names in generated_blocks.QUOTED.items()
+    }
+    pages = {page: names for page, names in pages.items() if names}
+    assert sorted(n for names in pages.values() for n in names) == sorted(
+        bench_links.PAYS_AT.values()
+    )
+    for page in pages:
+        (tmp_path / "docs").mkdir(exist_ok=True)
+        with open(os.path.join(root, page), encoding="utf-8") as f:
+            (tmp_path / page).write_text(f.read(), encoding="utf-8")
+    monkeypatch.setattr(generated_blocks, "QUOTED", pages)
+    section = bench_links.section_from({"1gbit": _results()}, {"1gbit": 1.0})
+    generated_blocks.quote_everywhere(str(tmp_path), {"links": section}, "today.")
+    overlap = (tmp_path / "docs/overlap.md").read_text(encoding="utf-8")
+    assert "| overlapped DDP + ZeRO step | DDP + PyTorch's separate ZeRO step | at every rate" in (
+        overlap
+    )
+    # Where links cannot be made, the blocks say so instead.
+    unavailable = bench_links.unavailable_section("no root", ["1gbit"])
+    assert all("no root" in text for text in unavailable.blocks.values())
+
+
+# ----- DiLoCo's compute utilization against the rate -----------------------------------
+
+
+def test_the_papers_sync_time_is_a_ring_all_reduce() -> None:
+    # 2 N (W - 1) / W bytes: N bytes on 2 ranks, 1.75 N on 8.
+    assert bench_links.model_sync_seconds(125e6, 2, GBIT) == pytest.approx(1.0)
+    assert bench_links.model_sync_seconds(125e6, 8, GBIT) == pytest.approx(1.75)
+    assert bench_links.model_utilization(0.1, 1.0, 10) == pytest.approx(0.5)
+    assert bench_links.model_utilization(0.1, 1.0, 1) == pytest.approx(0.1 / 1.1)
+    assert bench_links.model_utilization(0.1, 1.0, 5, hidden=2.0) == 1.0
+
+
+def test_the_model_curves_rise_with_the_rate_and_with_h() -> None:
+    raw = _diloco_raw()
+    rates = [float(bench_links.links.parse_rate(r)) for r in bench_links.CURVE_RATES]
+    curves = bench_links.model_curves(raw, rates)
+    ddp, h10, h50 = (curves[k] for k in (bench_links.DDP_NAME, "blocking, H=10", "blocking, H=50"))
+    for curve in (ddp, h10, h50):
+        assert curve == sorted(curve) and all(0 < u <= 1 for u in curve)
+    assert all(a < b < c for a, b, c in zip(ddp, h10, h50, strict=True))
+    # DDP at 1 Gbit/s: 9.6 MB of fp32 parameters, 2 x 9.6 MB / 2 x 8 / 1 Gbit/s = 76.8 ms
+    # against a 20 ms step.
+    assert ddp[2] == pytest.approx(0.020 / (0.020 + 8 * 4 * 2_400_000 / GBIT))
+    # Streaming at the delay that covers the link hides its sync entirely.
+    assert curves[f"streaming int8, P={bench_links.FRAGMENTS}"] == [1.0] * len(rates)
+
+
+def test_the_utilization_panel_draws_the_model_and_what_was_measured() -> None:
+    raw = _diloco_raw()
+    section = bench_links.section_from({"1gbit": _results()}, {"1gbit": 1.0})
+    (panel,) = section.panels
+    assert all(c.label.endswith("(model)") for c in panel.curves) and len(panel.curves) == 4
+    assert panel.log_x and panel.curves[0].x == (0.1, 0.3, 1.0, 3.0, 10.0)
+    assert "not measured in the quick run, which draws the model" in section.body
+    curve = {"100mbit": raw, "1gbit": raw}
+    section = bench_links.section_from(
+        {"1gbit": _results()}, {"1gbit": 1.0, "100mbit": 7.0}, curve=curve
+    )
+    (panel,) = section.panels
+    measured = {c.label: c for c in panel.curves if c.label.endswith("(measured)")}
+    ddp = measured[f"{bench_links.DDP_NAME} (measured)"]
+    assert ddp.x == (0.1, 1.0) and ddp.y == pytest.approx((0.2, 0.2))  # 1 / 5 steps' time
+    assert measured["blocking, H=10 (measured)"].y == pytest.approx((1 / 3, 1 / 3))
+    assert "DiLoCo alone at the figure's other rates took 100 Mbit/s 7 s" in section.body
