@@ -104,28 +104,29 @@ README_ROWS: tuple[Pick, ...] = (
         "bucket_view=False",
     ),
     Pick(
+        "On a 1 Gbit/s link, int8 shard exchange: ZeRO step / PyTorch's",
+        "docs/links.md",
+        "link 1 Gbit/s: ZeRO step (",
+        "step time: zerofn int8 / PyTorch",
+    ),
+    Pick(
+        "On a 1 Gbit/s link, ZeRO step overlapped with DDP's backward: iteration / "
+        "DDP + PyTorch's ZeRO step",
+        "docs/links.md",
+        "link 1 Gbit/s: DDP + ZeRO",
+        "iteration time: overlapped / PyTorch's DDP + separate ZeRO step",
+    ),
+    Pick(
         "DDP + PowerSGD iteration: zerofn / PyTorch",
         "docs/powersgd.md",
         "DDP + PowerSGD",
         "iteration time: zerofn / PyTorch",
     ),
     Pick(
-        "ZeRO step overlapped with DDP's backward: iteration / PyTorch's",
-        "docs/overlap.md",
-        "DDP + ZeRO overlap",
-        "iteration time: overlapped / PyTorch's separate step",
-    ),
-    Pick(
-        "int8 shard exchange: bytes per step / fp32's",
-        "docs/compressed_exchange.md",
-        "compressed exchange bytes",
-        "bytes per step, fp32 params: int8 / exact (worst of 2, 8 ranks)",
-    ),
-    Pick(
-        "int8 shard exchange: ZeRO step / PyTorch's",
-        "docs/compressed_exchange.md",
-        "compressed ZeRO step",
-        "step time: zerofn int8 / PyTorch default",
+        "On a 1 Gbit/s link, DDP + PowerSGD rank 4: iteration / DDP's all-reduce",
+        "docs/links.md",
+        "link 1 Gbit/s: DDP + PowerSGD",
+        "iteration time: zerofn PowerSGD / DDP all-reduce",
     ),
     Pick(
         "DiLoCo, a sync every 10 steps: bytes per step / DDP's",

@@ -322,10 +322,18 @@ def test_when_delay_1_covers_the_link_one_run_serves_both_targets() -> None:
     assert "Delay 1 already covers the link here" in section.body
 
 
-def test_link_rows_stay_out_of_readmes_headline_picks() -> None:
-    section = bench_links.section_from({"1gbit": _results()}, {"1gbit": 1.0})
+def test_readme_picks_the_1_gbit_rows_and_no_other_rate() -> None:
+    section = bench_links.section_from(
+        {"1gbit": _results(), "10gbit": _results()}, {"1gbit": 1.0, "10gbit": 10.0}
+    )
     rows = [generated_blocks.Row.of(h) for h in section.headlines]
-    assert not any(pick.matches(row) for pick in generated_blocks.README_ROWS for row in rows)
+    picked = [row for row in rows if any(p.matches(row) for p in generated_blocks.README_ROWS)]
+    assert [row.measure for row in picked] == [
+        "step time: zerofn int8 / PyTorch",
+        "iteration time: overlapped / PyTorch's DDP + separate ZeRO step",
+        "iteration time: zerofn PowerSGD / DDP all-reduce",
+    ]
+    assert all(row.benchmark.startswith("link 1 Gbit/s") for row in picked)
 
 
 # ----- where namespaces cannot be made -------------------------------------------------
