@@ -20,6 +20,12 @@ Lightning 2.6 registers ``DDPStrategy(ddp_comm_hook=...)`` only when the root
 device is CUDA, so on CPU the hook goes on through a callback; the script
 records that Lightning's own argument is ignored here (``ignored_hook_calls``).
 
+``... _frameworks_lightning.py OUT exit`` runs instead the flow most exposed to
+an abort at exit (docs/failures.md): fit, checkpoint and resume with
+zerofn's ``ZeroRedundancyOptimizer`` and PowerSGD hook, the process ending
+right after zerofn's last step (see :func:`exit_run`); tests/test_frameworks.py
+runs it repeatedly.
+
 DDP inspects a hook's annotations at registration (the bucket parameter must
 be annotated ``GradBucket`` or not at all), so this module keeps them as real
 objects: no ``from __future__ import annotations``.
@@ -41,7 +47,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.utils.data import DataLoader, TensorDataset
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.compat import TorchTypedZeroRedundancyOptimizer
-from zerofn_torch.hooks import fp16_compress_hook
+from zerofn_torch.hooks import PowerSGDState, fp16_compress_hook, powerSGD_hook
 
 Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -190,5 +196,39 @@ def main(out: str) -> None:
     torch.save(result, os.path.join(out, f"lightning-rank{dist.get_rank()}.pt"))
 
 
+def exit_run(out: str) -> None:
+    """Fit, checkpoint and resume with zerofn's ZeRO and PowerSGD hook, and
+    end the process right after zerofn's last step, each rank writing
+    ``OUT/exit-rank<r>.done`` as its last act.
+
+    The GIL changes hands at most every 50 ms here (as under a main thread
+    busy in Python): a rank then reaches the interpreter's teardown before a
+    gloo worker thread still running a completion callback of that last step,
+    or letting go of its collective, gets the GIL back, whenever one still
+    is. Before the fix (docs/failures.md, "A worker thread that needs the GIL
+    while the interpreter finalizes") CPython ended that thread there:
+    ``terminate called without an active exception``, SIGABRT.
+    """
+    sys.setswitchinterval(0.05)
+    torch.set_num_threads(1)
+    ckpt = os.path.join(out, "powersgd.ckpt")
+
+    def hook() -> CommHook:
+        state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        return CommHook(powerSGD_hook, state)  # type: ignore[arg-type]
+
+    module = Regressor(ZeroRedundancyOptimizer, seed=0)
+    run = trainer(out, 2, callbacks=[hook()])
+    run.fit(module)
+    run.save_checkpoint(ckpt)
+    resumed = Regressor(ZeroRedundancyOptimizer, seed=7)
+    trainer(out, 4, callbacks=[hook()]).fit(resumed, ckpt_path=ckpt, weights_only=True)
+    with open(os.path.join(out, f"exit-rank{dist.get_rank()}.done"), "w"):
+        pass
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["exit"]:
+        exit_run(sys.argv[1])
+    else:
+        main(sys.argv[1])

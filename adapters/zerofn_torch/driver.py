@@ -31,6 +31,7 @@ import torch
 
 from zerofn.comm import Collect, Post, Program, ProgramStep, Response
 from zerofn_torch.foreign_hooks import Await
+from zerofn_torch.futures import on_done
 from zerofn_torch.issue import Step, issue
 
 __all__ = ["PolledProgram", "ProgramPipeline", "drive", "finish_polled"]
@@ -101,7 +102,7 @@ class _Running(Generic[R]):
         self.pending = pending
         if request.last:
             self._issued_all()
-            self.pending.add_done_callback(self._complete)
+            on_done(self.pending, self._complete)
 
     def _issue(self, request: Step) -> torch.futures.Future[Response]:
         future = issue(request, self.group, f"{self.purpose}, collective #{self.number}")

@@ -7,11 +7,30 @@ transport) fails the request's future with a
 the group, with the transport's error as its cause. Besides the core's
 requests it answers an :class:`~zerofn_torch.foreign_hooks.Await` of a DDP
 hook the core cannot see into.
+
+Every tensor handed to a collective gets a second C++ reference here,
+released at a later collective once nothing else holds the tensor: a gloo
+worker thread lets go of a finished collective (its tensors among it) after
+running the collective's callbacks, and when that leaves a tensor that has a
+Python object with one C++ reference, PyTorch releases the Python object there,
+taking the GIL on that thread; CPython ends such a thread once the interpreter
+has begun to finalize (SIGABRT; :mod:`zerofn_torch.futures` says how, and
+waits for the callbacks themselves). With the second reference the worker's
+release never is that one. At exit the references still needed are kept for
+good. For the same reason a collective is started without the Python object
+backward stashes in the thread's state (gloo keeps that state with the
+collective, and the worker thread drops it too).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import atexit
+import ctypes
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,7 +50,7 @@ from zerofn.comm import (
 from zerofn.errors import CollectiveError
 from zerofn_torch.collective_errors import collective_error, describe_group
 from zerofn_torch.foreign_hooks import Await
-from zerofn_torch.futures import all_of, failed, then
+from zerofn_torch.futures import all_of, failed, on_done, then
 from zerofn_torch.traffic import counted_as
 
 __all__ = ["Step", "issue"]
@@ -40,11 +59,103 @@ Step = Request | Await
 """What a program run by the adapter's driver may yield."""
 
 
-def _work_future(work: dist.Work | None) -> torch.futures.Future[Any]:
+class _Given(NamedTuple):
+    """A tensor handed to a collective, and a second C++ reference to it (a
+    one-element ``ScriptList``: not a view, which would hold the root of a
+    view's base, nor a Python reference, which PyTorch's count leaves out)."""
+
+    tensor: torch.Tensor
+    reference: Any
+
+
+# By the tensor's identity: the tensors handed to collectives and not yet let
+# go of by everything else (a collective in flight, or not yet released by
+# its worker thread, holds them, and so does a view of one that is no view).
+_GIVEN: dict[int, _Given] = {}
+_GIVEN_LOCK = threading.Lock()
+# PyTorch's own count of a tensor's C++ references (private; a torch without
+# it keeps nothing here).
+_COUNTS = hasattr(torch.Tensor, "_use_count")
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    count: int = tensor._use_count()  # type: ignore[attr-defined]
+    return count
+
+
+def _new_lock_in_child() -> None:
+    global _GIVEN_LOCK
+    _GIVEN_LOCK = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
+def _keep_given(tensors: Iterable[torch.Tensor]) -> None:
+    """Give each of ``tensors`` (handed to a collective) a second C++
+    reference, and release those given earlier that nothing else holds any
+    more (their use count is 2: their Python object and that reference)."""
+    if not _COUNTS:
+        return
+    with _GIVEN_LOCK:
+        free = [key for key, given in _GIVEN.items() if _use_count(given.tensor) <= 2]
+        released = [_GIVEN.pop(key) for key in free]
+        for tensor in tensors:
+            _GIVEN[id(tensor)] = _Given(tensor, torch._C.ScriptList([tensor]))
+    # Released here, by this thread (which holds the GIL), outside the lock:
+    # the references first (each its tensor's last C++ one but its Python
+    # object's), then the tensors.
+    references = [given.reference for given in released]
+    let_go = [given.tensor for given in released]
+    del released
+    del references
+    del let_go
+
+
+@atexit.register
+def _keep_given_for_good() -> None:
+    # A worker thread may still let go of a collective after this: what it
+    # holds keeps its second reference through the interpreter's teardown too
+    # (which would otherwise release them, the worker's release then being
+    # the last but the Python object's): never released.
+    _keep_given(())
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GIVEN))
+
+
+@contextmanager
+def _capturing_no_python_object() -> Iterator[None]:
+    """Start collectives inside without the ``contextvars.Context`` backward
+    stashes in this thread's state (``torch.autograd.graph``'s
+    ``_engine_run_backward``, while a DDP hook runs): gloo keeps a copy of the
+    issuing thread's state with each collective, and if that copy were the
+    Context's last holder, the worker thread letting go of the collective
+    would release the Context, taking the GIL. Put back afterwards (a torch
+    that stashes nothing there, or cannot remove it, is left as it is)."""
+    if not (
+        hasattr(torch._C, "_remove_obj_from_tls")
+        and hasattr(torch._C, "_is_key_in_tls")
+        and torch._C._is_key_in_tls("context")
+    ):
+        yield
+        return
+    context = torch._C._get_obj_in_tls("context")
+    torch._C._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls("context", context)
+
+
+def _work_future(
+    work: dist.Work | None, given: Iterable[torch.Tensor]
+) -> torch.futures.Future[Any]:
+    """The future of ``work``, a collective handed the tensors ``given``
+    (kept until nothing else holds them)."""
     if work is None:  # a rank outside the group takes no part
         done: torch.futures.Future[Any] = torch.futures.Future()
         done.set_result(None)
         return done
+    _keep_given(given)
     return work.get_future()
 
 
@@ -76,19 +187,20 @@ def _all_reduce(request: AllReduce, group: Any) -> torch.futures.Future[Response
             flat.div_(world)
         return split_like(flat, request.tensors)
 
-    return then(_work_future(work), unpack)
+    return then(_work_future(work, (flat,)), unpack)
 
 
 def _gather_segments(request: GatherSegments, group: Any) -> torch.futures.Future[Response]:
     segments = request.segments
     if request.via == "all_gather":
         work = dist.all_gather(list(segments), segments[request.rank], group=group, async_op=True)
-        return then(_work_future(work), lambda _: segments)
+        return then(_work_future(work, segments), lambda _: segments)
     futures = [
         _work_future(
             dist.broadcast(
                 segment, src=dist.get_global_rank(group, owner), group=group, async_op=True
-            )
+            ),
+            (segment,),
         )
         for owner, segment in enumerate(segments)
         if segment.numel() > 0
@@ -100,7 +212,7 @@ def _reduce(request: Reduce, group: Any) -> torch.futures.Future[Response]:
     if dist.get_backend(group) != "gloo":
         dst = dist.get_global_rank(group, request.dst)
         work = dist.reduce(request.tensor, dst=dst, group=group, async_op=True)
-        return then(_work_future(work), lambda _: (request.tensor,))
+        return then(_work_future(work, (request.tensor,)), lambda _: (request.tensor,))
     # gloo's reduce moves 2.4 times the tensor's bytes between 2 ranks (more
     # than its all-reduce, 2.0; its reduce-scatter is an all-reduce too); an
     # all-to-all that sends each rank's contribution to the owner alone moves
@@ -113,12 +225,12 @@ def _reduce(request: Reduce, group: Any) -> torch.futures.Future[Response]:
     sends = [numel if peer == owner and me != owner else 0 for peer in range(world)]
     receives = [numel if me == owner and peer != owner else 0 for peer in range(world)]
     flat = tensor.detach().reshape(-1)
-    outgoing = flat if me != owner else flat[:0]
+    outgoing = (flat if me != owner else flat[:0]).contiguous()
     inbox = flat.new_empty(sum(receives))
     with counted_as("reduce", numel * tensor.element_size()):
         work = dist.all_to_all_single(
             inbox,
-            outgoing.contiguous(),
+            outgoing,
             output_split_sizes=receives,
             input_split_sizes=sends,
             group=group,
@@ -132,7 +244,7 @@ def _reduce(request: Reduce, group: Any) -> torch.futures.Future[Response]:
                 tensor.add_(summed.view_as(tensor))
         return (tensor,)
 
-    return then(_work_future(work), add)
+    return then(_work_future(work, (inbox, outgoing)), add)
 
 
 def _all_to_all(request: AllToAll, group: Any) -> torch.futures.Future[Response]:
@@ -154,7 +266,7 @@ def _all_to_all(request: AllToAll, group: Any) -> torch.futures.Future[Response]
                 buffer.copy_(part)
         return receives
 
-    return then(_work_future(work), unpack)
+    return then(_work_future(work, (flat_out, flat_in)), unpack)
 
 
 def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
@@ -164,12 +276,13 @@ def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
         return _all_reduce(request, group)
     if isinstance(request, AllGather):
         outputs = [torch.empty_like(request.tensor) for _ in range(dist.get_world_size(group))]
-        work = dist.all_gather(outputs, request.tensor.contiguous(), group=group, async_op=True)
-        return then(_work_future(work), lambda _: tuple(outputs))
+        sent = request.tensor.contiguous()
+        work = dist.all_gather(outputs, sent, group=group, async_op=True)
+        return then(_work_future(work, (*outputs, sent)), lambda _: tuple(outputs))
     if isinstance(request, Broadcast):
         src = dist.get_global_rank(group, request.src)
         work = dist.broadcast(request.tensor, src=src, group=group, async_op=True)
-        return then(_work_future(work), lambda _: (request.tensor,))
+        return then(_work_future(work, (request.tensor,)), lambda _: (request.tensor,))
     if isinstance(request, Reduce):
         return _reduce(request, group)
     if isinstance(request, AllToAll):
@@ -202,7 +315,8 @@ def issue(
     # itself could make it the last reference (see describe_group).
     group_name = describe_group(group)
     try:
-        started = _start(request, group)
+        with _capturing_no_python_object():
+            started = _start(request, group)
     except Exception as e:  # a transport that fails at once, when posting
         return failed(collective_error(what, purpose, group_name, e))
     out: torch.futures.Future[Response] = torch.futures.Future()
@@ -218,5 +332,5 @@ def issue(
         else:
             out.set_result(response)
 
-    started.add_done_callback(done)
+    on_done(started, done)
     return out
