@@ -69,7 +69,7 @@ from zerofn.testing.zero import master_replica_gap, simulated_ranks, step_simula
 from zerofn.zero.chunks import chunk_sizes
 from zerofn.zero.compressed_exchange import add_difference, exchange_bytes
 from zerofn.zero.plan import ShardPlan, plan_shards
-from zerofn.zero.step import Compressed, run_zero_step
+from zerofn.zero.step import run_zero_step
 
 COMPRESSIONS = ("int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -249,15 +249,11 @@ def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
     compressed one sends what the masters still differ from the replica."""
     if isinstance(opt, ZeroRedundancyOptimizer):
         params = [p for group in opt.param_groups for p in group["params"]]
-        compressed = None
-        setup = opt.setup
-        if setup.exchange is not None:
-            assert setup.masters is not None
-            compressed = Compressed(setup.exchange, setup.masters.master)
+        zero = opt.zero_rank
 
         def exchange() -> None:
             program = run_zero_step(
-                setup.shards, params, setup.options.via, lambda _: None, compressed
+                zero.shards, params, zero.options.via, lambda _: None, zero.compressed
             )
             drive(program, opt.process_group, "the exchange alone").wait()
 

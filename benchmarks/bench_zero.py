@@ -156,11 +156,11 @@ def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
     """The implementation's shard exchange without the update (private APIs)."""
     if isinstance(opt, ZeroRedundancyOptimizer):
         params = [p for group in opt.param_groups for p in group["params"]]
-        shards = opt.setup.shards
+        shards = opt.zero_rank.shards
 
         def exchange() -> None:
             # The step program, its local step answered by doing nothing.
-            program = run_zero_step(shards, params, opt.setup.options.via, lambda _: None)
+            program = run_zero_step(shards, params, opt.zero_rank.options.via, lambda _: None)
             drive(program, opt.process_group, "the exchange alone").wait()
 
         return exchange

@@ -114,7 +114,7 @@ def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         with collective_traffic() as seen:
             o.step()
         out[("bytes", name)] = sum(seen.payload_bytes.values())
-    out["planned_bytes"] = exchange_bytes(squeezed.setup.quantizer, squeezed.shard_plan)  # type: ignore[arg-type]
+    out["planned_bytes"] = exchange_bytes(squeezed.zero_rank.options.quantizer, squeezed.shard_plan)  # type: ignore[arg-type]
 
     # Clipping and a joined rank (its step sends only what it owes).
     model = make_model()
@@ -155,7 +155,7 @@ def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         out[("overlap_memory", compression)] = (
             zero.memory_bytes(),
             sum(p.numel() * p.element_size() for p in stepped),
-            zero.setup.exchange is None and not zero.setup.shards.buffers,
+            zero.zero_rank.exchange is None and not zero.zero_rank.shards.buffers,
         )
         out[("overlap_sent", compression)] = seen.payload_bytes["broadcast"]
     out["overlap_gap"] = max(

@@ -1,10 +1,11 @@
 """``ZeroRedundancyOptimizer``: ZeRO stage 1 as a real ``torch.optim.Optimizer``.
 
 A thin shell: it holds the live parameters (in ``param_groups``), the local
-optimizer over this rank's shard (``optim``) and one record of its ZeRO state
-(:class:`zerofn_torch.zero_setup.ZeroSetup`: plan, shards, masters, overlap
-status), replaced whole when it changes. Every decision is the pure core's;
-each method hands its inputs to a function of a ``zero_*`` module by idea.
+optimizer and everything else of this rank's ZeRO state in one record
+(:class:`zerofn.zero.rank.ZeroRank`: plan, shards, masters, local optimizer,
+overlap mode), built by the core's :func:`~zerofn.zero.rank.build_rank` (as
+each simulated rank is) and replaced whole when it changes. Every decision is
+the pure core's; this module runs the collectives the core asks for.
 """
 
 from __future__ import annotations
@@ -20,32 +21,32 @@ from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
 from zerofn.overlap.obey import SendCompressed, StepGradients
+from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
+from zerofn.zero.hook_driven import OverlapBinding
 from zerofn.zero.params import StateDict, normalize_params
 from zerofn.zero.plan import ShardPlan
-from zerofn.zero.shard_state import validate_global
-from zerofn.zero.step import Compressed, LocalStep, run_zero_step, settle_masters
-from zerofn_torch import zero_overlap_binding as overlap
-from zerofn_torch import zero_state_dicts as states
-from zerofn_torch.driver import drive
-from zerofn_torch.join import Join, JoinHook
-from zerofn_torch.zero_gradients import clip_grad_norm, hand_grads, unscale_gradients
-from zerofn_torch.zero_local import (
-    new_local_optimizer,
+from zerofn.zero.rank import (
+    OverlapMode,
+    ZeroRank,
+    build_rank,
+    flat_params,
+    local_step,
+    memory_bytes,
+    resolve_options,
     sync_hyperparameters,
     synced_hyperparameters,
-)
-from zerofn_torch.zero_memory import memory_bytes
-from zerofn_torch.zero_overlap_binding import OverlapBinding
-from zerofn_torch.zero_param_groups import grown
-from zerofn_torch.zero_setup import (
-    OverlapStatus,
-    ZeroSetup,
-    build_setup,
-    flat_params,
+    via_for_backend,
     with_current_trainable,
-    zero_options,
 )
+from zerofn.zero.rank_state import full_state_dict, load_global_state, local_state_dict
+from zerofn.zero.replan import sharded_by_owners, with_added_group
+from zerofn.zero.shard_state import validate_global
+from zerofn.zero.step import run_zero_step
+from zerofn_torch.driver import drive
+from zerofn_torch.join import Join, JoinHook
+from zerofn_torch.zero_gradients import clip_grad_norm, unscale_gradients
+from zerofn_torch.zero_state_dicts import consolidate_on, gather_global_state
 
 __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 
@@ -149,9 +150,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         groups = normalize_params(params)
         check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
         group = process_group if process_group is not None else dist.group.WORLD
-        options = zero_options(
-            groups, optimizer_class, defaults, group, parameters_as_bucket_view,
-            overlap_with_ddp, partition, master_dtype, exchange_compression,
+        options = resolve_options(
+            groups, optimizer_class, defaults,
+            rank=dist.get_rank(group), world_size=dist.get_world_size(group),
+            via=via_for_backend(dist.get_backend(group)), bucket_view=parameters_as_bucket_view,
+            overlap_with_ddp=overlap_with_ddp, partition=partition, master_dtype=master_dtype,
+            exchange_compression=exchange_compression,
         )  # fmt: skip
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)
@@ -164,23 +168,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             partition = [[] for _ in range(self.world_size)]
             partition[self.rank] = flat_params(self.param_groups)
         plan = plan_for(self.param_groups, self.world_size, partition)
-        status: OverlapStatus = "unattached" if overlap_with_ddp else "off"
-        setup = build_setup(self.param_groups, options, plan, status, None, rebuilt=False)
-        self._setup, self.optim = new_local_optimizer(setup, self.param_groups)
+        mode: OverlapMode = "unattached" if overlap_with_ddp else "off"
+        self._zero = build_rank(self.param_groups, options, plan, mode)
         sync_hyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
 
     # ----- what the shell holds -----------------------------------------------
 
     @property
-    def setup(self) -> ZeroSetup:
-        """The ZeRO state: plan, shards, masters, overlap status (read only)."""
-        return self._setup
+    def zero_rank(self) -> ZeroRank:
+        """This rank's ZeRO state: plan, shards, masters, local optimizer,
+        overlap mode (the core's record; read only)."""
+        return self._zero
+
+    @property
+    def optim(self) -> Optimizer:
+        """The local optimizer over this rank's shard (as PyTorch's ``optim``)."""
+        return self._zero.optim
 
     @property
     def shard_plan(self) -> ShardPlan:
         """Who owns what and how shards travel (the core's record; read only)."""
-        return self._setup.plan
+        return self._zero.plan
 
     @property
     def _all_params(self) -> list[torch.Tensor]:
@@ -206,43 +215,47 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 timed out). This rank's shard is stepped; other ranks' shards
                 may be partly received: restart from a checkpoint.
         """
-        if self._setup.shards.stepped_by_hook:
-            overlap.check_overlap_attached(self._setup.overlap)
+        if self._zero.stepped_by_hook:
+            hook_driven.check_overlap_attached(self._zero.overlap)
             logger.warning(
                 "step() does nothing with overlap_with_ddp=True: the DDP hook steps the "
                 "optimizer during backward"
             )
             return None
-        if closure is not None and self._setup.masters is not None:
+        if closure is not None and self._zero.masters is not None:
             raise ValueError(
                 "step(closure) with master copies (master_dtype or exchange_compression): the "
                 "closure's gradients would land on the parameters after the masters read them; "
                 "run forward and backward before step() instead"
             )
         Join.notify_join_context(self)
-        self._setup = with_current_trainable(self._setup, self.param_groups)
-        setup, optim, params = self._setup, self.optim, self._all_params
+        self._zero = zero = self._retrained(self._zero)
+        params = self._all_params
 
-        def local_step(_: LocalStep) -> Any:
-            hand_grads(setup, params, optim)
-            loss = optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
-            settle_masters(setup.masters, compressed=setup.exchange is not None)
-            return loss
+        def run(optim: Optimizer) -> Any:
+            return optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
 
-        compressed = None
-        if setup.exchange is not None:
-            assert setup.masters is not None
-            compressed = Compressed(setup.exchange, setup.masters.master)
-        with synced_hyperparameters(self.param_groups, optim):
-            program = run_zero_step(setup.shards, params, setup.options.via, local_step, compressed)
+        answer = local_step(zero, params, run)
+        with synced_hyperparameters(self.param_groups, zero.optim):
+            program = run_zero_step(zero.shards, params, zero.options.via, answer, zero.compressed)
             done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
         return done.wait()
+
+    def _retrained(self, zero: ZeroRank) -> ZeroRank:
+        """``zero`` re-placed if the parameters requiring grad changed."""
+        placed = with_current_trainable(zero, self.param_groups)
+        if placed is not zero:
+            logger.warning(
+                "ZeroRedundancyOptimizer: the set of parameters requiring grad changed; "
+                "rebuilding the exchange buffers"
+            )
+        return placed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients, and any the masters hold."""
         super().zero_grad(set_to_none)
-        if self._setup.masters is not None:
-            self._setup.masters.drop_grads()
+        if self._zero.masters is not None:
+            self._zero.masters.drop_grads()
 
     # ----- gradients: clipping and loss scaling ---------------------------------
 
@@ -274,7 +287,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             zerofn.errors.CollectiveError: the all-reduce failed.
         """
         return clip_grad_norm(
-            self._setup, self._all_params, self.optim, self.process_group,
+            self._zero, self._all_params, self.process_group,
             max_norm, norm_type, error_if_nonfinite,
         )  # fmt: skip
 
@@ -296,15 +309,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 were already read for this step (clipped or unscaled).
             zerofn.errors.CollectiveError: the all-reduce failed.
         """
-        setup, group = self._setup, self.process_group
-        return unscale_gradients(setup, self._all_params, self.optim, group, factor)
+        return unscale_gradients(self._zero, self._all_params, self.process_group, factor)
 
     def discard_step(self) -> None:
         """Skip this step: forget the gradients loaded for it (into the
         masters). Every rank must skip alike; :meth:`unscale_gradients_`
         tells them all the same."""
-        if self._setup.masters is not None:
-            self._setup.masters.drop_grads()
+        if self._zero.masters is not None:
+            self._zero.masters.drop_grads()
 
     # ----- param groups -------------------------------------------------------
 
@@ -320,19 +332,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             TypeError, ValueError: a malformed group, or tensors of another
                 layout, dtype or device.
         """
-        setup: ZeroSetup | None = getattr(self, "_setup", None)
-        if setup is None:  # Optimizer.__init__ adding the first groups
+        zero: ZeroRank | None = getattr(self, "_zero", None)
+        if zero is None:  # Optimizer.__init__ adding the first groups
             super().add_param_group(param_group)
             return
-        check_added_group(
-            setup.plan.mode, setup.options.overlap_with_ddp, self._all_params, param_group
-        )
-        groups, optim = self.param_groups, self.optim
+        check_added_group(zero.plan.mode, zero.stepped_by_hook, self._all_params, param_group)
+        groups = self.param_groups
         old = None
-        if setup.plan.mode != "greedy":  # the state moves to new owners
-            old = states.gather_global_state(setup, groups, optim, self.process_group)
+        if zero.plan.mode != "greedy":  # the state moves to new owners
+            old = gather_global_state(zero, groups, self.process_group)
         super().add_param_group(param_group)
-        self._setup, self.optim = grown(setup, groups, optim, old)
+        self._zero = with_added_group(zero, groups, old)
 
     # ----- state dicts --------------------------------------------------------
 
@@ -352,11 +362,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 buckets.
         """
         check_rank(to, self.world_size)
-        overlap.check_overlap_initialized(self._setup)
-        group = self.process_group
-        self._consolidated = states.consolidate_on(
-            self._setup, self.param_groups, self.optim, group, to
-        )
+        hook_driven.check_overlap_initialized(self._zero)
+        self._consolidated = consolidate_on(self._zero, self.param_groups, self.process_group, to)
 
     def state_dict(self) -> StateDict:
         """The full state gathered by the last :meth:`consolidate_state_dict`,
@@ -368,7 +375,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Raises:
             RuntimeError: if the state was not consolidated on this rank.
         """
-        return states.full_state_dict(self._consolidated, self.param_groups, self.rank)
+        return full_state_dict(self._consolidated, self.param_groups, self.rank)
 
     def load_state_dict(self, state_dict: StateDict) -> None:
         """Load a full state dict (from :meth:`state_dict`, or from a plain
@@ -384,15 +391,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             RuntimeError: with ``overlap_with_ddp=True``, before DDP fixed its
                 buckets.
         """
-        overlap.check_overlap_initialized(self._setup)
-        validate_global(self._setup.plan.partition, state_dict)
-        states.load_global_state(self._setup, self.param_groups, self.optim, state_dict)
+        hook_driven.check_overlap_initialized(self._zero)
+        validate_global(self._zero.plan.partition, state_dict)
+        load_global_state(self._zero, self.param_groups, state_dict)
 
     def local_state_dict(self) -> StateDict:
         """This rank's local optimizer state as checkpoints keep it: one
         tensor per param group under a flat partition (chunks merged),
         masters as ``"master_param"``; tensors are the live ones."""
-        return states.local_state_dict(self._setup, self.optim)
+        return local_state_dict(self._zero)
 
     # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
 
@@ -407,18 +414,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
             RuntimeError: another hook drives it already.
         """
-        self._setup = overlap.attach(self._setup)
+        self._zero = hook_driven.attach(self._zero)
         return OverlapBinding(self._step_with_grads, self._adopt_owners, self._send_compressed)
 
     def _step_with_grads(self, request: StepGradients) -> None:
-        overlap.step_with_grads(self._setup, self.param_groups, self.optim, request)
+        hook_driven.step_with_grads(self._zero, self.param_groups, request)
 
     def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
-        setup, groups = self._setup, self.param_groups
-        self._setup, self.optim = overlap.adopt_owners(setup, groups, self.optim, owned)
+        self._zero = sharded_by_owners(self._zero, self.param_groups, owned)
 
     def _send_compressed(self) -> SendCompressed | None:
-        return overlap.send_compressed(self._setup, self._all_params)
+        return hook_driven.send_compressed(self._zero, self._all_params)
 
     # ----- memory ---------------------------------------------------------------
 
@@ -434,7 +440,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             parameter lives in: zero with ``parameters_as_bucket_view``; with
             ``exchange_compression``, plus the payload buffers).
         """
-        return memory_bytes(self._setup, self._all_params, self.optim)
+        return memory_bytes(self._zero, self._all_params)
 
     # ----- Join ---------------------------------------------------------------
 
@@ -446,7 +452,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def join_device(self) -> torch.device:
         """The device of the parameters, where Join's collectives run."""
-        return self._setup.options.device
+        return self._zero.options.device
 
     @property
     def join_process_group(self) -> Any:

@@ -21,7 +21,7 @@ The overlapped step has its own harness, :mod:`zerofn.testing.overlap`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -30,21 +30,13 @@ import torch
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Program, Request, watched
 from zerofn.testing.world import run_programs
-from zerofn.zero.compressed_exchange import (
-    PIECE_ELEMENTS,
-    block_scales,
-    compressed_exchange,
-    compression_master_dtype,
-    local_spans,
-    resolve_compression,
-)
+from zerofn.zero.compressed_exchange import PIECE_ELEMENTS, block_scales, local_spans
 from zerofn.zero.exchange import ExchangeVia
-from zerofn.zero.masters import Masters, make_masters
-from zerofn.zero.partition import FlatPartition
+from zerofn.zero.masters import Masters
 from zerofn.zero.plan import ShardPlan
-from zerofn.zero.precision import resolve_master_dtype
-from zerofn.zero.shards import WholeTensorShards, shards_for
-from zerofn.zero.step import Compressed, LocalStep, load_step_grads, run_zero_step, settle_masters
+from zerofn.zero.rank import ZeroRank, build_rank, local_step, resolve_options
+from zerofn.zero.shards import Shards
+from zerofn.zero.step import Compressed, run_zero_step
 
 __all__ = [
     "SimulatedRank",
@@ -55,47 +47,49 @@ __all__ = [
 ]
 
 
-@attrs.define(eq=False)
+@attrs.frozen(eq=False)
 class SimulatedRank:
-    """One simulated rank of the plain step: its own copy of the parameters,
-    the mode's record (:mod:`zerofn.zero.shards`, as the optimizer builds it),
-    a local optimizer over the same local tensors the optimizer steps, and
-    the master copies and compressed exchange when the optimizer keeps them.
+    """One simulated rank of the plain step: its own copy of the parameters
+    and its :class:`~zerofn.zero.rank.ZeroRank`, built by the function the
+    optimizer's constructor calls (:func:`~zerofn.zero.rank.build_rank`).
 
     Attributes:
         params: this rank's parameters (the replica).
-        shards: the mode's record, with its exchange buffers.
-        optimizer: the local optimizer.
-        masters: the master copies (``master_dtype`` or a compressed
-            exchange), or ``None``.
-        compressed: the compressed exchange's buffers and masters, or ``None``.
+        zero: the rank's ZeRO state (shards, masters, local optimizer, ...).
     """
 
     params: list[torch.Tensor]
-    shards: WholeTensorShards
-    optimizer: torch.optim.Optimizer
-    masters: Masters | None = None
-    compressed: Compressed | None = None
+    zero: ZeroRank
 
-    def local_step(self, grads: Sequence[torch.Tensor | None]) -> Callable[[LocalStep], Any]:
-        """The answer to the program's :class:`LocalStep`: this step's
-        gradients into the parameters' ``.grad`` (what DDP leaves), handed
-        to the local tensors as the optimizer hands them, then the step."""
+    @property
+    def shards(self) -> Shards:
+        """The mode's record, with its exchange buffers."""
+        return self.zero.shards
 
-        def answer(_: LocalStep) -> Any:
-            for param, grad in zip(self.params, grads, strict=True):
-                param.grad = None if grad is None else grad.clone()
-            local = [t for g in self.optimizer.param_groups for t in g["params"]]
-            load_step_grads(self.shards, self.params, local, self.masters)
-            loss = self.optimizer.step()
-            settle_masters(self.masters, self.compressed is not None)
-            return loss
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The local optimizer."""
+        return self.zero.optim
 
-        return answer
+    @property
+    def masters(self) -> Masters | None:
+        """The master copies (``master_dtype`` or a compressed exchange), or ``None``."""
+        return self.zero.masters
+
+    @property
+    def compressed(self) -> Compressed | None:
+        """The compressed exchange's buffers and masters, or ``None``."""
+        return self.zero.compressed
 
     def program(self, grads: Sequence[torch.Tensor | None], via: ExchangeVia) -> Program[Any]:
-        """This rank's step program, its local step answered here."""
-        return run_zero_step(self.shards, self.params, via, self.local_step(grads), self.compressed)
+        """This rank's step program, its local step answered as the optimizer
+        answers it (:func:`~zerofn.zero.rank.local_step`), after this step's
+        gradients land in the parameters' ``.grad`` (what DDP leaves)."""
+        for param, grad in zip(self.params, grads, strict=True):
+            param.grad = None if grad is None else grad.clone()
+        zero = self.zero
+        answer = local_step(zero, self.params, lambda optim: optim.step())
+        return run_zero_step(zero.shards, self.params, via, answer, zero.compressed)
 
 
 def simulated_ranks(
@@ -108,8 +102,10 @@ def simulated_ranks(
     piece_elements: int = PIECE_ELEMENTS,
     **defaults: Any,
 ) -> list[SimulatedRank]:
-    """``plan.world_size`` simulated ranks, built as the optimizer builds its
-    own (same mode record, local tensors, masters and payload buffers).
+    """``plan.world_size`` simulated ranks, each built by the optimizer's own
+    :func:`~zerofn.zero.rank.resolve_options` and
+    :func:`~zerofn.zero.rank.build_rank` (same mode record, local tensors,
+    masters and payload buffers, same defaults).
 
     Args:
         plan: the shard plan (one param group per group of ``params``).
@@ -124,42 +120,22 @@ def simulated_ranks(
         **defaults: the optimizer's hyperparameters.
 
     Raises:
-        ValueError, TypeError: a bad ``master_dtype`` or compression.
+        ValueError, TypeError: a bad ``master_dtype``, compression or
+            hyperparameter.
     """
-    dtype = params[0].dtype
-    quantizer = resolve_compression(exchange_compression, dtype)
-    if quantizer is not None:
-        wide: torch.dtype | None = compression_master_dtype(dtype, master_dtype)
-    else:
-        wide = resolve_master_dtype(dtype, master_dtype)
-    view = isinstance(plan.partition, FlatPartition) if bucket_view is None else bucket_view
     sizes = [len(group) for group in plan.partition.group_sizes]
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
     ranks = []
     for rank in range(plan.world_size):
         mine = [p.detach().clone() for p in params]
-        shards = shards_for(
-            plan,
-            rank,
-            mine,
-            bucket_view=view,
-            stepped_by_hook=False,
-            step_dtype=wide or dtype,
-            options=defaults,
-        )
         groups = [{"params": mine[a : a + n]} for a, n in zip(starts, sizes, strict=True)]
-        local = shards.local_groups(groups, mine)
-        masters = None
-        if wide is not None:
-            local, masters = make_masters(local, wide)
-        compressed = None
-        if quantizer is not None:
-            assert masters is not None
-            exchange = compressed_exchange(quantizer, plan, mine[0].device, piece_elements)
-            compressed = Compressed(exchange, masters.master)
-        ranks.append(
-            SimulatedRank(mine, shards, optimizer_class(local, **defaults), masters, compressed)
-        )
+        options = resolve_options(
+            groups, optimizer_class, defaults,
+            rank=rank, world_size=plan.world_size, via="broadcasts", bucket_view=bucket_view,
+            overlap_with_ddp=False, partition=plan.mode, master_dtype=master_dtype,
+            exchange_compression=exchange_compression, piece_elements=piece_elements,
+        )  # fmt: skip
+        ranks.append(SimulatedRank(mine, build_rank(groups, options, plan)))
     return ranks
 
 

@@ -37,7 +37,6 @@ __all__ = [
     "Compressed",
     "LocalStep",
     "StepProgram",
-    "load_step_grads",
     "run_zero_step",
     "settle_masters",
     "zero_step",
@@ -77,30 +76,6 @@ class Compressed:
 
     exchange: CompressedExchange
     masters: Sequence[torch.Tensor]
-
-
-def load_step_grads(
-    shards: WholeTensorShards,
-    params: Sequence[torch.Tensor],
-    local: Sequence[torch.Tensor],
-    masters: Masters | None,
-    unscale: float = 1.0,
-) -> None:
-    """Hand what the local optimizer steps this step's gradients: the
-    masters get them upcast (times ``unscale``); without masters the local
-    tensors get theirs (:meth:`~zerofn.zero.shards.WholeTensorShards.hand_grads`).
-
-    Args:
-        shards: the mode's record.
-        params: every parameter, holding this step's ``.grad``.
-        local: the local optimizer's tensors, in its order.
-        masters: the master copies, when kept.
-        unscale: a factor for the masters' gradients (loss scaling).
-    """
-    if masters is not None:
-        masters.load_grads(shards.local_grads(params, masters.low), unscale)
-    else:
-        shards.hand_grads(params, local)
 
 
 def settle_masters(masters: Masters | None, compressed: bool) -> None:
