@@ -31,7 +31,7 @@ from report import Headline, Section, Spread, fmt_bytes, md_table, paired_ratios
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.checkpoint import save_sharded
-from zerofn_torch.launch import run_local_world
+from zerofn_torch.runtime.launch import run_local_world
 
 
 def _model(width: int, depth: int) -> torch.nn.Module:

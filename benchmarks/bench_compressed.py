@@ -9,7 +9,7 @@ Sections:
    moves (every parameter, at its dtype's width), for the ZeRO benchmark's
    model at 2 and 8 ranks, fp32 and bf16 parameters. Then a real 2-rank run
    counts the payload bytes each optimizer hands to ``torch.distributed``
-   (``zerofn_torch.traffic.collective_traffic``) over one step, which must
+   (``zerofn_torch.runtime.traffic.collective_traffic``) over one step, which must
    equal the plan's.
 2. **ZeRO step** (2 gloo ranks on CPU, ``bench_zero``'s ~20.7M-parameter
    model, Adam, the same fixed gradients): PyTorch's
@@ -60,9 +60,9 @@ from report import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.driver import drive
-from zerofn_torch.launch import run_local_world
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.launch import run_local_world
+from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.testing.zero import master_replica_gap, simulated_ranks, step_simulated

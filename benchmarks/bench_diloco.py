@@ -2,7 +2,7 @@
 
 Two gloo ranks on CPU train an MLP with AdamW as the inner optimizer. Counted
 per rank from the collectives each side calls (ring estimate on 2 ranks, as
-``zerofn_torch.traffic`` weighs them):
+``zerofn_torch.runtime.traffic`` weighs them):
 
 * bytes per inner step of DiLoCo at ``sync_every`` H against DDP's gradient
   all-reduce every step (DDP runs zerofn's averaging hook, so that its
@@ -28,8 +28,8 @@ from report import Headline, Section, Spread, md_table, paired_ratios, standalon
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.averaging import DiLoCoOptimizer
 from zerofn_torch.hooks import allreduce_hook
-from zerofn_torch.launch import run_local_world
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.launch import run_local_world
+from zerofn_torch.runtime.traffic import collective_traffic
 
 SYNC_EVERY = (10, 50)
 FRAGMENTS = 4

@@ -35,8 +35,8 @@ from report import (
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.hooks import PowerSGDState, allreduce_hook, powerSGD_hook
-from zerofn_torch.launch import run_local_world
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.launch import run_local_world
+from zerofn_torch.runtime.traffic import collective_traffic
 
 RANK = 4
 START_ITER = 2

@@ -3,7 +3,7 @@
 Everything zerofn adds to communication saves bytes, and between two
 processes on one machine a byte costs almost nothing. Here the two gloo ranks
 run inside a network namespace whose loopback is shaped to a rate
-(:func:`zerofn_torch.links.shaped_loopback`: a ``tbf`` on ``lo``), 1 Gbit/s
+(:func:`zerofn_torch.runtime.links.shaped_loopback`: a ``tbf`` on ``lo``), 1 Gbit/s
 and 10 Gbit/s. One ``tbf`` on the one loopback shapes both directions
 together: the link is half duplex, the two ranks share one rate, and the
 bytes both ranks send all pass the same queue. The ranks must live in the
@@ -99,9 +99,9 @@ from report import (
     take_turns,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch import links
 from zerofn_torch.averaging import DiLoCoOptimizer
-from zerofn_torch.launch import run_local_world
+from zerofn_torch.runtime import links
+from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.blockquant import quantizer_for
 from zerofn.diloco.compressed_sync import compressed_sync_program
@@ -1366,7 +1366,8 @@ def _intro(rates: Sequence[str], netem: str | None) -> str:
     return (
         f"The two ranks run inside a network namespace whose loopback is shaped to "
         f"{' and '.join(rate_label(links.parse_rate(r)) for r in rates)} "
-        "(`zerofn_torch.links.shaped_loopback`, a `tbf` on `lo`, see [links](links.md)). One "
+        "(`zerofn_torch.runtime.links.shaped_loopback`, a `tbf` on `lo`, see [links](links.md)). "
+        "One "
         "`tbf` on the one loopback shapes both directions together: the link is half duplex, "
         "the two ranks share one rate, and the link time of a step's bytes is what both "
         "ranks send, x 8 / the rate. zerofn and PyTorch take turns in the same run; ratios "
@@ -1381,7 +1382,8 @@ def unavailable_section(reason: str, rates: Sequence[str]) -> Section:
     what = ", ".join(rate_label(links.parse_rate(r)) for r in rates)
     body = (
         f"**Not measured**: shaped links cannot be made here, so the ZeRO step, DDP + ZeRO, "
-        f"PowerSGD and DiLoCo were not run at {what}. `zerofn_torch.links.unavailable_reason()` "
+        f"PowerSGD and DiLoCo were not run at {what}. "
+        "`zerofn_torch.runtime.links.unavailable_reason()` "
         f"says: {reason}"
     )
     headline = Headline(

@@ -51,7 +51,7 @@ from report import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.launch import run_local_world
+from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.zero.chunks import chunk_sizes
 from zerofn.zero.partition import greedy_partition

@@ -50,10 +50,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.hooks import allreduce_hook
-from zerofn_torch.issue import issue
-from zerofn_torch.launch import run_local_world
-from zerofn_torch.overlap import hook_with_zero_step
-from zerofn_torch.traffic import Traffic, collective_traffic
+from zerofn_torch.hooks.overlap import hook_with_zero_step
+from zerofn_torch.runtime.issue import issue
+from zerofn_torch.runtime.launch import run_local_world
+from zerofn_torch.runtime.traffic import Traffic, collective_traffic
 
 from zerofn.comm import Reduce
 from zerofn.zero.partition import greedy_partition

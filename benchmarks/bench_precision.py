@@ -23,7 +23,7 @@ and two Adam moments on 1/d of the model) and PyTorch's **4 + 4 + 8/d**; the
 same three set-ups are computed for d = 2 ... 1024 by
 ``zerofn.footprint.plan_footprint`` (heaviest rank).
 
-The exchange is counted with ``zerofn_torch.traffic.collective_traffic`` over
+The exchange is counted with ``zerofn_torch.runtime.traffic.collective_traffic`` over
 one more step of each (bf16 parameters must move half the bytes of fp32).
 
 Step time: (c) takes turns (``report.take_turns``) with (a) in the same
@@ -59,8 +59,8 @@ from report import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.launch import run_local_world
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.launch import run_local_world
+from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.footprint import plan_footprint
 from zerofn.model_shapes import MODELS

@@ -35,7 +35,7 @@ from report import Curve, Headline, Panel, Section, Spread, fmt_bytes, md_table,
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.hooks import PowerSGDState, hook_with_zero_step, powerSGD_hook
-from zerofn_torch.launch import run_local_world
+from zerofn_torch.runtime.launch import run_local_world
 
 IN, WIDTH, OUT, DEPTH = 64, 256, 16, 4
 BATCH = 32

@@ -71,9 +71,9 @@ from report import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.driver import drive
-from zerofn_torch.launch import run_local_world
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.launch import run_local_world
+from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.overlap.ddp_buckets import assign_buckets
 from zerofn.zero.partition import balanced_partition, flat_partition, greedy_partition, rank_loads

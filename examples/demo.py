@@ -66,7 +66,7 @@ from demo_report import (
 from demo_runs import CATALOGUE, DEFAULT_RUNS, DILOCO_RUNS, select
 from demo_summary import RunSummary, summarize
 from demo_train import PROMPT, Config, train_rank
-from zerofn_torch.launch import run_local_world
+from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.diloco.footprint import outer_state_bytes
 from zerofn.diloco.fragments import plan_fragments

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 from demo_runs import RunSpec
-from zerofn_torch.traffic import Traffic
+from zerofn_torch.runtime.traffic import Traffic
 
 WARMUP_STEPS = 5  # left out of the timings: first steps allocate and warm caches
 TRAIN_WINDOW = 20  # the last steps whose training loss is averaged and compared

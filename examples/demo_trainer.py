@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.hooks import PowerSGDState, noop_hook, powerSGD_hook
-from zerofn_torch.traffic import Traffic, collective_traffic
+from zerofn_torch.runtime.traffic import Traffic, collective_traffic
 
 
 @attrs.frozen

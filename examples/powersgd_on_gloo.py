@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.multiprocessing.spawn import ProcessExitedException
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch import powersgd as zerofn_powersgd
-from zerofn_torch.launch import run_local_world
+from zerofn_torch.hooks import powersgd as zerofn_powersgd
+from zerofn_torch.runtime.launch import run_local_world
 
 WIDTHS = (512, 2048, 1024, 512)
 BATCH = 64

@@ -10,7 +10,7 @@ joined by a shaped 1 Gbit/s link, with a hierarchy.
   the shaped link, besides torchrun's rendezvous.
 
 ``--launch`` (needs root; see docs/links.md) makes the two namespaces with
-``zerofn_torch.links.two_nodes``, starts one ``torchrun`` in each, waits,
+``zerofn_torch.runtime.links.two_nodes``, starts one ``torchrun`` in each, waits,
 reads the bytes that crossed the link from the veth pair's counters,
 compares them with the plan, and removes the namespaces::
 
@@ -294,12 +294,12 @@ def launch(
         node's loopback bytes) and the report of :func:`link_report`.
 
     Raises:
-        zerofn_torch.links.LinkUnavailable: namespaces cannot be made here.
+        zerofn_torch.runtime.links.LinkUnavailable: namespaces cannot be made here.
         RuntimeError: a torchrun failed or timed out.
     """
     from tempfile import TemporaryDirectory
 
-    from zerofn_torch.links import two_nodes
+    from zerofn_torch.runtime.links import two_nodes
 
     with TemporaryDirectory(prefix="zerofn-two-nodes-") as tmp, two_nodes(rate) as link:
         summary_path = os.path.join(tmp, "summary.json")
@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         at = argv.index("--summary")
         out = argv[at + 1]
         del argv[at : at + 2]
-    from zerofn_torch.links import LinkUnavailable
+    from zerofn_torch.runtime.links import LinkUnavailable
 
     try:
         result = launch(argv)

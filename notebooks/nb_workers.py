@@ -1,6 +1,6 @@
 """Per-rank functions for the notebooks.
 
-``zerofn_torch.launch.run_local_world`` starts each rank in a fresh
+``zerofn_torch.runtime.launch.run_local_world`` starts each rank in a fresh
 process, which imports the per-rank function by name. A function defined in a
 notebook cell lives in the kernel's ``__main__`` and cannot be imported that
 way, so the notebooks keep their per-rank code here, next to them.

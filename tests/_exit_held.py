@@ -16,9 +16,9 @@ finalize (``pthread_exit``), and unwinding PyTorch's C++ frames then calls
 ``std::terminate``: SIGABRT. The ``torch`` run ends so (the construction
 reproduces the abort: nothing of PyTorch's waits); the ``zerofn`` run must
 exit with 0, because zerofn waits at exit for the callbacks it started
-(:func:`zerofn_torch.futures.settle`), and keeps the tensors it handed to the
+(:func:`zerofn_torch.runtime.futures.settle`), and keeps the tensors it handed to the
 collective, so that the worker thread's release of it frees no Python object
-(:mod:`zerofn_torch.issue`).
+(:mod:`zerofn_torch.runtime.issue`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _join_later(store: str, go: int) -> None:
 def _started(mode: str) -> torch.futures.Future[Any]:
     """Rank 0's all-reduce, as the future a caller would wait for."""
     if mode == "zerofn":
-        from zerofn_torch.driver import drive
+        from zerofn_torch.runtime.driver import drive
 
         from zerofn.comm import AllReduce
 

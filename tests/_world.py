@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from zerofn_torch.launch import run_local_world
+from zerofn_torch.runtime.launch import run_local_world
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

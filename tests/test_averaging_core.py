@@ -34,7 +34,7 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
     HierarchicalModelAverager as TorchHierarchical,
 )
 from zerofn_torch.averaging import HierarchicalModelAverager, PeriodicModelAverager
-from zerofn_torch.post_local_sgd import PostLocalSGDState
+from zerofn_torch.hooks.post_local_sgd import PostLocalSGDState
 
 from zerofn.averaging import (
     AveragerState,

@@ -35,7 +35,7 @@ from zerofn_torch.averaging import (
     average_parameters_or_parameter_groups,
     get_params_to_average,
 )
-from zerofn_torch.post_local_sgd import PostLocalSGDState, post_localSGD_hook
+from zerofn_torch.hooks.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 
 pytestmark = pytest.mark.timeout(180)  # the spawned world must never hang the suite
 

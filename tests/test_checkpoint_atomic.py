@@ -27,9 +27,10 @@ from _world import run_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_checkpoint_integrity import same
-from zerofn_torch import ZeroRedundancyOptimizer, checkpoint_save
-from zerofn_torch import checkpoint as checkpoint_module
+from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.checkpoint import latest_checkpoint, load_sharded, save_sharded
+from zerofn_torch.checkpoint import save as checkpoint_save
+from zerofn_torch.checkpoint import sharded as checkpoint_module
 
 from zerofn.errors import CheckpointError
 from zerofn.zero.checkpoint_manifest import (

@@ -57,12 +57,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from zerofn_torch.checkpoint_background import save_group
-from zerofn_torch.driver import PolledProgram, ProgramPipeline, drive, finish_polled
-from zerofn_torch.foreign_hooks import Await, foreign_hook
-from zerofn_torch.futures import _counted, on_done, settle
-from zerofn_torch.hook_cells import HookCell
-from zerofn_torch.issue import _GIVEN, issue
+from zerofn_torch.checkpoint.background import save_group
+from zerofn_torch.runtime.driver import PolledProgram, ProgramPipeline, drive, finish_polled
+from zerofn_torch.runtime.foreign_hooks import Await, foreign_hook
+from zerofn_torch.runtime.futures import _counted, on_done, settle
+from zerofn_torch.runtime.hook_cells import HookCell
+from zerofn_torch.runtime.issue import _GIVEN, issue
 
 from zerofn.comm import AllReduce, Broadcast
 from zerofn.hooks.hook import BucketInfo, init_hook_state

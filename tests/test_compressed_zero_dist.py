@@ -20,9 +20,9 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.checkpoint import load_sharded, save_sharded
-from zerofn_torch.default_hooks import allreduce_hook
-from zerofn_torch.overlap import hook_with_zero_step
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.hooks.default import allreduce_hook
+from zerofn_torch.hooks.overlap import hook_with_zero_step
+from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.testing.zero import simulated_ranks, step_simulated
 from zerofn.zero.compressed_exchange import exchange_bytes

@@ -24,7 +24,7 @@ from test_checkpoint_integrity import same
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.averaging import DiLoCoOptimizer
 from zerofn_torch.hooks import noop_hook
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.diloco.compressed_sync import compressed_sync_bytes
 from zerofn.diloco.config import DiLoCoConfig

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer, hooks
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.footprint import plan_footprint, shapes_of
 from zerofn.footprint.cli import COLUMNS, Column, main, table

@@ -177,7 +177,7 @@ def test_the_lightning_run_exits_cleanly_every_time(tmp_path: Any) -> None:
     (``_frameworks_lightning.py OUT exit``), :data:`EXIT_RUNS` times; every
     rank must finish the run and exit with 0, and no ``terminate called``.
 
-    Without what :mod:`zerofn_torch.futures` and :mod:`zerofn_torch.issue` do
+    Without what :mod:`zerofn_torch.runtime.futures` and :mod:`zerofn_torch.runtime.issue` do
     at exit, 9 runs of 35 aborted (SIGABRT: a gloo worker thread still in a
     completion callback, or letting go of a collective, asked for the GIL once
     the interpreter finalized); with it, 0 of 150 (docs/failures.md has the

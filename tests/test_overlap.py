@@ -19,8 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch import hooks as zhooks
-from zerofn_torch.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.hooks.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
+from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.overlap.state import (
     OverlapState,

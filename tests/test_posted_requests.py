@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from zerofn_torch.driver import drive
+from zerofn_torch.runtime.driver import drive
 
 from zerofn.comm import AllReduce, Collect, Post, Program
 from zerofn.hooks.error_feedback import run_alone

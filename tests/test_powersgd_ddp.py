@@ -23,7 +23,7 @@ import torch.distributed as dist
 from _world import run_world
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from zerofn_torch.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 from zerofn.hooks import powersgd as core
 
@@ -618,7 +618,7 @@ def test_logs_compression_stats_when_due(caplog: pytest.LogCaptureFixture) -> No
         min_compression_rate=1,
         compression_stats_logging_frequency=2,
     )
-    with caplog.at_level("INFO", logger="zerofn_torch.powersgd"):
+    with caplog.at_level("INFO", logger="zerofn_torch.hooks.powersgd"):
         for _ in range(START + 3):
             _one_iteration(state, BUCKETS)
     reports = [r for r in caplog.records if "compression stats" in r.getMessage()]

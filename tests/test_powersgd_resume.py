@@ -23,7 +23,7 @@ import torch.distributed as dist
 from _world import run_world
 from test_powersgd_ddp import make_model
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch.powersgd import PowerSGDState, powerSGD_hook
+from zerofn_torch.hooks.powersgd import PowerSGDState, powerSGD_hook
 
 START = 2
 SAVE_AT = 5

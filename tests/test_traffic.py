@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from zerofn_torch.traffic import collective_traffic
+from zerofn_torch.runtime.traffic import collective_traffic
 
 
 @pytest.mark.usefixtures("single_rank_group")
@@ -46,7 +46,7 @@ def test_restores_the_collectives() -> None:
 def _reduce_on_three_ranks(rank: int, world_size: int) -> dict[str, object]:
     """Each rank reduces its own values onto each owner in turn, through the
     adapter's issuer; the owner's sums, and what the counter saw."""
-    from zerofn_torch.issue import issue
+    from zerofn_torch.runtime.issue import issue
 
     from zerofn.comm import Reduce
 

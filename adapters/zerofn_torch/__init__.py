@@ -5,7 +5,6 @@ Names and signatures follow PyTorch's, so switching is an import change::
     from zerofn_torch import ZeroRedundancyOptimizer
 """
 
-from zerofn_torch.loss_scaling import LossScaler
-from zerofn_torch.zero import ZeroRedundancyOptimizer
+from zerofn_torch.zero import LossScaler, ZeroRedundancyOptimizer
 
 __all__ = ["LossScaler", "ZeroRedundancyOptimizer"]

@@ -39,7 +39,7 @@ from zerofn.averaging import (
     take_averaging_step,
 )
 from zerofn_torch.diloco import DiLoCoOptimizer
-from zerofn_torch.driver import drive
+from zerofn_torch.runtime.driver import drive
 
 __all__ = [
     "DiLoCoOptimizer",
@@ -206,7 +206,7 @@ class PeriodicModelAverager(_ScheduledAverager[PeriodicSchedule]):
     """Average parameters every ``period`` steps after a warm-up.
 
     Call :meth:`average_parameters` after each optimizer step. With DDP over
-    subgroups (or :func:`zerofn_torch.post_local_sgd.post_localSGD_hook`), this
+    subgroups (or :func:`zerofn_torch.hooks.post_local_sgd.post_localSGD_hook`), this
     is post-local SGD. A drop-in for PyTorch's ``PeriodicModelAverager``.
 
     Args:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from zerofn_torch.zero import ZeroRedundancyOptimizer
+from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["TorchTypedZeroRedundancyOptimizer", "consolidated"]
 

@@ -52,9 +52,9 @@ from zerofn.diloco.outer import (
 from zerofn.diloco.start import agree_program
 from zerofn.diloco.state import DiLoCoState, InFlight, state_from_dict, take_inner_step
 from zerofn.diloco.sync import SyncProgram, run_sync, sync_program
-from zerofn_torch.default_hooks import noop_hook
-from zerofn_torch.driver import PolledProgram, drive
-from zerofn_torch.object_collectives import all_gather_objects
+from zerofn_torch.hooks.default import noop_hook
+from zerofn_torch.runtime.driver import PolledProgram, drive
+from zerofn_torch.runtime.object_collectives import all_gather_objects
 
 __all__ = ["DiLoCoOptimizer"]
 

@@ -5,8 +5,8 @@ from :mod:`zerofn.join`; this module runs the all-reduces and the hooks.
 
 A failure anywhere in a joined rank's part raises
 :class:`zerofn.errors.CollectiveError` naming what failed: Join's own
-all-reduces go through the driver (:func:`zerofn_torch.issue.issue`), and
-every join hook runs inside :func:`zerofn_torch.collective_errors.guarded`,
+all-reduces go through the driver (:func:`zerofn_torch.runtime.issue.issue`), and
+every join hook runs inside :func:`zerofn_torch.runtime.collective_errors.guarded`,
 DDP's own included (PyTorch's hook fails with the transport's plain
 ``RuntimeError``). A ``CollectiveError`` a hook raises itself (ZeRO's step)
 passes through as it is.
@@ -37,8 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zerofn.comm import AllReduce
 from zerofn.join import DISABLED, JoinProgress, first_mismatch, join_configs, next_join_step
-from zerofn_torch.collective_errors import guarded
-from zerofn_torch.issue import issue
+from zerofn_torch.runtime.collective_errors import guarded
+from zerofn_torch.runtime.issue import issue
 
 __all__ = ["Join", "JoinHook", "Joinable"]
 

@@ -117,7 +117,7 @@ class Footprint:
         ranks: each rank's bytes.
         payload_bytes: per collective kind, the bytes one rank hands to
             collectives of that kind per step (as
-            ``zerofn_torch.traffic.collective_traffic`` counts them).
+            ``zerofn_torch.runtime.traffic.collective_traffic`` counts them).
         zero_collectives: collectives the ZeRO step issues per step, by kind
             (the hook's count depends on DDP's buckets: one all-reduce per
             bucket, two with PowerSGD).

@@ -8,7 +8,7 @@ global questions (a loss scaler's inf/nan check, clipping's norm:
 :func:`zerofn.zero.precision.step_factor_program`), step the local optimizer
 (a :class:`StepGradients` request the runner answers with its own
 optimizer), and hand back the programs that send the owners' updates. The
-adapter's runner (``zerofn_torch.overlap``) and the simulated world
+adapter's runner (``zerofn_torch.hooks.overlap``) and the simulated world
 (:func:`zerofn.testing.overlap.simulate_overlapped_step`) both run it; they
 start the sends as they like (the adapter without waiting, so backward goes
 on) and write what arrived with :func:`write_updates` after the last bucket.

@@ -7,6 +7,11 @@
 - :mod:`~zerofn.zero.exchange`: packing shards and the exchange program;
 - :mod:`~zerofn.zero.shards`, :mod:`~zerofn.zero.step`: how each mode holds
   its shard, and the step as one program;
+- :mod:`~zerofn.zero.rank`: one rank's whole state, built once for the
+  optimizer and the simulated world, and its local step;
+  :mod:`~zerofn.zero.rank_state`, :mod:`~zerofn.zero.replan`,
+  :mod:`~zerofn.zero.hook_driven`: its state dicts, its re-planning, and
+  what the overlap hook may do to it;
 - :mod:`~zerofn.zero.masters`, :mod:`~zerofn.zero.compressed_exchange`: the
   exact copies a rank steps, and sending their quantized differences;
 - :mod:`~zerofn.zero.chunks`: stepping a flat shard in cache-sized views;

@@ -14,7 +14,7 @@ functions of their inputs:
 
 The master copies themselves are :mod:`zerofn.zero.masters` (the simulated
 world keeps them too); the loss scaler's tensors stay in the adapter
-(``zerofn_torch.loss_scaling``).
+(``zerofn_torch.zero.loss_scaling``).
 """
 
 from __future__ import annotations

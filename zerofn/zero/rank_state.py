@@ -2,7 +2,7 @@
 keep it, every rank's shard joined into ``torch.optim``'s format, and a full
 state dict cut back to this rank's shard and loaded. The joining and cutting
 are :mod:`zerofn.zero.shard_state`'s; moving the shards between ranks is the
-adapter's (``zerofn_torch.zero_state_dicts``)."""
+adapter's (``zerofn_torch.zero.state_dicts``)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from zerofn.zero.precision import (
     nonfinite_program,
 )
 from zerofn.zero.rank import ZeroRank, hand_grads, step_grads
-from zerofn_torch.driver import drive
+from zerofn_torch.runtime.driver import drive
 
 __all__ = ["clip_grad_norm", "unscale_gradients"]
 

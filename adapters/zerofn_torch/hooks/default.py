@@ -1,7 +1,7 @@
 """The stateless DDP communication hooks and the runner for your own.
 
 Every hook here is a :class:`zerofn.hooks.hook.CommHook` from the core, run by
-:func:`zerofn_torch.driver.drive`. The PyTorch-named functions take the process
+:func:`zerofn_torch.runtime.driver.drive`. The PyTorch-named functions take the process
 group as DDP's hook state, exactly like PyTorch's, so registering them is an
 import change::
 
@@ -29,8 +29,8 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from zerofn.hooks import hook as core
 from zerofn.hooks import quantization
 from zerofn.hooks.hook import CommHook, HookState
-from zerofn_torch.futures import for_ddp, then
-from zerofn_torch.hook_cells import HookCell, run_stateless
+from zerofn_torch.runtime.futures import for_ddp, then
+from zerofn_torch.runtime.hook_cells import HookCell, run_stateless
 
 __all__ = [
     "HookRunner",
@@ -55,7 +55,7 @@ class HookRunner(Generic[G, B]):
     """The stateful shell around a :class:`zerofn.hooks.hook.CommHook`.
 
     It holds the hook's :class:`zerofn.hooks.hook.HookState` (in a
-    :class:`zerofn_torch.hook_cells.HookCell`) and the process group; each call
+    :class:`zerofn_torch.runtime.hook_cells.HookCell`) and the process group; each call
     reads the state, asks the core for the bucket's program, runs it and assigns
     the new state.
 

@@ -25,7 +25,7 @@ What differs from PyTorch's version:
   the hook call, in bucket order, the same on every rank).
 
 The hook is the core's :func:`zerofn.overlap.hook.zero_step_hook`, run in a
-:class:`~zerofn_torch.hook_cells.HookCell` like every other hook; its state decides
+:class:`~zerofn_torch.runtime.hook_cells.HookCell` like every other hook; its state decides
 when the plan is fixed, who owns what and what to step after each bucket
 (a :class:`~zerofn.overlap.hook.StepOrder`). This module only obeys: it
 steps the optimizer and drives the programs the core gives it.
@@ -45,13 +45,13 @@ from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
 from zerofn.overlap.obey import Sent, StepChecks, StepGradients, obey, write_updates
 from zerofn.zero.precision import clip_coefficient
-from zerofn_torch.default_hooks import allreduce_hook
-from zerofn_torch.driver import drive
-from zerofn_torch.foreign_hooks import foreign_hook
-from zerofn_torch.futures import for_ddp
-from zerofn_torch.hook_cells import HookCell, bucket_info
-from zerofn_torch.loss_scaling import LossScaler
-from zerofn_torch.zero import ZeroRedundancyOptimizer
+from zerofn_torch.hooks.default import allreduce_hook
+from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.foreign_hooks import foreign_hook
+from zerofn_torch.runtime.futures import for_ddp
+from zerofn_torch.runtime.hook_cells import HookCell, bucket_info
+from zerofn_torch.zero.loss_scaling import LossScaler
+from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -67,7 +67,7 @@ def _is_averaging_hook(hook: DDPHook) -> bool:
 class _OverlapRunner:
     """The stateful shell behind one overlapped hook registration: it runs
     the core's :func:`zerofn.overlap.hook.zero_step_hook` in a
-    :class:`~zerofn_torch.hook_cells.HookCell`, like every other hook, and obeys
+    :class:`~zerofn_torch.runtime.hook_cells.HookCell`, like every other hook, and obeys
     the step orders its state carries."""
 
     def __init__(

@@ -43,10 +43,10 @@ from zerofn.zero.rank_state import full_state_dict, load_global_state, local_sta
 from zerofn.zero.replan import sharded_by_owners, with_added_group
 from zerofn.zero.shard_state import validate_global
 from zerofn.zero.step import run_zero_step
-from zerofn_torch.driver import drive
 from zerofn_torch.join import Join, JoinHook
-from zerofn_torch.zero_gradients import clip_grad_norm, unscale_gradients
-from zerofn_torch.zero_state_dicts import consolidate_on, gather_global_state
+from zerofn_torch.runtime.driver import drive
+from zerofn_torch.zero.gradients import clip_grad_norm, unscale_gradients
+from zerofn_torch.zero.state_dicts import consolidate_on, gather_global_state
 
 __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 
@@ -401,10 +401,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         masters as ``"master_param"``; tensors are the live ones."""
         return local_state_dict(self._zero)
 
-    # ----- overlap with DDP (driven by zerofn_torch.overlap) --------------------
+    # ----- overlap with DDP (driven by zerofn_torch.hooks.overlap) --------------------
 
     def bind_overlap_hook(self) -> OverlapBinding:
-        """Let one overlap hook (``zerofn_torch.overlap``) drive this optimizer:
+        """Let one overlap hook (``zerofn_torch.hooks.overlap``) drive this optimizer:
         what it may do to it, and nothing else. Not for training loops.
 
         Returns:

@@ -22,7 +22,7 @@ from zerofn.zero.precision import (
     init_loss_scale,
     update_loss_scale,
 )
-from zerofn_torch.zero import ZeroRedundancyOptimizer
+from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["LossScaler"]
 

@@ -2,7 +2,7 @@
 
 :func:`foreign_hook` wraps such a hook as a :class:`zerofn.hooks.hook.CommHook`
 whose program awaits the running hook's future with an :class:`Await`, a
-request only the adapter's driver (:func:`zerofn_torch.issue.issue`) answers;
+request only the adapter's driver (:func:`zerofn_torch.runtime.issue.issue`) answers;
 so combinators (the overlapped ZeRO step) can wrap any DDP hook.
 """
 
@@ -48,7 +48,7 @@ def foreign_hook(
     The bucket's :attr:`~zerofn.hooks.hook.BucketInfo.handle` must be the pair
     ``(state, bucket)`` DDP passed; ``fn`` starts when the hook starts (in
     bucket order) and its program awaits ``fn``'s future (:class:`Await`).
-    Only the adapter's driver (:mod:`zerofn_torch.driver`) runs such a program.
+    Only the adapter's driver (:mod:`zerofn_torch.runtime.driver`) runs such a program.
     """
 
     name = getattr(fn, "__name__", "hook")

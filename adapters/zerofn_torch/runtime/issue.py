@@ -5,7 +5,7 @@ for and reads its own outcome: a failure (a dead peer, a timeout, a broken
 transport) fails the request's future with a
 :class:`zerofn.errors.CollectiveError` naming the collective, its purpose and
 the group, with the transport's error as its cause. Besides the core's
-requests it answers an :class:`~zerofn_torch.foreign_hooks.Await` of a DDP
+requests it answers an :class:`~zerofn_torch.runtime.foreign_hooks.Await` of a DDP
 hook the core cannot see into.
 
 Every tensor handed to a collective gets a second C++ reference here,
@@ -14,7 +14,7 @@ worker thread lets go of a finished collective (its tensors among it) after
 running the collective's callbacks, and when that leaves a tensor that has a
 Python object with one C++ reference, PyTorch releases the Python object there,
 taking the GIL on that thread; CPython ends such a thread once the interpreter
-has begun to finalize (SIGABRT; :mod:`zerofn_torch.futures` says how, and
+has begun to finalize (SIGABRT; :mod:`zerofn_torch.runtime.futures` says how, and
 waits for the callbacks themselves). With the second reference the worker's
 release never is that one. At exit the references still needed are kept for
 good. For the same reason a collective is started without the Python object
@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -48,14 +49,66 @@ from zerofn.comm import (
     split_like,
 )
 from zerofn.errors import CollectiveError
-from zerofn_torch.collective_errors import collective_error, describe_group
-from zerofn_torch.foreign_hooks import Await
-from zerofn_torch.futures import all_of, failed, on_done, then
-from zerofn_torch.traffic import counted_as
+from zerofn_torch.runtime.collective_errors import collective_error, describe_group
+from zerofn_torch.runtime.foreign_hooks import Await
+from zerofn_torch.runtime.futures import all_of, failed, on_done, then
+from zerofn_torch.runtime.traffic import counted_as
 
-__all__ = ["Step", "issue"]
+__all__ = ["AllGatherObjects", "BroadcastObject", "GatherObjects", "Step", "issue"]
 
-Step = Request | Await
+
+@attrs.frozen(eq=False)
+class GatherObjects:
+    """Every rank's picklable ``value``, in rank order, on group rank ``dst``
+    (the response there is ``(values,)``; elsewhere ``(None,)``).
+
+    Attributes:
+        value: this rank's value.
+        dst: the group rank that receives them.
+        last: always the program's final request.
+    """
+
+    value: Any
+    dst: int
+    last: bool = True
+
+
+@attrs.frozen(eq=False)
+class AllGatherObjects:
+    """Every rank's picklable ``value``, in rank order, on every rank (the
+    response is ``(values,)``).
+
+    Attributes:
+        value: this rank's value.
+        last: always the program's final request.
+    """
+
+    value: Any
+    last: bool = True
+
+
+@attrs.frozen(eq=False)
+class BroadcastObject:
+    """Group rank ``src``'s picklable ``value`` on every rank (the response
+    is ``(value,)``).
+
+    Attributes:
+        value: this rank's value (read on ``src`` only).
+        src: the group rank whose value every rank receives.
+        last: always the program's final request.
+    """
+
+    value: Any
+    src: int
+    last: bool = True
+
+
+ObjectRequest = GatherObjects | AllGatherObjects | BroadcastObject
+"""Collectives of picklable values: bookkeeping the core does not express as
+requests (state dicts, file hashes, verdicts); blocking in PyTorch, so
+issued to completion."""
+
+Step = Request | Await | ObjectRequest
 """What a program run by the adapter's driver may yield."""
 
 
@@ -269,9 +322,32 @@ def _all_to_all(request: AllToAll, group: Any) -> torch.futures.Future[Response]
     return then(_work_future(work, (flat_out, flat_in)), unpack)
 
 
+def _objects(request: ObjectRequest, group: Any) -> torch.futures.Future[Any]:
+    """Run an object collective to completion (PyTorch's are blocking)."""
+    out: Any
+    if isinstance(request, AllGatherObjects):
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, request.value, group=group)
+    elif isinstance(request, GatherObjects):
+        mine = dist.get_rank(group) == request.dst
+        out = [None] * dist.get_world_size(group) if mine else None
+        dst = dist.get_global_rank(group, request.dst)
+        dist.gather_object(request.value, out, dst=dst, group=group)
+    else:
+        box = [request.value]
+        src = dist.get_global_rank(group, request.src)
+        dist.broadcast_object_list(box, src=src, group=group)
+        out = box[0]
+    done: torch.futures.Future[Any] = torch.futures.Future()
+    done.set_result((out,))
+    return done
+
+
 def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
     if isinstance(request, Await):
         return then(request.future, lambda value: (value,))
+    if isinstance(request, GatherObjects | AllGatherObjects | BroadcastObject):
+        return _objects(request, group)
     if isinstance(request, AllReduce):
         return _all_reduce(request, group)
     if isinstance(request, AllGather):
@@ -290,6 +366,18 @@ def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
     return _gather_segments(request, group)
 
 
+def _describe(request: Step) -> str:
+    if isinstance(request, Await):
+        return f"the DDP hook {request.hook!r}"
+    if isinstance(request, AllGatherObjects):
+        return "all_gather_object"
+    if isinstance(request, GatherObjects):
+        return f"gather_object to rank {request.dst}"
+    if isinstance(request, BroadcastObject):
+        return f"broadcast_object_list from rank {request.src}"
+    return describe(request)
+
+
 def issue(
     request: Step, group: Any, purpose: str = "a collective"
 ) -> torch.futures.Future[Response]:
@@ -300,8 +388,8 @@ def issue(
     message per dtype.
 
     Args:
-        request: the collective, or an :class:`~zerofn_torch.foreign_hooks.Await`
-            of a running hook.
+        request: the collective, an :class:`~zerofn_torch.runtime.foreign_hooks.Await`
+            of a running hook, or a collective of picklable values.
         group: the process group.
         purpose: what the collective is for, for the error message.
 
@@ -310,7 +398,7 @@ def issue(
         :class:`zerofn.errors.CollectiveError` if the collective failed on
         this rank (raised by ``wait()``; never a partial result).
     """
-    what = f"the DDP hook {request.hook!r}" if isinstance(request, Await) else describe(request)
+    what = _describe(request)
     # The callback below names the group by this string: holding the group
     # itself could make it the last reference (see describe_group).
     group_name = describe_group(group)

@@ -18,7 +18,7 @@ once the interpreter has begun to finalize is ended by CPython with
 ``pthread_exit``, whose unwinding through PyTorch's C++ frames calls
 ``std::terminate``: SIGABRT (``terminate called without an active
 exception``), after a script whose last line ran. The worker thread's release
-of the finished collective itself can take the GIL too; :mod:`zerofn_torch.issue`
+of the finished collective itself can take the GIL too; :mod:`zerofn_torch.runtime.issue`
 sees to that for the collectives zerofn issues.
 """
 

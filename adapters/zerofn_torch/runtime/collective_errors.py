@@ -4,7 +4,7 @@ A failure (a dead peer, a timeout, a broken transport) is reported as a
 :class:`zerofn.errors.CollectiveError` naming the collective, what it was
 for and the group, with the transport's error as its cause:
 :func:`collective_error` builds it for requests the driver issues
-(:func:`zerofn_torch.issue.issue`), :func:`guarded` for blocking collectives
+(:func:`zerofn_torch.runtime.issue.issue`), :func:`guarded` for blocking collectives
 the core does not express as requests.
 """
 

@@ -2,7 +2,7 @@
 
 :func:`bucket_info` reads what the core needs of a DDP ``GradBucket``;
 :class:`HookCell` keeps a hook's state between bucket calls and runs each
-bucket's program in a :class:`~zerofn_torch.driver.ProgramPipeline`;
+bucket's program in a :class:`~zerofn_torch.runtime.driver.ProgramPipeline`;
 :func:`run_stateless` runs a hook without state, with no cell.
 """
 
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from zerofn.hooks import hook as core
 from zerofn.hooks.hook import BucketInfo, CommHook, HookState
-from zerofn_torch.driver import ProgramPipeline, drive
-from zerofn_torch.futures import for_ddp, then
+from zerofn_torch.runtime.driver import ProgramPipeline, drive
+from zerofn_torch.runtime.futures import for_ddp, then
 
 __all__ = ["HookCell", "bucket_info", "run_stateless"]
 
@@ -42,7 +42,7 @@ def run_stateless(
 ) -> torch.futures.Future[torch.Tensor]:
     """Run a hook without state on DDP's ``bucket`` in ``group`` (``None``:
     the world); the future, made for DDP (see
-    :func:`zerofn_torch.futures.for_ddp`), yields the reduced flat gradient."""
+    :func:`zerofn_torch.runtime.futures.for_ddp`), yields the reduced flat gradient."""
     group = group if group is not None else dist.group.WORLD
     info = bucket_info(bucket, group)
     _, program = hook.start(bucket.buffer(), info, None, None)
@@ -54,10 +54,10 @@ class HookCell(Generic[G, B]):
     """A hook's state between calls, and what it takes to advance it safely.
 
     The adapter's shells (:class:`zerofn_torch.hooks.HookRunner`,
-    :class:`zerofn_torch.powersgd.PowerSGDState`, and the overlapped step's
-    runner in :mod:`zerofn_torch.overlap`) keep one cell each: every
+    :class:`zerofn_torch.hooks.powersgd.PowerSGDState`, and the overlapped step's
+    runner in :mod:`zerofn_torch.hooks.overlap`) keep one cell each: every
     bucket call reads :attr:`state`, asks the core for the bucket's program,
-    runs it in the cell's :class:`~zerofn_torch.driver.ProgramPipeline` and
+    runs it in the cell's :class:`~zerofn_torch.runtime.driver.ProgramPipeline` and
     assigns the new state. The lock guards the assignments, because programs
     finish in future callbacks, possibly on other threads.
 
@@ -78,7 +78,7 @@ class HookCell(Generic[G, B]):
         Returns:
             The state before this call, the bucket's :class:`BucketInfo`, and a
             future of the bucket's reduced flat gradient, made for DDP (see
-            :func:`zerofn_torch.futures.for_ddp`; the cell's state takes the
+            :func:`zerofn_torch.runtime.futures.for_ddp`; the cell's state takes the
             bucket's result when it completes).
         """
         before, info, result = self.start(hook, bucket, group, bucket_info(bucket, group))

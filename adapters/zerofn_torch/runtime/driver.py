@@ -1,7 +1,7 @@
 """The driver: zerofn's communication programs run with ``torch.distributed``.
 
 A program (see :mod:`zerofn.comm`) yields requests; the driver issues each
-as a collective on a process group (:func:`zerofn_torch.issue.issue`). Every
+as a collective on a process group (:func:`zerofn_torch.runtime.issue.issue`). Every
 request but the program's last is awaited before the next one is computed
 (a posted one when the program collects it: meanwhile the program computes),
 so all collectives are issued from the caller's thread in program order:
@@ -30,9 +30,9 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from zerofn.comm import Collect, Post, Program, ProgramStep, Response
-from zerofn_torch.foreign_hooks import Await
-from zerofn_torch.futures import on_done
-from zerofn_torch.issue import Step, issue
+from zerofn_torch.runtime.foreign_hooks import Await
+from zerofn_torch.runtime.futures import on_done
+from zerofn_torch.runtime.issue import Step, issue
 
 __all__ = ["PolledProgram", "ProgramPipeline", "drive", "finish_polled"]
 
@@ -52,7 +52,7 @@ class _Running(Generic[R]):
     the stepper lets go of this record and the last request's completion
     callback may hold it last, on the group's worker thread, where it must
     not be the group's last reference (see
-    :func:`zerofn_torch.collective_errors.describe_group`).
+    :func:`zerofn_torch.runtime.collective_errors.describe_group`).
     """
 
     def __init__(self, program: Program[R], group: Any, purpose: str) -> None:
@@ -215,7 +215,7 @@ def finish_polled() -> list[tuple[str, BaseException]]:
     request its peer has not would otherwise meet the peer's next collective
     (a barrier, the group's teardown) with it, and gloo aborts.
 
-    :func:`zerofn_torch.launch.run_local_world` calls it when the function
+    :func:`zerofn_torch.runtime.launch.run_local_world` calls it when the function
     returns, and the interpreter at exit; a script that destroys the group
     itself calls it (or the owner's own ``drain()``) first.
 

@@ -7,7 +7,7 @@ pair shaped in each direction, each node keeping its own unshaped loopback
 for the traffic inside it. Both are context managers that always remove
 what they made, also when the body raises or is interrupted::
 
-    from zerofn_torch.links import shaped_loopback
+    from zerofn_torch.runtime.links import shaped_loopback
 
     with shaped_loopback("1gbit") as node:
         subprocess.run(node.command([sys.executable, "bench.py"]), env=node.env(), check=True)

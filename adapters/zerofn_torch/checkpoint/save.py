@@ -34,10 +34,14 @@ from zerofn.zero.checkpoint_manifest import (
 from zerofn.zero.checkpoint_run import staging_name, to_prune, trash_name
 from zerofn.zero.partition import Piece
 from zerofn.zero.sharded_checkpoint import PREFIX, extra_entries, piece_key
-from zerofn_torch import checkpoint_files as files
-from zerofn_torch.collective_errors import guarded
-from zerofn_torch.object_collectives import all_gather_objects, broadcast_object, gather_objects
-from zerofn_torch.zero import ZeroRedundancyOptimizer
+from zerofn_torch.checkpoint import files as files
+from zerofn_torch.runtime.collective_errors import guarded
+from zerofn_torch.runtime.object_collectives import (
+    all_gather_objects,
+    broadcast_object,
+    gather_objects,
+)
+from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["GROUPS", "SIZES", "Snapshot", "group_sizes", "save", "shapes", "snapshot"]
 

@@ -4,14 +4,14 @@ Where PyTorch's users look for them (``torch.distributed.algorithms.
 ddp_comm_hooks.*``), gathered in one module; each lives in a module of its
 own:
 
-* :mod:`zerofn_torch.default_hooks`: averaging, fp16/bf16 and their wrappers,
+* :mod:`zerofn_torch.hooks.default`: averaging, fp16/bf16 and their wrappers,
   quantization, the no-op hook, and :class:`HookRunner` for your own
   compositions;
-* :mod:`zerofn_torch.powersgd`: ``PowerSGDState``, ``powerSGD_hook``,
+* :mod:`zerofn_torch.hooks.powersgd`: ``PowerSGDState``, ``powerSGD_hook``,
   ``batched_powerSGD_hook``;
-* :mod:`zerofn_torch.post_local_sgd`: ``PostLocalSGDState``,
+* :mod:`zerofn_torch.hooks.post_local_sgd`: ``PostLocalSGDState``,
   ``post_localSGD_hook``;
-* :mod:`zerofn_torch.overlap`: ``hook_with_zero_step`` and its interleaved
+* :mod:`zerofn_torch.hooks.overlap`: ``hook_with_zero_step`` and its interleaved
   twin.
 
 Registering one is an import change::
@@ -20,7 +20,7 @@ Registering one is an import change::
     ddp.register_comm_hook(process_group, fp16_compress_hook)
 """
 
-from zerofn_torch.default_hooks import (
+from zerofn_torch.hooks.default import (
     HookRunner,
     allreduce_hook,
     bf16_compress_hook,
@@ -32,9 +32,9 @@ from zerofn_torch.default_hooks import (
     quantization_pertensor_hook,
     run_hook,
 )
-from zerofn_torch.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
-from zerofn_torch.post_local_sgd import PostLocalSGDState, post_localSGD_hook
-from zerofn_torch.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from zerofn_torch.hooks.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
+from zerofn_torch.hooks.post_local_sgd import PostLocalSGDState, post_localSGD_hook
+from zerofn_torch.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 __all__ = [
     "HookRunner",

@@ -10,7 +10,7 @@ from typing import Any
 from zerofn.zero.params import StateDict
 from zerofn.zero.rank import ZeroRank
 from zerofn.zero.rank_state import joined_state, local_state_cpu
-from zerofn_torch.object_collectives import all_gather_objects, gather_objects
+from zerofn_torch.runtime.object_collectives import all_gather_objects, gather_objects
 
 __all__ = ["consolidate_on", "gather_global_state"]
 

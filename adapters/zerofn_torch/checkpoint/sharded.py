@@ -9,7 +9,7 @@ A save never writes into the checkpoint it replaces: it writes into a hidden
 staging directory beside it, ends with a manifest
 (:mod:`zerofn.zero.checkpoint_manifest`) holding the size and SHA-256 of each
 file, verifies it on every rank, and only then swaps it for the target in one
-rename (:mod:`zerofn_torch.checkpoint_files`). Every load checks the directory
+rename (:mod:`zerofn_torch.checkpoint.files`). Every load checks the directory
 against its manifest, on every rank and before anything is unpickled or
 changed, and all ranks refuse together with :class:`zerofn.errors.CheckpointError`.
 """
@@ -44,12 +44,12 @@ from zerofn.zero.sharded_checkpoint import (
     nested_extra,
     parse_key,
 )
-from zerofn_torch import checkpoint_files as files
-from zerofn_torch.checkpoint_background import SaveHandle, in_flight, save_group, settle_in_flight
-from zerofn_torch.checkpoint_save import GROUPS, SIZES, group_sizes, save, shapes, snapshot
-from zerofn_torch.collective_errors import guarded
-from zerofn_torch.object_collectives import all_gather_objects
-from zerofn_torch.zero import ZeroRedundancyOptimizer
+from zerofn_torch.checkpoint import files as files
+from zerofn_torch.checkpoint.background import SaveHandle, in_flight, save_group, settle_in_flight
+from zerofn_torch.checkpoint.save import GROUPS, SIZES, group_sizes, save, shapes, snapshot
+from zerofn_torch.runtime.collective_errors import guarded
+from zerofn_torch.runtime.object_collectives import all_gather_objects
+from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]
 

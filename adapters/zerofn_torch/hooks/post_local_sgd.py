@@ -5,7 +5,7 @@ over the whole process group, as plain DDP does; afterwards only within each
 rank's subgroup (or not at all), and a model averager (see
 :mod:`zerofn_torch.averaging`) averages the parameters globally now and then::
 
-    from zerofn_torch.post_local_sgd import PostLocalSGDState, post_localSGD_hook
+    from zerofn_torch.hooks.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 
     state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=100)
     ddp.register_comm_hook(state, post_localSGD_hook)
@@ -13,7 +13,7 @@ rank's subgroup (or not at all), and a model averager (see
 Which group a bucket is averaged in is the pure
 :func:`zerofn.averaging.take_bucket`; the averaging itself is the core's
 ``zerofn.hooks.hook.allreduce_mean`` program, run on that group by
-``zerofn_torch.driver.drive``. The counter lives in a
+``zerofn_torch.runtime.driver.drive``. The counter lives in a
 :class:`zerofn.averaging.LocalSGDState` and checkpoints as a plain dict.
 
 DDP checks a hook's annotations at registration, so this module keeps them as
@@ -37,7 +37,7 @@ from zerofn.averaging import (
     take_bucket,
 )
 from zerofn.hooks.hook import allreduce_mean
-from zerofn_torch.hook_cells import run_stateless
+from zerofn_torch.runtime.hook_cells import run_stateless
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import start_processes
 
-from zerofn_torch.driver import finish_polled
+from zerofn.comm import AllReduce, Program
+from zerofn_torch.runtime.driver import drive, finish_polled
 
 __all__ = ["run_local_world"]
 
@@ -68,9 +69,14 @@ def _rank_main(
         failed = finish_polled()
         if failed:  # the program's own error, which the function did not wait for
             raise failed[0][1]
-        dist.barrier()
+        drive(_barrier(), dist.group.WORLD, "the world's last barrier").wait()
     finally:
         dist.destroy_process_group()
+
+
+def _barrier() -> Program[None]:
+    """Every rank waits until all got here: an all-reduce of one number."""
+    yield AllReduce((torch.zeros(1),))
 
 
 def run_local_world(

@@ -2,17 +2,17 @@
 
 Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``::
 
-    from zerofn_torch.powersgd import PowerSGDState, powerSGD_hook
+    from zerofn_torch.hooks.powersgd import PowerSGDState, powerSGD_hook
 
     state = PowerSGDState(process_group=None, matrix_approximation_rank=1,
                           start_powerSGD_iter=10)
     ddp.register_comm_hook(state, powerSGD_hook)
 
 :class:`PowerSGDState` is a shell: it holds the process group, the
-configuration record and a :class:`zerofn_torch.hook_cells.HookCell` with the
+configuration record and a :class:`zerofn_torch.runtime.hook_cells.HookCell` with the
 hook's state records (see :mod:`zerofn.hooks.powersgd`). Each hook call reads
 the state, asks the core for the bucket's program, runs it in the cell's
-:class:`zerofn_torch.driver.ProgramPipeline` and assigns the new state, exactly
+:class:`zerofn_torch.runtime.driver.ProgramPipeline` and assigns the new state, exactly
 as :class:`zerofn_torch.hooks.HookRunner` does for any hook; PowerSGD adds
 only its statistics log, and a claim before each bucket: the bucket's
 parameter objects, by identity, for the core to find their keys and move
@@ -45,7 +45,7 @@ from zerofn.hooks.powersgd import (
     PowerSGDHook,
 )
 from zerofn.hooks.powersgd.keys import tracked
-from zerofn_torch.hook_cells import HookCell
+from zerofn_torch.runtime.hook_cells import HookCell
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 

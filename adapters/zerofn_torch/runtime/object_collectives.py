@@ -1,20 +1,30 @@
 """Collectives of picklable values (state dicts, file hashes, verdicts).
 
 Blocking, and only for bookkeeping, so the core does not express them as
-requests; they still fail the way every collective does: with a
-:class:`zerofn.errors.CollectiveError` naming what they were for (see
-:func:`zerofn_torch.collective_errors.guarded`).
+requests; each is one request of the adapter's own
+(:class:`~zerofn_torch.runtime.issue.GatherObjects`,
+:class:`~zerofn_torch.runtime.issue.AllGatherObjects`,
+:class:`~zerofn_torch.runtime.issue.BroadcastObject`) run by the driver like
+every other, so it fails the way every collective does: with a
+:class:`zerofn.errors.CollectiveError` naming what it was for.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
-from zerofn_torch.collective_errors import guarded
+from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.issue import AllGatherObjects, BroadcastObject, GatherObjects, Step
 
 __all__ = ["all_gather_objects", "broadcast_object", "gather_objects"]
+
+
+def _one(request: Step, group: Any, purpose: str) -> Any:
+    def program() -> Any:
+        (answer,) = yield request
+        return answer
+
+    return drive(program(), group, purpose).wait()
 
 
 def all_gather_objects(value: Any, group: Any, purpose: str) -> list[Any]:
@@ -23,9 +33,7 @@ def all_gather_objects(value: Any, group: Any, purpose: str) -> list[Any]:
     Raises:
         zerofn.errors.CollectiveError: the collective failed.
     """
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    with guarded("all_gather_object", purpose, group):
-        dist.all_gather_object(gathered, value, group=group)
+    gathered: list[Any] = _one(AllGatherObjects(value), group, purpose)
     return gathered
 
 
@@ -36,10 +44,7 @@ def gather_objects(value: Any, dst: int, group: Any, purpose: str) -> list[Any] 
     Raises:
         zerofn.errors.CollectiveError: the collective failed.
     """
-    mine = dist.get_rank(group) == dst
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if mine else None
-    with guarded("gather_object", purpose, group):
-        dist.gather_object(value, gathered, dst=dist.get_global_rank(group, dst), group=group)
+    gathered: list[Any] | None = _one(GatherObjects(value, dst), group, purpose)
     return gathered
 
 
@@ -49,7 +54,4 @@ def broadcast_object(value: Any, src: int, group: Any, purpose: str) -> Any:
     Raises:
         zerofn.errors.CollectiveError: the collective failed.
     """
-    box = [value]
-    with guarded("broadcast_object_list", purpose, group):
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
-    return box[0]
+    return _one(BroadcastObject(value, src), group, purpose)
