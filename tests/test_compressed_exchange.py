@@ -210,7 +210,7 @@ def test_a_rank_without_gradients_still_sends_its_residual() -> None:
 def test_the_overlapped_step_keeps_replicas_identical(
     shard_buckets: bool, interleaved: bool, compression: str, seed: int
 ) -> None:
-    """The overlapped step (``zerofn.overlap.obey``, the program the DDP hook
+    """The overlapped step (``zerofn.overlap.orders``, the program the DDP hook
     runs) with compressed sends: every rank's parameters equal after every
     iteration, and close to the exact overlapped step's."""
     g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@
   to its owner, broadcast the owners' updates;
 - :mod:`~zerofn.overlap.hook`: the overlapped step as a communication hook
   around any other (:func:`~zerofn.overlap.hook.zero_step_hook`);
-- :mod:`~zerofn.overlap.obey`: what a rank does for the hook's step order,
+- :mod:`~zerofn.overlap.orders`: what a rank does for the hook's step order,
   one program (checks, the local step, the owners' broadcasts).
 
 The names of :mod:`~zerofn.overlap.state` are importable from here too

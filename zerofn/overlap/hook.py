@@ -13,7 +13,7 @@ gradients to step now, whether this rank steps all of their parameters
 (until DDP's buckets are final) or only the shards it owns, and, once the
 plan is fixed, every rank's parameters from then on. Whoever runs the hook
 (the adapter's ``hook_with_zero_step``, or :mod:`zerofn.testing.zero` on the
-simulated world) obeys the order: it reads the averaged gradients the order
+simulated world) carries out the order: it reads the averaged gradients the order
 names (:func:`gradients_to_step`), steps them, and sends the owners' updates
 with :func:`~zerofn.overlap.step.broadcast_from_owners`.
 """

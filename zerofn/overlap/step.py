@@ -147,7 +147,7 @@ def broadcast_differences_from_owners(
         rank: this rank.
         bucket: the DDP bucket's index.
         params: the bucket's parameters (the replica), in bucket order (read,
-            not written: :func:`zerofn.overlap.obey.write_updates` adds the
+            not written: :func:`zerofn.overlap.orders.write_updates` adds the
             differences at the iteration's end).
         masters: the exact values of the bucket's parameters this rank owns,
             in bucket order (``None`` where another rank owns it).

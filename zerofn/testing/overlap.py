@@ -3,8 +3,8 @@
 :func:`simulate_overlapped_step` runs the overlapped step
 (``hook_with_zero_step``) over several iterations: the core hook
 :func:`zerofn.overlap.hook.zero_step_hook` on every rank, bucket by bucket,
-and each rank obeying the step orders it gives with the core's
-:func:`zerofn.overlap.obey.obey`, as the adapter's runner does::
+and each rank carrying out the step orders it gives with the core's
+:func:`zerofn.overlap.orders.carry_out`, as the adapter's runner does::
 
     from zerofn.testing.overlap import simulate_overlapped_step
 
@@ -45,13 +45,13 @@ from zerofn.overlap.hook import (
     StepOrder,
     zero_step_hook,
 )
-from zerofn.overlap.obey import (
-    Obeyed,
+from zerofn.overlap.orders import (
+    OrderCarriedOut,
     SendCompressed,
     Sent,
     StepChecks,
     StepGradients,
-    obey,
+    carry_out,
     step_with_gradients,
     write_updates,
 )
@@ -139,11 +139,11 @@ class _OverlapRank:
             self.state = finish_iteration(self.hook, self.state)
         return self.state.global_state.order
 
-    def obeying(self, order: StepOrder) -> Program[Obeyed]:
-        """The core's :func:`zerofn.overlap.obey.obey` for ``order``, its
+    def carrying_out(self, order: StepOrder) -> Program[OrderCarriedOut]:
+        """The core's :func:`zerofn.overlap.orders.carry_out` for ``order``, its
         local step answered by :meth:`step` (the buckets it names are taken)."""
         handed = {index: self.handed.pop(index) for index in order.buckets}
-        program = obey(
+        program = carry_out(
             self.state.global_state,
             self.config,
             order,
@@ -156,12 +156,12 @@ class _OverlapRank:
 
     def step(self, request: StepGradients) -> None:
         """Step the optimizer with the request's gradients, as the adapter
-        does (:func:`~zerofn.overlap.obey.step_with_gradients`); the others sit out."""
+        does (:func:`~zerofn.overlap.orders.step_with_gradients`); the others sit out."""
         self._check_held(request.grads)
         local = [p for group in self.optimizer.param_groups for p in group["params"]]
         step_with_gradients(request, self.params, local, self.masters, self.optimizer.step)
 
-    def after(self, done: Obeyed) -> list[Program[_Sent]]:
+    def after(self, done: OrderCarriedOut) -> list[Program[_Sent]]:
         """Note the order's reshard; the sends, their results kept to write
         at the iteration's end."""
         if done.reshard is not None:
@@ -218,13 +218,13 @@ def _hand_over(
     orders = [rank.finish(info, *result) for rank, result in zip(ranks, results, strict=True)]
     sends: list[list[Program[_Sent]]] = [[] for _ in ranks]
     if all(order is not None for order in orders):
-        obeying = [
-            watched(rank.obeying(order), seen.append)
+        carrying_out = [
+            watched(rank.carrying_out(order), seen.append)
             for rank, order, seen in zip(ranks, orders, made, strict=True)
             if order is not None
         ]
-        done = run_programs(obeying, purpose=f"after DDP bucket {info.index}: the step")
-        sends = [rank.after(obeyed) for rank, obeyed in zip(ranks, done, strict=True)]
+        done = run_programs(carrying_out, purpose=f"after DDP bucket {info.index}: the step")
+        sends = [rank.after(done_order) for rank, done_order in zip(ranks, done, strict=True)]
     elif any(order is not None for order in orders):
         raise AssertionError(f"after bucket {info.index} only some ranks were ordered to step")
     if any(sends):
@@ -272,7 +272,7 @@ def simulate_overlapped_step(
 ) -> OverlappedRun:
     """Iterations of the overlapped ZeRO step (``hook_with_zero_step``) on
     simulated ranks: the core hook :func:`zerofn.overlap.hook.zero_step_hook`
-    wrapping ``inner``, obeyed as the adapter's runner obeys it.
+    wrapping ``inner``, carried out as the adapter's runner carries it out.
 
     Per iteration, per bucket in order, every rank hands the bucket's flat
     gradient to the hook (``final`` from iteration ``final_from`` on), all

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from zerofn.overlap.obey import SendCompressed, StepGradients, step_with_gradients
+from zerofn.overlap.orders import SendCompressed, StepGradients, step_with_gradients
 from zerofn.zero.rank import OverlapMode, ZeroRank, flat_params, synced_hyperparameters
 
 __all__ = [
@@ -33,7 +33,7 @@ class OverlapBinding:
     (``zerofn_torch.ZeroRedundancyOptimizer.bind_overlap_hook``).
 
     Attributes:
-        step: answer a :class:`~zerofn.overlap.obey.StepGradients`: step the
+        step: answer a :class:`~zerofn.overlap.orders.StepGradients`: step the
             local optimizer with its gradients; the parameters not named sit out.
         adopt_owners: keep only this rank's parameters (global indices per
             rank) and their state from now on.
@@ -123,8 +123,8 @@ def send_compressed(rank: ZeroRank, params: Sequence[torch.Tensor]) -> SendCompr
 
 
 def step_with_grads(rank: ZeroRank, groups: list[dict[str, Any]], request: StepGradients) -> None:
-    """Answer the overlapped step's :class:`~zerofn.overlap.obey.StepGradients`
-    with the local optimizer (:func:`zerofn.overlap.obey.step_with_gradients`),
+    """Answer the overlapped step's :class:`~zerofn.overlap.orders.StepGradients`
+    with the local optimizer (:func:`zerofn.overlap.orders.step_with_gradients`),
     its hyperparameters synced from the param groups first."""
     optim = rank.optim
 

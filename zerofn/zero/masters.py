@@ -37,7 +37,7 @@ class Masters:
     master: tuple[torch.Tensor, ...]
     dtype: torch.dtype
 
-    def load_grads(self, grads: Sequence[torch.Tensor | None], unscale: float = 1.0) -> None:
+    def hand_grads(self, grads: Sequence[torch.Tensor | None], unscale: float = 1.0) -> None:
         """Give every master without a gradient its low tensor's gradient
         (``grads``, one per master), upcast and multiplied by ``unscale``. A
         master keeps a gradient it already has: loading twice in a step is
@@ -48,7 +48,7 @@ class Masters:
             wide = grad.to(self.dtype)
             master.grad = wide.mul_(unscale) if unscale != 1.0 else wide
 
-    def load_grads_from(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Give the masters ``grads`` (one per master, ``None``: sit out), upcast."""
         for master, grad in zip(self.master, grads, strict=True):
             master.grad = None if grad is None else grad.to(self.dtype)

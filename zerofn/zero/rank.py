@@ -39,7 +39,7 @@ from zerofn.zero.params import hyperparameters
 from zerofn.zero.plan import ShardPlan, with_trainable
 from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.shards import Shards, shards_for
-from zerofn.zero.step import Compressed, LocalStep, settle_masters
+from zerofn.zero.step import Compressed, LocalStep, finish_masters
 
 __all__ = [
     "OverlapMode",
@@ -370,7 +370,7 @@ def hand_grads(rank: ZeroRank, params: Sequence[torch.Tensor], unscale: float = 
     twice in a step is handing once), a flat shard's chunks get views of the
     parameters' gradients; owned whole parameters hold their own."""
     if rank.masters is not None:
-        rank.masters.load_grads(rank.shards.local_grads(params, rank.masters.low), unscale)
+        rank.masters.hand_grads(rank.shards.local_grads(params, rank.masters.low), unscale)
     else:
         rank.shards.hand_grads(params, rank.local_tensors())
 
@@ -404,7 +404,7 @@ def local_step(
     def answer(_: LocalStep) -> Any:
         hand_grads(rank, params)
         loss = run(rank.optim)
-        settle_masters(rank.masters, compressed=rank.exchange is not None)
+        finish_masters(rank.masters, compressed=rank.exchange is not None)
         return loss
 
     return answer

@@ -37,8 +37,8 @@ __all__ = [
     "Compressed",
     "LocalStep",
     "StepProgram",
+    "finish_masters",
     "run_zero_step",
-    "settle_masters",
     "zero_step",
 ]
 
@@ -78,7 +78,7 @@ class Compressed:
     masters: Sequence[torch.Tensor]
 
 
-def settle_masters(masters: Masters | None, compressed: bool) -> None:
+def finish_masters(masters: Masters | None, compressed: bool) -> None:
     """After the local step: cast the masters into what the exchange sends,
     or, with a compressed exchange, leave that to the exchange (the replica
     moves only by the differences every rank applies). Their gradients go."""

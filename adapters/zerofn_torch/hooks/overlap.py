@@ -43,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 from zerofn.comm import answering, split_like
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
-from zerofn.overlap.obey import Sent, StepChecks, StepGradients, obey, write_updates
+from zerofn.overlap.orders import Sent, StepChecks, StepGradients, carry_out, write_updates
 from zerofn.zero.precision import clip_coefficient
 from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
@@ -119,13 +119,13 @@ class _OverlapRunner:
         self.handed[info.index] = (params, reduced)
         state = self.cell.state.global_state
         if state.order is not None:
-            self._obey(state, state.order)
+            self._carry_out(state, state.order)
         if info.is_last:
             self._receive()
         return for_ddp(reduced)
 
-    def _obey(self, state: OverlapHookState[Any], order: StepOrder) -> None:
-        """Run the core's :func:`zerofn.overlap.obey.obey` for ``order``:
+    def _carry_out(self, state: OverlapHookState[Any], order: StepOrder) -> None:
+        """Run the core's :func:`zerofn.overlap.orders.carry_out` for ``order``:
         its checks and step here, the owners' sends started without waiting,
         and this rank's share kept once the plan is fixed.
 
@@ -146,7 +146,7 @@ class _OverlapRunner:
             device=self.zero.join_device,
         )
         compressed = self.binding.compressed()
-        program = obey(state, self.config, order, handed, self.params, checks, compressed)
+        program = carry_out(state, self.config, order, handed, self.params, checks, compressed)
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
         done = drive(answering(program, StepGradients, self.binding.step), group, purpose).wait()

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.overlap.obey import SendCompressed, StepGradients
+from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
 from zerofn.zero.hook_driven import OverlapBinding

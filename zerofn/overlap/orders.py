@@ -1,7 +1,7 @@
-"""Obeying a step order: the overlapped step's part after a bucket, one program.
+"""Carrying out a step order: the overlapped step's part after a bucket, one program.
 
 After each DDP bucket the overlap hook's state may carry a
-:class:`~zerofn.overlap.hook.StepOrder`. :func:`obey` is everything a rank
+:class:`~zerofn.overlap.hook.StepOrder`. :func:`carry_out` is everything a rank
 does for it, written once: pick the averaged gradients the order names (all
 of them before the plan is fixed, the owned shards after), ask the step's
 global questions (a loss scaler's inf/nan check, clipping's norm:
@@ -33,12 +33,12 @@ from zerofn.zero.precision import step_factor_program
 
 __all__ = [
     "Handed",
-    "Obeyed",
+    "OrderCarriedOut",
     "SendCompressed",
     "Sent",
     "StepChecks",
     "StepGradients",
-    "obey",
+    "carry_out",
     "step_with_gradients",
     "write_updates",
 ]
@@ -101,8 +101,8 @@ class StepChecks:
 
 
 @attrs.frozen(eq=False)
-class Obeyed:
-    """What obeying an order left to do.
+class OrderCarriedOut:
+    """What carrying out an order left to do.
 
     Attributes:
         stepped: whether the step was taken (``False`` on every rank alike
@@ -121,7 +121,7 @@ class Obeyed:
     differences: bool = False
 
 
-def obey(
+def carry_out(
     state: OverlapHookState[Any],
     config: OverlapConfig,
     order: StepOrder,
@@ -129,7 +129,7 @@ def obey(
     params: Sequence[torch.Tensor],
     checks: StepChecks,
     compressed: SendCompressed | None = None,
-) -> Generator[ProgramStep | StepGradients, Any, Obeyed]:
+) -> Generator[ProgramStep | StepGradients, Any, OrderCarriedOut]:
     """Everything rank ``config.rank`` does for ``order``.
 
     Args:
@@ -146,7 +146,7 @@ def obey(
     Returns:
         A program: the checks' collectives (none without checks, or while
         every rank holds every gradient), one :class:`StepGradients` unless
-        the step is skipped or empty; it returns an :class:`Obeyed`.
+        the step is skipped or empty; it returns an :class:`OrderCarriedOut`.
 
     Raises:
         KeyError: the order names a bucket not in ``handed``.
@@ -164,17 +164,17 @@ def obey(
         shared=order.everywhere,
     )
     if skip:
-        return Obeyed(False, (), order.reshard)
+        return OrderCarriedOut(False, (), order.reshard)
     if grads:
         # While every rank steps everything, nothing is sent: the masters'
         # values go into the parameters, the same on every rank.
         yield StepGradients(grads, factor, write_back=compressed is None or order.everywhere)
     if order.everywhere:
-        return Obeyed(True, (), order.reshard)
+        return OrderCarriedOut(True, (), order.reshard)
     plan = state.overlap.plan
     assert plan is not None  # gradients_to_step refused an order without one
     sends = _owners_sends(plan, config.rank, order, handed, params, compressed)
-    return Obeyed(True, sends, order.reshard, differences=compressed is not None)
+    return OrderCarriedOut(True, sends, order.reshard, differences=compressed is not None)
 
 
 def _owners_sends(
@@ -236,7 +236,7 @@ def step_with_gradients(
         for i, g in request.grads.items()
     }
     if masters is not None:
-        masters.load_grads_from([grads.get(index_of[id(p)]) for p in masters.low])
+        masters.set_grads([grads.get(index_of[id(p)]) for p in masters.low])
         try:
             step()
         finally:
@@ -265,7 +265,7 @@ def write_updates(
         indices: the bucket's parameters' global indices, in bucket order.
         sent: what the bucket's broadcast program returned.
         differences: ``sent`` holds decoded differences to add (see
-            :class:`Obeyed`), not values to copy.
+            :class:`OrderCarriedOut`), not values to copy.
     """
     with torch.no_grad():
         for shard, flat in sent:
