@@ -19,18 +19,25 @@ records or, parsed back, from the summary table that run wrote on
 ``docs/benchmarks.md`` (:func:`summary_rows`), and both give the same table:
 so README can be rebuilt from the committed page without a run
 (:func:`rewrite_readme`; ``python benchmarks/run_all.py --rewrite-readme``).
+
+Blocks of :data:`COUNTED` are counted, not measured (code lines against
+PyTorch's, :mod:`code_lines`): they need no benchmark run, so every
+``make bench`` rewrites them, ``--quick`` and ``--only`` included
+(:func:`rewrite_counted`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+import code_lines
 from report import Headline, Section, headline_table, md_table
 
 __all__ = [
+    "COUNTED",
     "QUOTED",
     "README_ROWS",
     "Pick",
@@ -40,6 +47,7 @@ __all__ = [
     "readme_block_from_page",
     "readme_table",
     "rewrite_block",
+    "rewrite_counted",
     "rewrite_readme",
     "rewrite_text",
     "summary_rows",
@@ -64,6 +72,12 @@ the headline table (:data:`README_ROWS`); a name one section lists in its
 ``blocks`` (the link section's ``pays-at-*``: the rate at which a feature
 starts to pay) that section's Markdown; any other name one benchmark's
 summary rows (a key of ``run_all.BENCHES``)."""
+
+COUNTED: dict[str, tuple[str, Callable[[], str]]] = {
+    "docs/design.md": ("code-lines", code_lines.table),
+}
+"""Each page with a block that is counted rather than measured: the block's
+name and what makes its contents (no benchmark runs)."""
 
 BENCHMARKS_PAGE = "docs/benchmarks.md"
 """The page with every summary row (relative to the repository root)."""
@@ -296,6 +310,17 @@ def quote_everywhere(root: str, sections: Mapping[str, Section], when: str) -> l
                 body = _body(headline_table(sections[name].headlines), when)
             rewrite_block(path, name, body)
     return list(QUOTED)
+
+
+def rewrite_counted(root: str) -> list[str]:
+    """Rewrite every block of :data:`COUNTED` under ``root``.
+
+    Returns:
+        The pages rewritten.
+    """
+    for page, (name, make) in COUNTED.items():
+        rewrite_block(os.path.join(root, page), name, make())
+    return list(COUNTED)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,10 @@ each section as it ends, and writes:
   starts to pay (``pays-at-*``, from the link section).
 * ``docs/resilience.md``: the kill-and-restart soak's table, between its
   ``<!-- soak:begin -->`` and ``<!-- soak:end -->`` markers.
+* ``docs/design.md``: zerofn's code lines against PyTorch's per feature
+  (``code_lines.py``), in its ``code-lines`` block; counted, not measured,
+  so every run rewrites it before any benchmark starts, ``--quick``,
+  ``--only`` and ``--out`` included.
 
 ``--quick`` shrinks every benchmark for a smoke run and, unless ``--out`` is
 given, writes under ``benchmarks/out/`` instead of over the committed pages.
@@ -68,7 +72,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display here or in CI
 import matplotlib.pyplot as plt
-from generated_blocks import quote_everywhere, rewrite_readme
+from generated_blocks import quote_everywhere, rewrite_counted, rewrite_readme
 from matplotlib.axes import Axes
 from report import Headline, Panel, Section, environment, headline_table, parser_for, run_benches
 
@@ -202,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         else os.path.join(ROOT, "docs", "benchmarks.md")
     )
     image = os.path.join("img", "benchmarks.png")
+    counted = rewrite_counted(ROOT)
+    print(f"(code lines against PyTorch's counted into {', '.join(counted)})")
     print(environment(), flush=True)
     started = time.perf_counter()
     sections = run_benches(BENCHES, args.quick, args.only)

@@ -376,6 +376,7 @@ def test_planner_equals_live_tensors_and_counted_traffic(
             "master_weights": predicted.master_weights,
             "optimizer_state": predicted.optimizer_state,
             "exchange_buffers": predicted.exchange_buffers,
+            "carried": predicted.carried,
         }
         assert got["payload"] == dict(plan.payload_bytes)
 

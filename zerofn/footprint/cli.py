@@ -151,6 +151,10 @@ payload one rank hands to each kind of collective per step (DDP's gradient
 all-reduce, the ZeRO exchange's broadcasts)."""
 
 
+CARRIED = Column("carried GiB", _heaviest(lambda r: r.carried))
+"""The copy of another rank's shard a rank carries (``--redundancy 2``)."""
+
+
 def _diloco_column(fragments: int) -> Column:
     """DiLoCo's outer state on its heaviest rank (:mod:`zerofn.diloco.footprint`)."""
 
@@ -202,6 +206,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the ZeRO exchange sends block-quantized differences (masters kept)",
     )
     parser.add_argument(
+        "--redundancy",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="2: every rank also carries the previous rank's shard (survives a lost rank)",
+    )
+    parser.add_argument(
         "--diloco-fragments",
         type=int,
         metavar="P",
@@ -251,6 +262,7 @@ def _plan_all(args: argparse.Namespace, shapes: Shapes) -> list[Footprint]:
             powersgd_rank=args.powersgd_rank or 1,
             bucket_view=args.bucket_view,
             exchange_compression=args.exchange_compression,
+            redundancy=args.redundancy,
         )
         for n in args.world_size
         for mode in args.partition or ["greedy"]
@@ -301,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     print(_heading(args, footprints))
     columns = COLUMNS
+    if args.redundancy == 2:
+        total = len(COLUMNS) - 5  # before the totals: the carried copy is part of them
+        columns = (*COLUMNS[:total], CARRIED, *COLUMNS[total:])
     if args.diloco_fragments is not None:
-        columns = (*COLUMNS, _diloco_column(args.diloco_fragments))
+        columns = (*columns, _diloco_column(args.diloco_fragments))
     print(table(footprints, columns))

@@ -36,6 +36,7 @@ from zerofn.zero.compressed_exchange import (
 from zerofn.zero.partition import FlatPartition, PartitionMode
 from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.precision import resolve_master_dtype
+from zerofn.zero.redundancy import carried_owner, check_redundancy
 
 __all__ = [
     "OPTIMIZERS",
@@ -80,13 +81,15 @@ OPTIMIZERS: dict[str, OptimizerModel] = {
 
 @attrs.frozen
 class RankBytes:
-    """One rank's bytes by kind."""
+    """One rank's bytes by kind (``carried``: the copy of another rank's
+    shard kept with ``redundancy=2``, its values and optimizer state)."""
 
     parameters: int
     gradients: int
     master_weights: int
     optimizer_state: int
     exchange_buffers: int
+    carried: int = 0
 
     @property
     def total(self) -> int:
@@ -97,6 +100,7 @@ class RankBytes:
             + self.master_weights
             + self.optimizer_state
             + self.exchange_buffers
+            + self.carried
         )
 
 
@@ -244,8 +248,10 @@ def _rank_bytes(
     bucket_view: bool,
     flat_chunks: bool,
     quantizer: BlockQuantizer | None,
+    redundancy: int = 1,
 ) -> tuple[RankBytes, ...]:
-    """Every rank's bytes by kind under ``plan``."""
+    """Every rank's bytes by kind under ``plan`` (with ``redundancy=2`` rank
+    ``r`` carries rank ``r - 1``'s shard: its values and optimizer state)."""
     numel = sum(plan.partition.loads())
     state_itemsize = itemsize if masters is None else torch.empty((), dtype=masters).element_size()
     buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
@@ -258,9 +264,20 @@ def _rank_bytes(
             master_weights=plan.partition.loads()[r] * state_itemsize if masters else 0,
             optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
             exchange_buffers=buffers,
+            carried=_carried_bytes(plan, r, model, itemsize, flat_chunks) if redundancy == 2 else 0,
         )
         for r in range(plan.world_size)
     )
+
+
+def _carried_bytes(
+    plan: ShardPlan, rank: int, model: OptimizerModel, itemsize: int, flat_chunks: bool
+) -> int:
+    """The copy of :func:`~zerofn.zero.redundancy.carried_owner`'s shard:
+    its values and its optimizer state."""
+    owner = carried_owner(rank, plan.world_size)
+    values = plan.partition.loads()[owner] * itemsize
+    return values + _state_bytes(plan, owner, model, itemsize, flat_chunks)
 
 
 def plan_footprint(
@@ -277,6 +294,7 @@ def plan_footprint(
     backend: Backend = "gloo",
     flat_chunks: bool = True,
     exchange_compression: str | None = None,
+    redundancy: int = 1,
 ) -> Footprint:
     """Every rank's bytes by kind, and the bytes and collectives of a step.
 
@@ -303,13 +321,18 @@ def plan_footprint(
         exchange_compression: ``"int8"`` or ``"int4"``: the exchange sends
             block-quantized differences, and each rank keeps masters of its
             shard (float32 unless ``master_dtype`` says otherwise).
+        redundancy: ``2``: every rank also carries the next-lower rank's
+            shard (``ZeroRedundancyOptimizer(redundancy=2)``): for fp32 Adam
+            ``4 + 4 + 20/d`` bytes per parameter against ``4 + 4 + 8/d``
+            (plus the exchange buffers either way).
 
     Returns:
         The :class:`Footprint`.
 
     Raises:
         ValueError: an unknown optimizer, hook, partition or compression;
-            no parameters; a ``powersgd_rank`` below 1.
+            no parameters; a ``powersgd_rank`` below 1; a ``redundancy``
+            the optimizer refuses.
     """
     groups = _checked_groups(shapes, optimizer, hook, powersgd_rank)
     flat_shapes = [s for g in groups for s in g]
@@ -327,7 +350,13 @@ def plan_footprint(
     if bucket_view is None:
         bucket_view = partition == "flat"
     model = OPTIMIZERS[optimizer]
-    ranks = _rank_bytes(plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer)
+    check_redundancy(
+        redundancy, world_size, partition, master_dtype=masters is not None,
+        compressed=quantizer is not None, overlap_with_ddp=False,
+    )  # fmt: skip
+    ranks = _rank_bytes(
+        plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer, redundancy
+    )
     collectives, payload = _zero_traffic(plan, backend, itemsize, quantizer)
     payload["all_reduce"] = _hook_payload(flat_shapes, hook, powersgd_rank, itemsize)
     return Footprint(

@@ -35,6 +35,14 @@ from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import ZeroRank, build_rank, local_step, resolve_options
+from zerofn.zero.redundancy import plan_after_loss
+from zerofn.zero.regroup import (
+    ParamState,
+    adopt_carried_values,
+    known_states,
+    outgoing_states,
+    regrouped,
+)
 from zerofn.zero.shards import Shards
 from zerofn.zero.step import Compressed, run_zero_step
 
@@ -44,6 +52,7 @@ __all__ = [
     "simulate_zero_steps",
     "simulated_ranks",
     "step_simulated",
+    "survivors_of",
 ]
 
 
@@ -100,6 +109,7 @@ def simulated_ranks(
     master_dtype: torch.dtype | None = None,
     exchange_compression: str | BlockQuantizer | None = None,
     piece_elements: int = PIECE_ELEMENTS,
+    redundancy: int = 1,
     **defaults: Any,
 ) -> list[SimulatedRank]:
     """``plan.world_size`` simulated ranks, each built by the optimizer's own
@@ -117,6 +127,8 @@ def simulated_ranks(
         exchange_compression: as ``ZeroRedundancyOptimizer``'s.
         piece_elements: the compressed exchange's piece length (a small one
             sends every segment in many pieces).
+        redundancy: as ``ZeroRedundancyOptimizer``'s (2: each rank also
+            steps a carried copy of the previous rank's shard).
         **defaults: the optimizer's hyperparameters.
 
     Raises:
@@ -134,6 +146,7 @@ def simulated_ranks(
             rank=rank, world_size=plan.world_size, via="broadcasts", bucket_view=bucket_view,
             overlap_with_ddp=False, partition=plan.mode, master_dtype=master_dtype,
             exchange_compression=exchange_compression, piece_elements=piece_elements,
+            redundancy=redundancy,
         )  # fmt: skip
         ranks.append(SimulatedRank(mine, build_rank(groups, options, plan)))
     return ranks
@@ -206,6 +219,57 @@ def simulate_zero_steps(
         for seen, made in zip(requests, step_simulated(ranks, grads, via), strict=True):
             seen.extend(made)
     return [sim.params for sim in ranks], requests
+
+
+def _groups(plan: ShardPlan, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    sizes = [len(group) for group in plan.partition.group_sizes]
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    return [{"params": params[a : a + n]} for a, n in zip(starts, sizes, strict=True)]
+
+
+def survivors_of(
+    ranks: Sequence[SimulatedRank], lost: Sequence[int], interrupted: bool = False
+) -> list[SimulatedRank]:
+    """The simulated world after ranks ``lost`` are gone (``redundancy=2``),
+    rebuilt as ``zerofn_torch.elastic.recover`` rebuilds a real one: the
+    survivors' plan (:func:`~zerofn.zero.redundancy.plan_after_loss`), the
+    moves delivered, each survivor re-built from what it knew
+    (:func:`~zerofn.zero.regroup.regrouped`).
+
+    Args:
+        ranks: the world before the loss.
+        lost: the ranks that are gone.
+        interrupted: the loss came in a step's exchange, after every local
+            step: the survivors finish the step (the lost shards' updates
+            from their carried copies, then the exchange on the new world).
+
+    Returns:
+        The survivors, in their new rank order.
+
+    Raises:
+        ValueError: what :func:`~zerofn.zero.redundancy.plan_after_loss` refuses.
+    """
+    regrouping = plan_after_loss(ranks[0].zero.plan, lost)
+    alive = [ranks[old] for old in regrouping.survivors]
+    known = [known_states(sim.zero) for sim in alive]
+    inbox: list[dict[int, ParamState]] = [{} for _ in alive]
+    for new, states in enumerate(known):
+        for target, moved in outgoing_states(regrouping, new, states).items():
+            inbox[target].update(moved)
+    rebuilt = []
+    for sim, states, received in zip(alive, known, inbox, strict=True):
+        if interrupted:
+            for gone in lost:
+                adopt_carried_values(sim.zero, sim.params, gone)
+        groups = _groups(regrouping.plan, sim.params)
+        zero = regrouped(sim.zero, groups, regrouping, {**states, **received})
+        rebuilt.append(SimulatedRank(sim.params, zero))
+    if interrupted:
+        programs = [
+            run_zero_step(sim.shards, sim.params, "broadcasts", lambda _: None) for sim in rebuilt
+        ]
+        run_programs(programs, purpose="finishing the interrupted step on the survivors")
+    return rebuilt
 
 
 def master_replica_gap(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:

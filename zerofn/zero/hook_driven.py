@@ -126,10 +126,9 @@ def step_with_grads(rank: ZeroRank, groups: list[dict[str, Any]], request: StepG
     """Answer the overlapped step's :class:`~zerofn.overlap.orders.StepGradients`
     with the local optimizer (:func:`zerofn.overlap.orders.step_with_gradients`),
     its hyperparameters synced from the param groups first."""
-    optim = rank.optim
 
     def step() -> None:
-        with synced_hyperparameters(groups, optim):
-            optim.step()
+        with synced_hyperparameters(groups, rank):
+            rank.optim.step()
 
     step_with_gradients(request, flat_params(groups), rank.local_tensors(), rank.masters, step)

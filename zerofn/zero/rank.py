@@ -38,6 +38,7 @@ from zerofn.zero.masters import Masters, make_masters
 from zerofn.zero.params import hyperparameters
 from zerofn.zero.plan import ShardPlan, with_trainable
 from zerofn.zero.precision import resolve_master_dtype
+from zerofn.zero.redundancy import CarriedShard, carried_shard, check_redundancy, step_carried
 from zerofn.zero.shards import Shards, shards_for
 from zerofn.zero.step import Compressed, LocalStep, finish_masters
 
@@ -88,6 +89,8 @@ class ZeroOptions:
         device: the parameters' device, where scalar collectives run.
         via: how the exchange moves shards.
         piece_elements: the compressed exchange's piece length.
+        redundancy: on how many ranks each shard's state lives (1 or 2; see
+            :mod:`zerofn.zero.redundancy`).
     """
 
     optimizer_class: type[Optimizer]
@@ -100,6 +103,7 @@ class ZeroOptions:
     device: torch.device
     via: ExchangeVia
     piece_elements: int = PIECE_ELEMENTS
+    redundancy: int = 1
 
 
 def via_for_backend(backend: str) -> ExchangeVia:
@@ -159,6 +163,7 @@ def resolve_options(
     master_dtype: torch.dtype | None,
     exchange_compression: str | BlockQuantizer | None,
     piece_elements: int = PIECE_ELEMENTS,
+    redundancy: int = 1,
 ) -> ZeroOptions:
     """The constructor's options, resolved and checked before anything is built
     (the arguments are ``zerofn_torch.ZeroRedundancyOptimizer``'s).
@@ -174,6 +179,10 @@ def resolve_options(
             ``optimizer_class`` refuses.
         TypeError: ``optimizer_class`` takes no option of a name in ``defaults``.
     """
+    check_redundancy(
+        redundancy, world_size, partition, master_dtype=master_dtype is not None,
+        compressed=exchange_compression is not None, overlap_with_ddp=overlap_with_ddp,
+    )  # fmt: skip
     first = flat_params(groups)[0]
     quantizer = resolve_compression(exchange_compression, first.dtype)
     wide = (
@@ -196,6 +205,7 @@ def resolve_options(
         device=first.device,
         via=via,
         piece_elements=piece_elements,
+        redundancy=redundancy,
     )
 
 
@@ -213,6 +223,8 @@ class ZeroRank:
         overlap: who steps the optimizer.
         optim: the local optimizer over this rank's shard (the masters, the
             owned parameters, or a flat shard's chunks).
+        carried: the copy of another rank's shard this rank steps too
+            (``redundancy=2``), or ``None``.
     """
 
     options: ZeroOptions
@@ -222,6 +234,7 @@ class ZeroRank:
     exchange: CompressedExchange | None
     overlap: OverlapMode
     optim: Optimizer
+    carried: CarriedShard | None = None
 
     @property
     def stepped_by_hook(self) -> bool:
@@ -250,11 +263,13 @@ def placed(
     masters: Masters | None,
     optim: Optimizer | None,
     rebuilt: bool,
+    carried: CarriedShard | None = None,
 ) -> ZeroRank:
     """A rank placed by ``plan``: this rank's shards and, with compression,
     the payload buffers (built here; with ``options.bucket_view`` the
     parameters become views of the new exchange buffers). The local
-    optimizer is ``optim`` if given, else a new one over the new shard.
+    optimizer is ``optim`` (and the carried copy ``carried``) if given, else
+    new ones over the new shard (and, with ``redundancy=2``, the carried one).
 
     Args:
         groups: the param groups, in the optimizer's order.
@@ -265,6 +280,7 @@ def placed(
         optim: the local optimizer to keep (``None``: build one).
         rebuilt: exchange buffers existed before (see
             :func:`zerofn.zero.shards.build_buffers`).
+        carried: the carried copy to keep with ``optim``.
     """
     params = flat_params(groups)
     hook = overlap != "off"
@@ -285,12 +301,16 @@ def placed(
         rebuilt=rebuilt,
     )
     if optim is not None:
-        return ZeroRank(options, plan, shards, masters, exchange, overlap, optim)
+        return ZeroRank(options, plan, shards, masters, exchange, overlap, optim, carried)
     local = shards.local_groups(groups, params)
     if options.master_dtype is not None:
         local, masters = make_masters(local, options.master_dtype)
     optim = options.optimizer_class(local, **options.defaults)
-    return ZeroRank(options, plan, shards, masters, exchange, overlap, optim)
+    if options.redundancy == 2:
+        carried = carried_shard(
+            plan, options.rank, groups, options.optimizer_class, options.defaults
+        )
+    return ZeroRank(options, plan, shards, masters, exchange, overlap, optim, carried)
 
 
 def build_rank(
@@ -335,7 +355,7 @@ def with_current_trainable(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> 
     plan = with_trainable(rank.plan, trainable)  # may refuse: then nothing changed
     return placed(
         groups, rank.options, plan, rank.overlap,
-        masters=rank.masters, optim=rank.optim, rebuilt=True,
+        masters=rank.masters, optim=rank.optim, rebuilt=True, carried=rank.carried,
     )  # fmt: skip
 
 
@@ -356,12 +376,15 @@ def sync_hyperparameters(
 
 
 @contextmanager
-def synced_hyperparameters(groups: Sequence[dict[str, Any]], optim: Optimizer) -> Iterator[None]:
-    """``groups``' options reach ``optim`` on entry; ``optim``'s come back
-    when the block ends without an error (as after ``torch.optim``'s step)."""
-    sync_hyperparameters(groups, optim.param_groups)
+def synced_hyperparameters(groups: Sequence[dict[str, Any]], rank: ZeroRank) -> Iterator[None]:
+    """``groups``' options reach the rank's local optimizer (and its carried
+    copy's) on entry; the local optimizer's come back when the block ends
+    without an error (as after ``torch.optim``'s step)."""
+    sync_hyperparameters(groups, rank.optim.param_groups)
+    if rank.carried is not None:
+        sync_hyperparameters(groups, rank.carried.optim.param_groups)
     yield
-    sync_hyperparameters(optim.param_groups, groups)
+    sync_hyperparameters(rank.optim.param_groups, groups)
 
 
 def hand_grads(rank: ZeroRank, params: Sequence[torch.Tensor], unscale: float = 1.0) -> None:
@@ -394,8 +417,9 @@ def local_step(
 ) -> Callable[[LocalStep], Any]:
     """The answer to the step program's :class:`~zerofn.zero.step.LocalStep`:
     hand the local optimizer this step's gradients, ``run(optim)`` (its
-    ``step``, with whatever closure or options the caller has), then settle
-    the masters (cast back, or left to the compressed exchange).
+    ``step``, with whatever closure or options the caller has), step the
+    carried copy as its owner does (``redundancy=2``), then finish the
+    masters (cast back, or left to the compressed exchange).
 
     Returns:
         The answer, returning what ``run`` returned (the loss, with a closure).
@@ -404,6 +428,8 @@ def local_step(
     def answer(_: LocalStep) -> Any:
         hand_grads(rank, params)
         loss = run(rank.optim)
+        if rank.carried is not None:
+            step_carried(rank.carried, params)
         finish_masters(rank.masters, compressed=rank.exchange is not None)
         return loss
 
@@ -420,8 +446,10 @@ def memory_bytes(rank: ZeroRank, params: Sequence[torch.Tensor]) -> dict[str, in
 
     Returns:
         ``parameters``, ``gradients``, ``master_weights``,
-        ``optimizer_state`` and ``exchange_buffers`` (buffer bytes no
-        parameter lives in, plus the compressed exchange's payloads). With
+        ``optimizer_state``, ``exchange_buffers`` (buffer bytes no
+        parameter lives in, plus the compressed exchange's payloads) and
+        ``carried`` (the carried copy's values and optimizer state,
+        ``redundancy=2``; else 0). With
         ``overlap_with_ddp`` no exchange buffer is held between iterations,
         exact or compressed (the hook's messages live during backward only),
         so ``exchange_buffers`` is 0.
@@ -444,4 +472,17 @@ def memory_bytes(rank: ZeroRank, params: Sequence[torch.Tensor]) -> dict[str, in
         "exchange_buffers": sum(_nbytes(b) for b in rank.shards.buffers)
         - aliased
         + (rank.exchange.nbytes() if rank.exchange is not None else 0),
+        "carried": _carried_bytes(rank.carried),
     }
+
+
+def _carried_bytes(carried: CarriedShard | None) -> int:
+    if carried is None:
+        return 0
+    state = sum(
+        _nbytes(v)
+        for s in carried.optim.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return state + sum(_nbytes(t) for t in carried.tensors())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +51,7 @@ def _rank_main(
     timeout_s: float,
     threads: int,
     args: tuple[Any, ...],
+    may_exit: tuple[int, ...] = (),
 ) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(threads)
@@ -69,7 +70,8 @@ def _rank_main(
         failed = finish_polled()
         if failed:  # the program's own error, which the function did not wait for
             raise failed[0][1]
-        drive(_barrier(), dist.group.WORLD, "the world's last barrier").wait()
+        if not may_exit:  # a world that may have lost ranks has no barrier left to hold
+            drive(_barrier(), dist.group.WORLD, "the world's last barrier").wait()
     finally:
         dist.destroy_process_group()
 
@@ -85,6 +87,7 @@ def run_local_world(
     *args: Any,
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
+    may_exit: Sequence[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -97,9 +100,12 @@ def run_local_world(
         *args: passed to ``fn`` after the rank and world size.
         timeout_s: collective timeout, so a rank waiting on a dead peer fails.
         threads_per_rank: torch intra-op threads per process.
+        may_exit: ranks that may end early without a result (a test of
+            losing ranks); the world then skips its last barrier.
 
     Returns:
-        What each rank returned, in rank order.
+        What each rank returned, in rank order (``None`` for a rank of
+        ``may_exit`` that ended without a result).
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: if a rank raised; the
@@ -108,11 +114,15 @@ def run_local_world(
     with tempfile.TemporaryDirectory() as tmp:
         start_processes(  # type: ignore[no-untyped-call]
             _rank_main,
-            args=(fn, world_size, tmp, timeout_s, threads_per_rank, args),
+            args=(fn, world_size, tmp, timeout_s, threads_per_rank, args, tuple(may_exit)),
             nprocs=world_size,
             start_method=_start_method(fn),
         )
-        return [
-            torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
-            for r in range(world_size)
-        ]
+        results: list[Any] = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"result{r}.pt")
+            if r in may_exit and not os.path.exists(path):
+                results.append(None)
+            else:
+                results.append(torch.load(path, weights_only=False))
+        return results

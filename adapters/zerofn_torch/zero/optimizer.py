@@ -11,7 +11,7 @@ the pure core's; this module runs the collectives the core asks for.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
+from zerofn.errors import CollectiveError
 from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
@@ -40,6 +41,8 @@ from zerofn.zero.rank import (
     with_current_trainable,
 )
 from zerofn.zero.rank_state import full_state_dict, load_global_state, local_state_dict
+from zerofn.zero.redundancy import Regrouping
+from zerofn.zero.regroup import ParamState, regrouped
 from zerofn.zero.replan import sharded_by_owners, with_added_group
 from zerofn.zero.shard_state import validate_global
 from zerofn.zero.step import run_zero_step
@@ -116,6 +119,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             bitwise identical on every rank and within half a quantization
             step of the masters (see ``docs/compressed_exchange.md``). With
             ``overlap_with_ddp=True`` the owners' sends are compressed alike.
+        redundancy: ``1`` (the default): each shard's optimizer state lives
+            on its owner alone. ``2``: also on the next rank (round), which
+            steps its copy from the averaged gradients it already holds, with
+            the owner's arithmetic: the copies stay bitwise equal and no byte
+            more is sent; so :func:`zerofn_torch.elastic.recover` can go on
+            without a lost rank (see ``docs/resilience.md``). Whole-tensor
+            partitions, the plain step, no master copies or compression.
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
@@ -128,7 +138,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``master_dtype`` narrower than the parameters; a value in
             ``**defaults`` that ``optimizer_class`` refuses (``lr=-1``); an
             unknown ``exchange_compression`` or compression of non-float
-            parameters.
+            parameters; ``redundancy`` other than 1 or 2, or 2 where it is
+            not available.
         RuntimeError: a manual partition, or ``overlap_with_ddp=True``, with
             more than one param group.
     """
@@ -145,6 +156,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         elementwise: bool = False,
         master_dtype: torch.dtype | None = None,
         exchange_compression: str | BlockQuantizer | None = None,
+        redundancy: int = 1,
         **defaults: Any,
     ) -> None:
         groups = normalize_params(params)
@@ -155,7 +167,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             rank=dist.get_rank(group), world_size=dist.get_world_size(group),
             via=via_for_backend(dist.get_backend(group)), bucket_view=parameters_as_bucket_view,
             overlap_with_ddp=overlap_with_ddp, partition=partition, master_dtype=master_dtype,
-            exchange_compression=exchange_compression,
+            exchange_compression=exchange_compression, redundancy=redundancy,
         )  # fmt: skip
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)
@@ -172,6 +184,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._zero = build_rank(self.param_groups, options, plan, mode)
         sync_hyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
+        self._exchange_interrupted = False
+        self._regroups = 0
 
     # ----- what the shell holds -----------------------------------------------
 
@@ -236,10 +250,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
 
         answer = local_step(zero, params, run)
-        with synced_hyperparameters(self.param_groups, zero.optim):
+        with synced_hyperparameters(self.param_groups, zero):
             program = run_zero_step(zero.shards, params, zero.options.via, answer, zero.compressed)
             done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
-        return done.wait()
+        try:
+            loss = done.wait()
+        except CollectiveError:
+            self._exchange_interrupted = True  # the local step was taken, the exchange not
+            raise
+        self._exchange_interrupted = False
+        return loss
 
     def _retrained(self, zero: ZeroRank) -> ZeroRank:
         """``zero`` re-placed if the parameters requiring grad changed."""
@@ -328,7 +348,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         optimizer state to its new owners (a collective).
 
         Raises:
-            RuntimeError: with ``overlap_with_ddp=True`` or a manual partition.
+            RuntimeError: with ``overlap_with_ddp=True``, a manual partition
+                or ``redundancy=2``.
             TypeError, ValueError: a malformed group, or tensors of another
                 layout, dtype or device.
         """
@@ -337,6 +358,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             super().add_param_group(param_group)
             return
         check_added_group(zero.plan.mode, zero.stepped_by_hook, self._all_params, param_group)
+        if zero.carried is not None:
+            raise RuntimeError(
+                "add_param_group with redundancy=2: the carried copies would need the new "
+                "group's state too; pass every param group to the constructor"
+            )
         groups = self.param_groups
         old = None
         if zero.plan.mode != "greedy":  # the state moves to new owners
@@ -400,6 +426,52 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         tensor per param group under a flat partition (chunks merged),
         masters as ``"master_param"``; tensors are the live ones."""
         return local_state_dict(self._zero)
+
+    # ----- going on without a lost rank (driven by zerofn_torch.elastic) -------------
+
+    @property
+    def exchange_interrupted(self) -> bool:
+        """The last :meth:`step` failed in its exchange, after this rank's
+        local step: the step is to be finished, not redone."""
+        return self._exchange_interrupted
+
+    @property
+    def regroups(self) -> int:
+        """How many times the optimizer went on in a smaller group
+        (:func:`zerofn_torch.elastic.recover`)."""
+        return self._regroups
+
+    def regroup(
+        self,
+        group: Any,
+        regrouping: Regrouping,
+        known: Mapping[int, ParamState],
+        *,
+        finish_step: bool,
+    ) -> None:
+        """Go on as a rank of ``group`` under ``regrouping``'s plan, with the
+        optimizer state ``known`` here (held and received). Not for training
+        loops: :func:`zerofn_torch.elastic.recover` calls it.
+
+        Args:
+            group: the survivors' process group.
+            regrouping: the core's decision (:func:`~zerofn.zero.redundancy.plan_after_loss`).
+            known: every parameter's state this rank holds, by global index.
+            finish_step: run the interrupted step's exchange on ``group``
+                (the lost shards' updates are in their new owners' parameters).
+
+        Raises:
+            zerofn.errors.CollectiveError: the exchange on ``group`` failed.
+        """
+        self._zero = zero = regrouped(self._zero, self.param_groups, regrouping, known)
+        self.process_group = group
+        self.rank, self.world_size = zero.options.rank, zero.options.world_size
+        self._regroups += 1
+        if finish_step:
+            params = self._all_params
+            program = run_zero_step(zero.shards, params, zero.options.via, lambda _: None)
+            drive(program, group, "finishing the interrupted step on the survivors").wait()
+        self._exchange_interrupted = False
 
     # ----- overlap with DDP (driven by zerofn_torch.hooks.overlap) --------------------
 

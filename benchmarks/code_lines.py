@@ -1,0 +1,259 @@
+"""Code lines of zerofn's features against PyTorch's modules for the same features.
+
+A *code line* is a line that holds at least one token other than a comment or
+whitespace, and that no docstring spans (a docstring: the first statement of a
+module, class or function body, when it is a string expression). Lines are
+counted per file with :mod:`tokenize` and :mod:`ast`, and summed per feature.
+zerofn's files are found from the repository root, PyTorch's from the installed
+``torch`` package; every pattern must match a file and every exclusion must
+name one, or the count fails (a renamed file must not silently drop out).
+
+:data:`FEATURES` holds every choice; the rule is to count only what both sides
+have, and each side's whole implementation of it:
+
+* ZeRO + overlap with DDP: zerofn's ZeRO core and adapter, the overlap core and
+  its hook, against ``zero_redundancy_optimizer.py`` and ``ddp_zero_hook.py``.
+  Left out on our side: sharded checkpoints, the compressed exchange and
+  redundant shards with their regrouping (PyTorch has none) and the loss
+  scaler (PyTorch's ZeRO has none); mixed-precision masters, gradient
+  clipping and the flat partition stay in, since they are woven through the
+  ZeRO modules. Left out on PyTorch's: the ``.pyi`` stub (signatures again),
+  the functional optimizers and ``_optimizer_overlap`` (an unsharded
+  optimizer run in DDP's hook, a feature zerofn has not got).
+* communication hooks: averaging, fp16/bf16 and their wrappers, per-tensor and
+  per-channel quantization, the no-op hook and post-local SGD's hook, with the
+  shared hook machinery (``hook.py``, ``gather.py``, ``error_feedback.py``,
+  which PowerSGD also uses). Left out on our side: top-k and random-k
+  sparsification (PyTorch has neither). Left out on PyTorch's:
+  ``__init__.py`` (``DDPCommHookType`` and ``register_ddp_comm_hook``, which
+  zerofn does not offer), ``mixed_precision_hooks.py`` (DDP's internal
+  upcasting hook) and ``optimizer_overlap_hooks.py`` (the unsharded
+  optimizer in the hook).
+* PowerSGD: zerofn's PowerSGD package and its hooks against ``powerSGD_hook.py``.
+* model averaging: periodic and hierarchical averagers and the post-local SGD
+  optimizer, on both sides.
+* Join: the join context and its hooks, on both sides.
+
+Shared runtime (``adapters/zerofn_torch/runtime``, ``zerofn/comm.py``) is
+left out of every feature, as PyTorch's c10d and DDP's reducer are.
+
+Run ``python benchmarks/code_lines.py`` to print the table (``--write``: and
+write it into ``docs/design.md``'s block ``code-lines``, as every ``make bench``
+does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import io
+import os
+import tokenize
+
+import attrs
+import torch
+from report import md_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The repository root, where zerofn's paths start."""
+
+TORCH = os.path.dirname(torch.__file__)
+"""The installed ``torch`` package, where PyTorch's paths start."""
+
+
+@attrs.frozen
+class Feature:
+    """One row of the table: a feature and each side's files for it.
+
+    Attributes:
+        name: the row's words.
+        ours: glob patterns under the repository root.
+        ours_minus: paths under the repository root the patterns match but the
+            feature leaves out.
+        theirs: glob patterns under the ``torch`` package.
+    """
+
+    name: str
+    ours: tuple[str, ...]
+    ours_minus: tuple[str, ...]
+    theirs: tuple[str, ...]
+
+
+_HOOKS = "distributed/algorithms/ddp_comm_hooks/"
+
+FEATURES: tuple[Feature, ...] = (
+    Feature(
+        "ZeRO + overlap with DDP",
+        ours=(
+            "zerofn/zero/*.py",
+            "zerofn/overlap/*.py",
+            "adapters/zerofn_torch/zero/*.py",
+            "adapters/zerofn_torch/hooks/overlap.py",
+        ),
+        ours_minus=(
+            "zerofn/zero/sharded_checkpoint.py",
+            "zerofn/zero/checkpoint_manifest.py",
+            "zerofn/zero/checkpoint_run.py",
+            "zerofn/zero/compressed_exchange.py",
+            "zerofn/zero/redundancy.py",
+            "zerofn/zero/regroup.py",
+            "adapters/zerofn_torch/zero/loss_scaling.py",
+        ),
+        theirs=("distributed/optim/zero_redundancy_optimizer.py", _HOOKS + "ddp_zero_hook.py"),
+    ),
+    Feature(
+        "communication hooks (default, quantization, post-local SGD)",
+        ours=(
+            "zerofn/hooks/*.py",
+            "adapters/zerofn_torch/hooks/__init__.py",
+            "adapters/zerofn_torch/hooks/default.py",
+            "adapters/zerofn_torch/hooks/post_local_sgd.py",
+        ),
+        ours_minus=("zerofn/hooks/random_k.py", "zerofn/hooks/sparsify.py"),
+        theirs=(
+            _HOOKS + "default_hooks.py",
+            _HOOKS + "quantization_hooks.py",
+            _HOOKS + "debugging_hooks.py",
+            _HOOKS + "post_localSGD_hook.py",
+        ),
+    ),
+    Feature(
+        "PowerSGD",
+        ours=("zerofn/hooks/powersgd/*.py", "adapters/zerofn_torch/hooks/powersgd.py"),
+        ours_minus=(),
+        theirs=(_HOOKS + "powerSGD_hook.py",),
+    ),
+    Feature(
+        "model averaging",
+        ours=("zerofn/averaging.py", "adapters/zerofn_torch/averaging.py"),
+        ours_minus=(),
+        theirs=(
+            "distributed/algorithms/model_averaging/*.py",
+            "distributed/optim/post_localSGD_optimizer.py",
+        ),
+    ),
+    Feature(
+        "Join",
+        ours=("zerofn/join.py", "adapters/zerofn_torch/join.py"),
+        ours_minus=(),
+        theirs=("distributed/algorithms/join.py",),
+    ),
+)
+"""Every feature counted, in the table's order."""
+
+_NOT_CODE = frozenset(
+    {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENCODING,
+        tokenize.ENDMARKER,
+    }
+)
+
+
+def docstring_lines(tree: ast.AST) -> set[int]:
+    """Every line a docstring of ``tree`` spans (1-based)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        first = node.body[0] if node.body else None
+        if (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
+            end = first.end_lineno if first.end_lineno is not None else first.lineno
+            lines.update(range(first.lineno, end + 1))
+    return lines
+
+
+def count_code_lines(source: str) -> int:
+    """The code lines of Python source ``source`` (see the module's docstring).
+
+    A token spanning several lines (a multi-line string that is no docstring)
+    makes each of them a code line.
+    """
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in _NOT_CODE:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstring_lines(ast.parse(source)))
+
+
+def resolve(base: str, patterns: tuple[str, ...], minus: tuple[str, ...] = ()) -> list[str]:
+    """The files ``patterns`` match under ``base``, less ``minus``, sorted.
+
+    Raises:
+        FileNotFoundError: a pattern matches no file, or an exclusion names
+            none of the matched files.
+    """
+    found: set[str] = set()
+    for pattern in patterns:
+        matched = glob.glob(os.path.join(base, pattern))
+        if not matched:
+            raise FileNotFoundError(f"{pattern!r} matches no file under {base}")
+        found.update(os.path.relpath(path, base) for path in matched)
+    for path in minus:
+        if path not in found:
+            raise FileNotFoundError(f"{path!r} is left out but no pattern matches it")
+    return sorted(found - set(minus))
+
+
+def count_files(base: str, paths: list[str]) -> int:
+    """The code lines of the files ``paths`` under ``base``, summed."""
+    total = 0
+    for path in paths:
+        with open(os.path.join(base, path), encoding="utf-8") as f:
+            total += count_code_lines(f.read())
+    return total
+
+
+def counts() -> list[tuple[str, int, int]]:
+    """Each feature's name, zerofn's code lines and PyTorch's, in table order."""
+    return [
+        (
+            feature.name,
+            count_files(ROOT, resolve(ROOT, feature.ours, feature.ours_minus)),
+            count_files(TORCH, resolve(TORCH, feature.theirs)),
+        )
+        for feature in FEATURES
+    ]
+
+
+def table() -> str:
+    """The Markdown table ``make bench`` writes into ``docs/design.md``:
+    feature, zerofn's code lines, PyTorch's, and their ratio, with a total."""
+    found = counts()
+    found.append(("total", sum(c[1] for c in found), sum(c[2] for c in found)))
+    rows = [[name, ours, theirs, f"{ours / theirs:.2f}x"] for name, ours, theirs in found]
+    version = torch.__version__.split("+")[0]
+    return f"_Counted by `benchmarks/code_lines.py` against torch {version}._\n\n" + md_table(
+        ["feature", "zerofn code lines", "PyTorch code lines", "ratio"], rows
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print :func:`table`; with ``--write``, also write it into ``docs/design.md``.
+
+    Args:
+        argv: the command line's arguments (default: ``sys.argv[1:]``).
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
+    parser.add_argument(
+        "--write", action="store_true", help="also rewrite docs/design.md's code-lines block"
+    )
+    args = parser.parse_args(argv)
+    print(table())
+    if args.write:
+        from generated_blocks import rewrite_counted  # it imports this module
+
+        print(f"(written into {', '.join(rewrite_counted(ROOT))})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Training that goes on when a rank dies: 3 gloo ranks on this machine, DDP
+and ``ZeroRedundancyOptimizer(redundancy=2)``; at step 3 rank 2 exits, and
+ranks 0 and 1 regroup in-process and finish the run on 2 ranks, no restart,
+no checkpoint read::
+
+    .venv/bin/python examples/train_elastic.py                 # lost before its step 3
+    .venv/bin/python examples/train_elastic.py --in-exchange   # lost inside step 3's exchange
+
+Each step's data comes from a ``DistributedSampler`` of the current world, so
+after the loss the two survivors split the data between them (a sampler for 2
+ranks, each survivor's new rank). ``tests/test_elastic.py`` runs :func:`train`
+and checks the survivors' result bit for bit against a run that never lost a
+rank but shrank at the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, TensorDataset
+from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.elastic import recover
+from zerofn_torch.runtime.launch import run_local_world
+
+from zerofn.errors import CollectiveError
+
+STEPS, LOST_AT, LOST = 6, 3, 2
+BATCH = 4
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
+    )
+
+
+DATA = TensorDataset(
+    torch.randn(96, 8, generator=torch.Generator().manual_seed(0)),
+    torch.randn(96, 1, generator=torch.Generator().manual_seed(1)),
+)
+
+
+def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch of ``step`` in a world of ``world_size``: the
+    sampler re-splits the data whenever the world changes."""
+    sampler = DistributedSampler(DATA, num_replicas=world_size, rank=rank, seed=0)
+    sampler.set_epoch(step)
+    indices = list(sampler)[:BATCH]
+    x, y = DATA[indices]
+    return x, y
+
+
+def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, step: int) -> None:
+    zero.zero_grad()
+    x, y = batch(step, zero.rank, zero.world_size)
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    zero.step()
+
+
+def _exit_after_local_step(zero: ZeroRedundancyOptimizer) -> None:
+    """This rank exits right after its next local step, inside the step:
+    the others' exchange then fails."""
+    local = zero.optim
+    step = local.step
+
+    def step_then_exit(*args: Any, **kwargs: Any) -> Any:
+        step(*args, **kwargs)
+        os._exit(0)
+
+    local.step = step_then_exit  # type: ignore[method-assign]
+
+
+def train(rank: int, world_size: int, in_exchange: bool = False) -> dict[str, Any] | None:
+    """The training loop of one rank: rank :data:`LOST` exits at step
+    :data:`LOST_AT`; the others recover and go on.
+
+    Returns:
+        The parameters, the consolidated optimizer state (on the new rank
+        0), what each recovery reported, and the final world size.
+    """
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
+    ddp = DDP(model)
+    recoveries = []
+    for step in range(STEPS):
+        if rank == LOST and step == LOST_AT:
+            if not in_exchange:
+                os._exit(0)
+            _exit_after_local_step(zero)
+        while True:
+            try:
+                train_step(ddp, zero, step)
+                break
+            except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
+                began = time.perf_counter()
+                survivors = recover(zero, error, deadline_s=3.0)
+                ddp = DDP(model, process_group=survivors.group)
+                recoveries.append(
+                    {
+                        "step": step,
+                        "lost": survivors.lost,
+                        "finished_step": survivors.finished_step,
+                        "seconds": time.perf_counter() - began,
+                    }
+                )
+                if survivors.finished_step:
+                    break  # the step was finished from the carried copies
+    zero.consolidate_state_dict(to=0)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": zero.state_dict() if zero.rank == 0 else None,
+        "recoveries": recoveries,
+        "world_size": zero.world_size,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--in-exchange", action="store_true", help="lose the rank mid-step")
+    args = parser.parse_args()
+    results = run_local_world(train, 3, args.in_exchange, timeout_s=30.0, may_exit=[LOST])
+    for rank, result in enumerate(results):
+        if result is None:
+            print(f"rank {rank}: exited at step {LOST_AT}")
+            continue
+        for r in result["recoveries"]:
+            how = "finished from the carried copies" if r["finished_step"] else "redone"
+            print(
+                f"rank {rank}: lost ranks {list(r['lost'])} at step {r['step']}, went on in "
+                f"{r['seconds']:.2f} s, the step {how}; ended on {result['world_size']} ranks"
+            )
+
+
+if __name__ == "__main__":
+    main()

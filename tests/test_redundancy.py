@@ -1,0 +1,268 @@
+"""Every ZeRO shard kept on two ranks (``redundancy=2``), on simulated ranks:
+who carries what; the carried copies stay bitwise equal to their owners'
+state and change no parameter; a world that loses ranks re-plans (each
+survivor keeps its shard, a lost one goes to its carrier, the moves restore
+redundancy) and goes on exactly: bitwise what the unsharded optimizer computes,
+whether the loss came before a step or inside its exchange."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from _draws import draws
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from zerofn.footprint import plan_footprint
+from zerofn.testing.zero import (
+    SimulatedRank,
+    simulated_ranks,
+    step_simulated,
+    survivors_of,
+)
+from zerofn.zero.plan import ShardPlan, plan_shards
+from zerofn.zero.rank import local_step
+from zerofn.zero.redundancy import (
+    carried_owner,
+    carrier_of,
+    check_redundancy,
+    plan_after_loss,
+)
+from zerofn.zero.step import LocalStep
+
+SETTINGS = settings(max_examples=draws(60), deadline=None)
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+}
+
+
+@given(world=st.integers(2, 32))
+@settings(max_examples=draws(40), deadline=None)
+def test_every_rank_carries_exactly_one_other_ranks_shard(world: int) -> None:
+    carriers = [carrier_of(r, world) for r in range(world)]
+    assert sorted(carriers) == list(range(world))  # one extra share each
+    assert all(c != r for r, c in enumerate(carriers))  # never its own
+    assert all(carried_owner(c, world) == r for r, c in enumerate(carriers))
+
+
+@st.composite
+def worlds(draw: st.DrawFn) -> tuple[ShardPlan, list[torch.Tensor]]:
+    world = draw(st.integers(2, 6))
+    sizes = draw(st.lists(st.integers(1, 40), min_size=world, max_size=12))
+    split = draw(st.integers(0, len(sizes)))
+    groups = [g for g in (sizes[:split], sizes[split:]) if g]
+    mode = draw(st.sampled_from(["greedy", "balanced"]))
+    n = len(sizes)
+    plan = plan_shards(groups, ["cpu/torch.float32"] * n, [True] * n, world, mode)
+    seed = draw(st.integers(0, 2**16))
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.randn(size, generator=generator) for size in sizes]
+    return plan, params
+
+
+def grads_for(params: list[torch.Tensor], steps: int, seed: int) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=generator) for p in params] for _ in range(steps)]
+
+
+def unsharded(
+    params: list[torch.Tensor], grads: list[list[torch.Tensor]], name: str
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """The plain optimizer over every parameter: what ZeRO must equal."""
+    cls, options = OPTIMIZERS[name]
+    mine = [p.detach().clone() for p in params]
+    optim = cls(mine, **options)
+    for step in grads:
+        for p, g in zip(mine, step, strict=True):
+            p.grad = g.clone()
+        optim.step()
+    return mine, optim
+
+
+def world_of(plan: ShardPlan, params: list[torch.Tensor], name: str) -> list[SimulatedRank]:
+    cls, options = OPTIMIZERS[name]
+    return simulated_ranks(plan, params, cls, redundancy=2, **options)
+
+
+def same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    left = [a.state[t] for g in a.param_groups for t in g["params"]]
+    right = [b.state[t] for g in b.param_groups for t in g["params"]]
+    return len(left) == len(right) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        for x, y in zip(left, right, strict=True)
+    )
+
+
+@given(worlds(), st.sampled_from(sorted(OPTIMIZERS)), st.integers(1, 4))
+@SETTINGS
+def test_carried_copies_equal_their_owners_bit_for_bit(
+    world: tuple[ShardPlan, list[torch.Tensor]], name: str, steps: int
+) -> None:
+    plan, params = world
+    ranks = world_of(plan, params, name)
+    for grads in grads_for(params, steps, seed=steps):
+        step_simulated(ranks, grads)
+    size = plan.world_size
+    for r, sim in enumerate(ranks):
+        carried = sim.zero.carried
+        assert carried is not None and carried.owner == carried_owner(r, size)
+        assert same_state(carried.optim, ranks[carried.owner].optimizer)
+    expected, _ = unsharded(params, grads_for(params, steps, seed=steps), name)
+    for sim in ranks:  # the carried steps moved no parameter
+        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
+
+
+@given(worlds(), st.data())
+@SETTINGS
+def test_the_plan_after_a_loss_keeps_every_shard_and_moves_only_what_is_missing(
+    world: tuple[ShardPlan, list[torch.Tensor]], data: st.DataObject
+) -> None:
+    plan, _ = world
+    size = plan.world_size
+    assume(size >= 3)
+    lost = data.draw(st.sets(st.integers(0, size - 1), min_size=1, max_size=size - 2))
+    assume(all(carrier_of(r, size) not in lost for r in lost))
+    regrouping = plan_after_loss(plan, lost)
+    old, new = plan.partition, regrouping.plan.partition
+    assert regrouping.survivors == tuple(r for r in range(size) if r not in lost)
+    for j, survivor in enumerate(regrouping.survivors):
+        taken = set(new.params_of(j))  # type: ignore[union-attr]
+        assert set(old.params_of(survivor)) <= taken  # type: ignore[union-attr]
+        carried = {r for r in lost if carrier_of(r, size) == survivor}
+        owned = set().union(*(old.params_of(r) for r in carried | {survivor}))  # type: ignore[union-attr]
+        assert taken == owned
+    # After the moves each new carrier holds its new owner's whole shard.
+    world_size = len(regrouping.survivors)
+    for j in range(world_size):
+        target = carrier_of(j, world_size)
+        survivor = regrouping.survivors[target]
+        held = set(old.params_of(survivor)) | set(  # type: ignore[union-attr]
+            old.params_of(carried_owner(survivor, size))  # type: ignore[union-attr]
+        )
+        moved = {i for m in regrouping.moves if m.target == target for i in m.indices}
+        needed = set(new.params_of(j))  # type: ignore[union-attr]
+        assert needed <= held | moved
+        assert not moved & held  # nothing sent that was there already
+
+
+def test_a_loss_that_leaves_a_shard_nowhere_is_refused() -> None:
+    plan = plan_shards([[4, 4, 4, 4]], ["k"] * 4, [True] * 4, 4)
+    with pytest.raises(ValueError, match="both lost.*restart from a checkpoint"):
+        plan_after_loss(plan, [1, 2])
+    with pytest.raises(ValueError, match="needs 2 ranks"):
+        plan_after_loss(plan_shards([[4, 4]], ["k"] * 2, [True] * 2, 2), [1])
+    with pytest.raises(ValueError, match="at least one lost rank"):
+        plan_after_loss(plan, [])
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"redundancy": 3}, "must be 1"),
+        ({"world_size": 1}, "one rank"),
+        ({"partition": "flat"}, "flat shard"),
+        ({"master_dtype": True}, "master copies"),
+        ({"compressed": True}, "exact exchange"),
+        ({"overlap_with_ddp": True}, "plain step"),
+    ],
+)
+def test_redundancy_where_it_cannot_be_kept_is_refused(options: dict[str, Any], match: str) -> None:
+    kwargs: dict[str, Any] = {
+        "redundancy": 2, "world_size": 2, "partition": "greedy", "master_dtype": False,
+        "compressed": False, "overlap_with_ddp": False, **options,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        check_redundancy(
+            kwargs.pop("redundancy"), kwargs.pop("world_size"), kwargs.pop("partition"), **kwargs
+        )
+
+
+def interrupt_in_exchange(ranks: list[SimulatedRank], grads: list[torch.Tensor]) -> None:
+    """Every rank takes its local step of a step whose exchange then fails."""
+    for r, sim in enumerate(ranks):
+        for p, g in zip(sim.params, grads, strict=True):
+            p.grad = g.clone()
+        local_step(sim.zero, sim.params, lambda optim: optim.step())(LocalStep(r))
+
+
+@given(worlds(), st.sampled_from(sorted(OPTIMIZERS)), st.data())
+@SETTINGS
+def test_survivors_go_on_exactly_after_a_loss(
+    world: tuple[ShardPlan, list[torch.Tensor]], name: str, data: st.DataObject
+) -> None:
+    plan, params = world
+    size = plan.world_size
+    assume(size >= 3)
+    lost = data.draw(st.sets(st.integers(0, size - 1), min_size=1, max_size=size - 2))
+    assume(all(carrier_of(r, size) not in lost for r in lost))
+    before, after = data.draw(st.integers(0, 3)), data.draw(st.integers(1, 3))
+    interrupted = data.draw(st.booleans()) and before > 0
+    grads = grads_for(params, before + after, seed=before)
+    ranks = world_of(plan, params, name)
+    for step in grads[: before - 1 if interrupted else before]:
+        step_simulated(ranks, step)
+    if interrupted:
+        interrupt_in_exchange(ranks, grads[before - 1])
+    ranks = survivors_of(ranks, sorted(lost), interrupted=interrupted)
+    for step in grads[before:]:
+        step_simulated(ranks, step)
+    expected, reference = unsharded(params, grads, name)
+    for sim in ranks:
+        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
+    # Every parameter's state lives on its new owner and on its new carrier,
+    # equal to the unsharded optimizer's.
+    new_size = len(ranks)
+    by_index = {i: reference.state[p] for i, p in enumerate(reference.param_groups[0]["params"])}
+    for j, sim in enumerate(ranks):
+        carried = sim.zero.carried
+        assert carried is not None and carried.owner == carried_owner(j, new_size)
+        assert same_state(carried.optim, ranks[carried.owner].optimizer)
+        owned = sim.zero.plan.partition.params_of(j)  # type: ignore[union-attr]
+        local = [t for g in sim.optimizer.param_groups for t in g["params"]]
+        for index, tensor in zip(owned, local, strict=True):
+            mine, theirs = sim.optimizer.state[tensor], by_index.get(index, {})
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_the_planner_counts_the_carried_copy() -> None:
+    shapes = [[(64, 32), (32,), (32, 8)]]
+    plain = plan_footprint(shapes, 4)
+    carried = plan_footprint(shapes, 4, redundancy=2)
+    numel = 64 * 32 + 32 + 32 * 8
+    extra = sum(r.carried for r in carried.ranks)
+    # every shard once more: its values, Adam's two states and a step count per tensor
+    assert extra == numel * 4 + numel * 8 + 3 * 4
+    assert [r.total - r.carried for r in carried.ranks] == [r.total for r in plain.ranks]
+
+
+def test_the_optimizers_memory_matches_the_planner_with_redundancy() -> None:
+    shapes = [(8, 4), (4,), (4, 3), (3,), (5, 5)]
+    params = [torch.randn(s) for s in shapes]
+    n = len(shapes)
+    plan = plan_shards([[p.numel() for p in params]], ["cpu/torch.float32"] * n, [True] * n, 3)
+    ranks = simulated_ranks(plan, params, torch.optim.Adam, redundancy=2, lr=0.01)
+    step_simulated(ranks, [torch.randn(s) for s in shapes])
+    predicted = plan_footprint([shapes], 3, redundancy=2)
+    from zerofn.zero.rank import memory_bytes
+
+    for r, sim in enumerate(ranks):
+        counted = memory_bytes(sim.zero, sim.params)
+        assert counted["carried"] == predicted.ranks[r].carried
+        assert counted["optimizer_state"] == predicted.ranks[r].optimizer_state
+
+
+def test_the_command_line_shows_the_carried_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerofn.footprint.cli import main
+
+    main(["--model", "gpt2-small", "--world-size", "4", "--redundancy", "2", "--json"])
+    (record,) = json.loads(capsys.readouterr().out)
+    assert all(rank["carried"] > 0 for rank in record["ranks"])
+    main(["--model", "gpt2-small", "--world-size", "4", "--redundancy", "2"])
+    assert "carried GiB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt2-small", "--world-size", "4", "--redundancy", "3"])

@@ -1,0 +1,265 @@
+"""Every ZeRO shard kept on two ranks: who carries whose shard, the carried
+copy a rank steps beside its own, and the plan after ranks are lost.
+
+With ``redundancy=2`` rank ``r``'s shard (its optimizer state) lives on ``r``
+and on its *carrier* ``(r + 1) % world_size``; so every rank carries exactly
+one extra share, and never its own. The plain step already hands every rank
+the whole averaged gradient (DDP's all-reduce), so the carrier steps its copy
+from gradients it holds, with the owner's arithmetic on tensors of the
+owner's shapes: the two copies stay bitwise equal and nothing extra is sent.
+
+When ranks are lost, :func:`plan_after_loss` is the whole decision, a pure
+function of the old plan and the lost ranks: each survivor keeps what it owned,
+each lost shard goes to its carrier (which already holds its state), and the
+new carriers (ring order among the survivors) get copies of what they do not
+hold yet (:class:`Move`), the fewest the ring allows.
+
+Whole-tensor partitions (greedy, balanced, manual) only: a flat shard's
+chunks are views of the owner's exchange buffer, which a carrier has no copy of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from zerofn.zero.params import hyperparameters
+from zerofn.zero.partition import FlatPartition, Partition
+from zerofn.zero.plan import ShardPlan
+
+__all__ = [
+    "CarriedShard",
+    "Move",
+    "Regrouping",
+    "carried_owner",
+    "carried_shard",
+    "carrier_of",
+    "check_redundancy",
+    "plan_after_loss",
+    "step_carried",
+]
+
+
+def carrier_of(rank: int, world_size: int) -> int:
+    """The rank that carries a copy of ``rank``'s shard: the next one, round.
+
+    Raises:
+        ValueError: a world of one rank (no other rank can carry anything).
+    """
+    if world_size < 2:
+        raise ValueError(
+            "redundancy=2 needs at least 2 ranks: a shard needs another rank to carry it"
+        )
+    return (rank + 1) % world_size
+
+
+def carried_owner(rank: int, world_size: int) -> int:
+    """The rank whose shard ``rank`` carries: the previous one, round."""
+    if world_size < 2:
+        raise ValueError(
+            "redundancy=2 needs at least 2 ranks: a shard needs another rank to carry it"
+        )
+    return (rank - 1) % world_size
+
+
+def check_redundancy(
+    redundancy: int, world_size: int, partition: object, *, master_dtype: bool, compressed: bool,
+    overlap_with_ddp: bool,
+) -> None:  # fmt: skip
+    """Refuse a ``redundancy`` the optimizer cannot keep, before anything is built.
+
+    Raises:
+        ValueError: ``redundancy`` other than 1 or 2; 2 with one rank, with a
+            flat partition, with master copies, with a compressed exchange,
+            or with ``overlap_with_ddp`` (the reduced gradients reach the
+            owners only, so a carrier would need bytes sent to it too).
+    """
+    if redundancy not in (1, 2):
+        raise ValueError(f"redundancy must be 1 (every shard on its owner) or 2, got {redundancy}")
+    if redundancy == 1:
+        return
+    why = None
+    if world_size < 2:
+        why = "one rank has no other rank to carry its shard"
+    elif partition == "flat":
+        why = (
+            "a flat shard's chunks are views of its owner's exchange buffer; "
+            "use partition='greedy' or 'balanced'"
+        )
+    elif master_dtype:
+        why = "master copies are not carried yet; train without master_dtype"
+    elif compressed:
+        why = "the compressed exchange's masters are not carried yet; use the exact exchange"
+    elif overlap_with_ddp:
+        why = (
+            "with overlap_with_ddp=True gradients are reduced to their owners only, so the "
+            "carrier would need them sent too; use the plain step"
+        )
+    if why is not None:
+        raise ValueError(f"redundancy=2 is not available here: {why}")
+
+
+@attrs.frozen(eq=False)
+class CarriedShard:
+    """A copy of another rank's shard: its parameters' values, refreshed from
+    the live parameters before each step (they are equal on every rank
+    then), and an optimizer of the owner's class over them, whose state is
+    the owner's, bit for bit.
+
+    Attributes:
+        owner: the rank whose shard this is.
+        indices: the global indices of its parameters, in the owner's local order.
+        optim: the carried optimizer, over one tensor per parameter.
+    """
+
+    owner: int
+    indices: tuple[int, ...]
+    optim: torch.optim.Optimizer
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The carried tensors, in the owner's local order."""
+        return [t for g in self.optim.param_groups for t in g["params"]]
+
+
+def carried_shard(
+    plan: ShardPlan,
+    rank: int,
+    groups: Sequence[dict[str, Any]],
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+) -> CarriedShard:
+    """The copy ``rank`` carries under ``plan``: the shard of
+    :func:`carried_owner`, over fresh copies of its parameters, grouped as
+    the owner's local optimizer groups them (same options, same order)."""
+    partition = _whole(plan)
+    owner = carried_owner(rank, partition.world_size)
+    params = [p for g in groups for p in g["params"]]
+    local_groups = [
+        {**hyperparameters(g), "params": [params[i].detach().clone() for i in indices]}
+        for g, indices in zip(groups, partition.assignment[owner], strict=True)
+    ]
+    optim = optimizer_class(local_groups, **defaults)
+    return CarriedShard(owner, partition.params_of(owner), optim)
+
+
+def step_carried(carried: CarriedShard, params: Sequence[torch.Tensor]) -> None:
+    """Step the carried copy as its owner steps its shard: its values set to
+    the parameters' (equal on every rank before the step), its gradients the
+    parameters' (DDP's average, on every rank), then the optimizer's step.
+    A parameter without a gradient sits out, as it does on the owner."""
+    with torch.no_grad():
+        for tensor, index in zip(carried.tensors(), carried.indices, strict=True):
+            tensor.copy_(params[index])
+            grad = params[index].grad
+            tensor.grad = None if grad is None else grad.clone()
+    carried.optim.step()
+    for tensor in carried.tensors():
+        tensor.grad = None
+
+
+def _whole(plan: ShardPlan) -> Partition:
+    if isinstance(plan.partition, FlatPartition):
+        raise ValueError("redundancy=2 needs a whole-tensor partition (greedy, balanced or manual)")
+    return plan.partition
+
+
+@attrs.frozen
+class Move:
+    """A copy one survivor sends another to restore redundancy: the state of
+    ``indices`` (global), from the rank that holds it to its new carrier
+    (ranks of the new group).
+
+    Attributes:
+        indices: the parameters whose optimizer state travels.
+        source: the sending rank (new group).
+        target: the receiving rank (new group).
+    """
+
+    indices: tuple[int, ...]
+    source: int
+    target: int
+
+
+@attrs.frozen
+class Regrouping:
+    """What a world that lost ranks does next.
+
+    Attributes:
+        survivors: the old ranks still alive, in order; new rank ``j`` is
+            old rank ``survivors[j]``.
+        plan: the plan for the survivors: each keeps what it owned, each
+            lost shard goes to its carrier (mode ``"manual"``).
+        moves: the copies that restore redundancy under the new ring.
+    """
+
+    survivors: tuple[int, ...]
+    plan: ShardPlan
+    moves: tuple[Move, ...]
+
+    def new_rank(self, old_rank: int) -> int:
+        """``old_rank``'s rank in the new group.
+
+        Raises:
+            ValueError: ``old_rank`` was lost.
+        """
+        if old_rank not in self.survivors:
+            raise ValueError(f"rank {old_rank} was lost; it has no rank in the new group")
+        return self.survivors.index(old_rank)
+
+
+def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
+    """The plan, and the copies to send, after the ranks ``lost`` are gone.
+
+    Args:
+        plan: the plan every survivor trained under (``redundancy=2``).
+        lost: the old ranks that are gone.
+
+    Returns:
+        The :class:`Regrouping`: survivors keep their shards, a lost rank's
+        shard goes to its carrier, and each new owner's whole shard reaches
+        its new carrier: a move for each part the carrier does not already
+        hold (what it owned or carried before).
+
+    Raises:
+        ValueError: a lost rank's carrier is lost too (its state exists
+            nowhere: restart from a checkpoint), fewer than two survivors
+            (no redundancy to keep), a rank outside the world, or nothing lost.
+    """
+    partition = _whole(plan)
+    world = partition.world_size
+    gone = sorted(set(lost))
+    if not gone:
+        raise ValueError("plan_after_loss needs at least one lost rank")
+    if any(not 0 <= r < world for r in gone):
+        raise ValueError(f"lost ranks {gone} are not all ranks of a world of {world}")
+    for r in gone:
+        if carrier_of(r, world) in gone:
+            raise ValueError(
+                f"rank {r} and its carrier {carrier_of(r, world)} are both lost: no copy of "
+                f"rank {r}'s shard is left; restart from a checkpoint"
+            )
+    survivors = tuple(r for r in range(world) if r not in gone)
+    if len(survivors) < 2:
+        raise ValueError(f"only rank {survivors} survives: redundancy=2 needs 2 ranks to go on")
+    # Old shards each new rank owns: its own, and any lost one it carried.
+    taken = [[old] + [r for r in gone if carrier_of(r, world) == old] for old in survivors]
+    assignment = tuple(
+        tuple(
+            tuple(i for old in olds for i in partition.assignment[old][g])
+            for g in range(len(partition.group_sizes))
+        )
+        for olds in taken
+    )
+    new_partition = Partition(len(survivors), partition.group_sizes, assignment)
+    new_plan = ShardPlan("manual", new_partition, plan.keys, plan.trainable)
+    moves = []
+    for j, olds in enumerate(taken):
+        target = carrier_of(j, len(survivors))
+        held = {survivors[target], carried_owner(survivors[target], world)}
+        missing = tuple(i for old in olds if old not in held for i in partition.params_of(old))
+        if missing:
+            moves.append(Move(missing, j, target))
+    return Regrouping(survivors, new_plan, tuple(moves))

@@ -1,0 +1,116 @@
+"""A ZeRO rank rebuilt for the survivors of a loss (``redundancy=2``): what
+optimizer state it knows, what it sends to restore redundancy, the rank it
+becomes under :func:`zerofn.zero.redundancy.plan_after_loss`'s plan, and the
+lost shard's update finished from the carried copy. The adapter
+(``zerofn_torch.elastic``) and the simulated world run the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from zerofn.zero.rank import ZeroRank, placed
+from zerofn.zero.redundancy import Regrouping, carried_owner
+
+__all__ = [
+    "ParamState",
+    "adopt_carried_values",
+    "known_states",
+    "outgoing_states",
+    "regrouped",
+]
+
+ParamState = dict[str, Any]
+"""One parameter's optimizer state, as ``torch.optim`` keeps it."""
+
+
+def _copied(state: Mapping[str, Any]) -> ParamState:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _states_by_global(optim: torch.optim.Optimizer, indices: Sequence[int]) -> dict[int, Any]:
+    local = [t for g in optim.param_groups for t in g["params"]]
+    return {
+        index: _copied(s)
+        for index, tensor in zip(indices, local, strict=True)
+        if (s := optim.state.get(tensor))
+    }
+
+
+def known_states(rank: ZeroRank) -> dict[int, ParamState]:
+    """Every parameter's optimizer state this rank holds (copies), by global
+    index: its own shard's and the carried shard's. A parameter never
+    stepped has none."""
+    partition = rank.plan.partition
+    own = partition.params_of(rank.options.rank)  # type: ignore[union-attr]
+    known = _states_by_global(rank.optim, own)
+    if rank.carried is not None:
+        known.update(_states_by_global(rank.carried.optim, rank.carried.indices))
+    return known
+
+
+def outgoing_states(
+    regrouping: Regrouping, new_rank: int, known: Mapping[int, ParamState]
+) -> dict[int, dict[int, ParamState]]:
+    """What ``new_rank`` sends to restore redundancy: per target rank, the
+    state of each moved parameter (one never stepped has none to send)."""
+    out: dict[int, dict[int, ParamState]] = {}
+    for move in regrouping.moves:
+        if move.source == new_rank:
+            out.setdefault(move.target, {}).update(
+                {i: known[i] for i in move.indices if i in known}
+            )
+    return out
+
+
+def adopt_carried_values(rank: ZeroRank, params: Sequence[torch.Tensor], lost: int) -> None:
+    """Write the carried copy's values into the parameters, when it is the
+    lost rank's: its step was taken here too, so what the lost owner would
+    have sent is here (the step is finished from it)."""
+    carried = rank.carried
+    if carried is None or carried.owner != lost:
+        return
+    with torch.no_grad():
+        for tensor, index in zip(carried.tensors(), carried.indices, strict=True):
+            params[index].copy_(tensor)
+
+
+def _load(optim: torch.optim.Optimizer, indices: Sequence[int], known: Mapping[int, Any]) -> None:
+    saved = optim.state_dict()
+    # Copies: one state may reach two optimizers (an owner's and a carrier's).
+    saved["state"] = {local: _copied(known[i]) for local, i in enumerate(indices) if i in known}
+    optim.load_state_dict(saved)
+
+
+def regrouped(
+    rank: ZeroRank,
+    groups: Sequence[dict[str, Any]],
+    regrouping: Regrouping,
+    known: Mapping[int, ParamState],
+) -> ZeroRank:
+    """This rank under the survivors' plan: a new rank (its options' rank and
+    world size the new group's), its local optimizer holding the state of
+    every parameter it now owns and its carried copy that of the new
+    carried owner, all from ``known`` (its own, and what it received).
+
+    A parameter whose state is nowhere in ``known`` starts fresh, as one
+    never stepped does (its state exists nowhere to be had).
+
+    Raises:
+        ValueError: this rank was lost.
+    """
+    new = regrouping.new_rank(rank.options.rank)
+    world = len(regrouping.survivors)
+    options = attrs.evolve(rank.options, rank=new, world_size=world)
+    fresh = placed(groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True)
+    partition = regrouping.plan.partition
+    own = partition.params_of(new)  # type: ignore[union-attr]
+    _load(fresh.optim, own, known)
+    if fresh.carried is not None:
+        carried = partition.params_of(carried_owner(new, world))  # type: ignore[union-attr]
+        _load(fresh.carried.optim, carried, known)
+    return fresh
