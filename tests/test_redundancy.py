@@ -3,7 +3,9 @@ who carries what; the carried copies stay bitwise equal to their owners'
 state and change no parameter; a world that loses ranks re-plans (each
 survivor keeps its shard, a lost one goes to its carrier, the moves restore
 redundancy) and goes on exactly: bitwise what the unsharded optimizer computes,
-whether the loss came before a step or inside its exchange."""
+whether the loss came before a step or inside its exchange; a world that
+grows gives the joiners whole parameters of the heaviest ranks and goes on
+exactly too, a loss and a grow in one run included."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from zerofn.footprint import plan_footprint
 from zerofn.testing.zero import (
     SimulatedRank,
+    grown_by,
     simulated_ranks,
     step_simulated,
     survivors_of,
@@ -29,6 +32,7 @@ from zerofn.zero.redundancy import (
     carried_owner,
     carrier_of,
     check_redundancy,
+    plan_after_join,
     plan_after_loss,
 )
 from zerofn.zero.step import LocalStep
@@ -266,3 +270,95 @@ def test_the_command_line_shows_the_carried_copy(capsys: pytest.CaptureFixture[s
     assert "carried GiB" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--model", "gpt2-small", "--world-size", "4", "--redundancy", "3"])
+
+
+def check_holdings(ranks: list[SimulatedRank], reference: torch.optim.Optimizer) -> None:
+    """Every parameter's state lives on its owner and on its owner's carrier,
+    equal to the unsharded optimizer's."""
+    size = len(ranks)
+    by_index = {i: reference.state[p] for i, p in enumerate(reference.param_groups[0]["params"])}
+    for j, sim in enumerate(ranks):
+        carried = sim.zero.carried
+        assert carried is not None and carried.owner == carried_owner(j, size)
+        assert same_state(carried.optim, ranks[carried.owner].optimizer)
+        owned = sim.zero.plan.partition.params_of(j)  # type: ignore[union-attr]
+        local = [t for g in sim.optimizer.param_groups for t in g["params"]]
+        for index, tensor in zip(owned, local, strict=True):
+            mine, theirs = sim.optimizer.state[tensor], by_index.get(index, {})
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@given(worlds(), st.integers(1, 3))
+@SETTINGS
+def test_the_plan_after_a_join_keeps_owners_and_sends_only_what_is_missing(
+    world: tuple[ShardPlan, list[torch.Tensor]], joiners: int
+) -> None:
+    plan, _ = world
+    size = plan.world_size
+    regrouping = plan_after_join(plan, joiners)
+    old, new = plan.partition, regrouping.plan.partition
+    total = size + joiners
+    assert regrouping.old_ranks == (*range(size), *([None] * joiners))
+    for r in range(size):  # running ranks keep what they do not give away
+        assert set(new.params_of(r)) <= set(old.params_of(r))  # type: ignore[union-attr]
+    loads = new.loads()
+    target = sum(old.loads()) // total
+    assert all(loads[j] <= target for j in range(size, total))
+    held = [
+        set(old.params_of(r)) | set(old.params_of(carried_owner(r, size)))  # type: ignore[union-attr]
+        for r in range(size)
+    ] + [set() for _ in range(joiners)]
+    for rank in range(total):
+        for target_rank in (rank, carrier_of(rank, total)):
+            moved = {i for m in regrouping.moves if m.target == target_rank for i in m.indices}
+            assert set(new.params_of(rank)) <= held[target_rank] | moved  # type: ignore[union-attr]
+            assert not moved & held[target_rank]
+    for move in regrouping.moves:  # each from the old owner, who holds the state
+        assert all(old.owners[i] == move.source for i in move.indices)  # type: ignore[union-attr]
+
+
+@given(worlds(), st.sampled_from(sorted(OPTIMIZERS)), st.integers(1, 2), st.data())
+@SETTINGS
+def test_a_grown_world_goes_on_exactly(
+    world: tuple[ShardPlan, list[torch.Tensor]], name: str, joiners: int, data: st.DataObject
+) -> None:
+    plan, params = world
+    before, after = data.draw(st.integers(0, 3)), data.draw(st.integers(1, 3))
+    grads = grads_for(params, before + after, seed=after)
+    ranks = world_of(plan, params, name)
+    for step in grads[:before]:
+        step_simulated(ranks, step)
+    ranks = grown_by(ranks, joiners)
+    assert len(ranks) == plan.world_size + joiners
+    for step in grads[before:]:
+        step_simulated(ranks, step)
+    expected, reference = unsharded(params, grads, name)
+    for sim in ranks:
+        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
+    check_holdings(ranks, reference)
+
+
+def test_lose_a_rank_go_on_and_grow_back() -> None:
+    """The whole lifecycle on 3 simulated ranks: rank 2 lost after step 2,
+    2 ranks to step 4, a joiner, 3 ranks to the end: every parameter and
+    state as the unsharded optimizer's."""
+    sizes = [12, 7, 30, 5, 9, 16]
+    params = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
+    n = len(sizes)
+    plan = plan_shards([sizes], ["cpu/torch.float32"] * n, [True] * n, 3, "greedy")
+    grads = grads_for(params, 6, seed=7)
+    ranks = world_of(plan, params, "adam")
+    for step in grads[:2]:
+        step_simulated(ranks, step)
+    ranks = survivors_of(ranks, [2])
+    for step in grads[2:4]:
+        step_simulated(ranks, step)
+    ranks = grown_by(ranks, 1)
+    for step in grads[4:]:
+        step_simulated(ranks, step)
+    expected, reference = unsharded(params, grads, "adam")
+    assert len(ranks) == 3
+    for sim in ranks:
+        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
+    check_holdings(ranks, reference)

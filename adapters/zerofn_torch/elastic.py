@@ -188,5 +188,5 @@ def recover(
     )
     for outbox in sent:
         known.update(outbox.get(new_rank, {}))
-    zero.regroup(group, regrouping, known, finish_step=call.interrupted)
+    zero.regroup(group, regrouping, new_rank, known, finish_step=call.interrupted)
     return Recovered(group, new_rank, len(regrouping.survivors), lost, call.interrupted)

@@ -35,7 +35,7 @@ from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import ZeroRank, build_rank, local_step, resolve_options
-from zerofn.zero.redundancy import plan_after_loss
+from zerofn.zero.redundancy import plan_after_join, plan_after_loss
 from zerofn.zero.regroup import (
     ParamState,
     adopt_carried_values,
@@ -48,6 +48,7 @@ from zerofn.zero.step import Compressed, run_zero_step
 
 __all__ = [
     "SimulatedRank",
+    "grown_by",
     "master_replica_gap",
     "simulate_zero_steps",
     "simulated_ranks",
@@ -262,7 +263,8 @@ def survivors_of(
             for gone in lost:
                 adopt_carried_values(sim.zero, sim.params, gone)
         groups = _groups(regrouping.plan, sim.params)
-        zero = regrouped(sim.zero, groups, regrouping, {**states, **received})
+        new = regrouping.new_rank(sim.zero.options.rank)
+        zero = regrouped(sim.zero, groups, regrouping, new, {**states, **received})
         rebuilt.append(SimulatedRank(sim.params, zero))
     if interrupted:
         programs = [
@@ -270,6 +272,47 @@ def survivors_of(
         ]
         run_programs(programs, purpose="finishing the interrupted step on the survivors")
     return rebuilt
+
+
+def grown_by(ranks: Sequence[SimulatedRank], joiners: int) -> list[SimulatedRank]:
+    """The simulated world once ``joiners`` new ranks join (``redundancy=2``),
+    grown as ``zerofn_torch.elastic`` grows a real one: the plan
+    (:func:`~zerofn.zero.redundancy.plan_after_join`), each joiner built as its
+    own optimizer builds it and handed rank 0's parameters, the moves
+    delivered, every rank re-built (:func:`~zerofn.zero.regroup.regrouped`).
+
+    Returns:
+        The running ranks, then the joiners, in rank order.
+    """
+    first = ranks[0].zero
+    regrouping = plan_after_join(first.plan, joiners)
+    size = len(regrouping.old_ranks)
+    newcomers = []
+    for new in range(len(ranks), size):
+        mine = [p.detach().clone() for p in ranks[0].params]
+        options = attrs.evolve(first.options, rank=new, world_size=size)
+        newcomers.append(
+            SimulatedRank(mine, build_rank(_groups(first.plan, mine), options, regrouping.plan))
+        )
+    world = [*ranks, *newcomers]
+    known = [known_states(sim.zero) if r < len(ranks) else {} for r, sim in enumerate(world)]
+    inbox: list[dict[int, ParamState]] = [{} for _ in world]
+    for new, states in enumerate(known):
+        for target, moved in outgoing_states(regrouping, new, states).items():
+            inbox[target].update(moved)
+    return [
+        SimulatedRank(
+            sim.params,
+            regrouped(
+                sim.zero,
+                _groups(regrouping.plan, sim.params),
+                regrouping,
+                new,
+                {**states, **received},
+            ),
+        )
+        for new, (sim, states, received) in enumerate(zip(world, known, inbox, strict=True))
+    ]
 
 
 def master_replica_gap(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:

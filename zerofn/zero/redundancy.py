@@ -12,7 +12,9 @@ When ranks are lost, :func:`plan_after_loss` is the whole decision, a pure
 function of the old plan and the lost ranks: each survivor keeps what it owned,
 each lost shard goes to its carrier (which already holds its state), and the
 new carriers (ring order among the survivors) get copies of what they do not
-hold yet (:class:`Move`), the fewest the ring allows.
+hold yet (:class:`Move`), the fewest the ring allows. When ranks join,
+:func:`plan_after_join` gives them whole parameters from the heaviest ranks
+and the copies that give them their shards and restore the ring.
 
 Whole-tensor partitions (greedy, balanced, manual) only: a flat shard's
 chunks are views of the owner's exchange buffer, which a carrier has no copy of.
@@ -38,6 +40,7 @@ __all__ = [
     "carried_shard",
     "carrier_of",
     "check_redundancy",
+    "plan_after_join",
     "plan_after_loss",
     "step_carried",
 ]
@@ -185,19 +188,28 @@ class Move:
 
 @attrs.frozen
 class Regrouping:
-    """What a world that lost ranks does next.
+    """A world that changes its ranks: who is who, the plan, and the copies
+    to send.
 
     Attributes:
-        survivors: the old ranks still alive, in order; new rank ``j`` is
-            old rank ``survivors[j]``.
-        plan: the plan for the survivors: each keeps what it owned, each
-            lost shard goes to its carrier (mode ``"manual"``).
-        moves: the copies that restore redundancy under the new ring.
+        old_ranks: per new rank, the old rank it was (``None``: a joiner);
+            after a loss, the survivors in order.
+        plan: the new world's plan (mode ``"manual"``): after a loss each
+            survivor keeps what it owned and each lost shard goes to its
+            carrier; after a join the joiners take parameters from the
+            heaviest ranks.
+        moves: the copies of optimizer state that restore redundancy (and,
+            after a join, give the joiners their shards).
     """
 
-    survivors: tuple[int, ...]
+    old_ranks: tuple[int | None, ...]
     plan: ShardPlan
     moves: tuple[Move, ...]
+
+    @property
+    def survivors(self) -> tuple[int, ...]:
+        """The old ranks still there, in their new order."""
+        return tuple(r for r in self.old_ranks if r is not None)
 
     def new_rank(self, old_rank: int) -> int:
         """``old_rank``'s rank in the new group.
@@ -205,9 +217,9 @@ class Regrouping:
         Raises:
             ValueError: ``old_rank`` was lost.
         """
-        if old_rank not in self.survivors:
+        if old_rank not in self.old_ranks:
             raise ValueError(f"rank {old_rank} was lost; it has no rank in the new group")
-        return self.survivors.index(old_rank)
+        return self.old_ranks.index(old_rank)
 
 
 def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
@@ -263,3 +275,89 @@ def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
         if missing:
             moves.append(Move(missing, j, target))
     return Regrouping(survivors, new_plan, tuple(moves))
+
+
+def _lightened(
+    assignment: list[list[list[int]]], sizes: Sequence[int], target: int, joiner: int
+) -> None:
+    """Move whole parameters from the heaviest ranks to ``joiner`` (in place)
+    while one fits under ``target`` elements: the largest that fits, from
+    the heaviest rank (the lowest of equals), so few move and the loads even out."""
+
+    def load(rank: int) -> int:
+        return sum(sizes[i] for group in assignment[rank] for i in group)
+
+    while True:
+        room = target - load(joiner)
+        donors = sorted(range(joiner), key=lambda r: (-load(r), r))
+        moved = False
+        for donor in donors:
+            fitting = [
+                (sizes[i], -i, g, i)
+                for g, group in enumerate(assignment[donor])
+                for i in group
+                if 0 < sizes[i] <= room and load(donor) - sizes[i] >= load(joiner) + sizes[i]
+            ]
+            if fitting:
+                _, _, g, i = max(fitting)
+                assignment[donor][g].remove(i)
+                assignment[joiner][g].append(i)
+                assignment[joiner][g].sort()
+                moved = True
+                break
+        if not moved:
+            return
+
+
+def plan_after_join(plan: ShardPlan, joiners: int) -> Regrouping:
+    """The plan, and the copies to send, once ``joiners`` new ranks join
+    (as ranks ``world_size`` and up).
+
+    Args:
+        plan: the plan every running rank trains under (``redundancy=2``).
+        joiners: how many ranks join.
+
+    Returns:
+        The :class:`Regrouping`: every running rank keeps its rank; each
+        joiner takes whole parameters from the heaviest ranks while one fits
+        under the new average load (each move lightens a donor and never
+        makes it lighter than the joiner); then every shard goes to its
+        carrier under the new ring, where the carrier does not hold it already.
+
+    Raises:
+        ValueError: fewer than one joiner.
+    """
+    partition = _whole(plan)
+    if joiners < 1:
+        raise ValueError(f"plan_after_join needs at least one joiner, got {joiners}")
+    world = partition.world_size
+    size = world + joiners
+    empty: list[list[int]] = [[] for _ in partition.group_sizes]
+    assignment = [[list(group) for group in ranks] for ranks in partition.assignment]
+    assignment += [[list(g) for g in empty] for _ in range(joiners)]
+    sizes = partition.sizes
+    target = sum(sizes) // size
+    for joiner in range(world, size):
+        _lightened(assignment, sizes, target, joiner)
+    frozen = tuple(tuple(tuple(g) for g in ranks) for ranks in assignment)
+    new_plan = ShardPlan(
+        "manual", Partition(size, partition.group_sizes, frozen), plan.keys, plan.trainable
+    )
+    held: list[set[int]] = [
+        set(partition.params_of(r)) | set(partition.params_of(carried_owner(r, world)))
+        for r in range(world)
+    ] + [set() for _ in range(joiners)]
+    moves = []
+    for rank in range(size):
+        owned = new_plan.partition.params_of(rank)  # type: ignore[union-attr]
+        for target_rank in (rank, carrier_of(rank, size)):
+            missing = [i for i in owned if i not in held[target_rank]]
+            by_source: dict[int, list[int]] = {}
+            for i in missing:  # from the old owner, who holds its state
+                by_source.setdefault(partition.owners[i], []).append(i)
+            moves += [
+                Move(tuple(indices), source, target_rank)
+                for source, indices in sorted(by_source.items())
+            ]
+    old_ranks: tuple[int | None, ...] = (*range(world), *([None] * joiners))
+    return Regrouping(old_ranks, new_plan, tuple(moves))

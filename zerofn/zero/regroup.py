@@ -1,7 +1,8 @@
-"""A ZeRO rank rebuilt for the survivors of a loss (``redundancy=2``): what
+"""A ZeRO rank rebuilt when its world changes (``redundancy=2``): what
 optimizer state it knows, what it sends to restore redundancy, the rank it
-becomes under :func:`zerofn.zero.redundancy.plan_after_loss`'s plan, and the
-lost shard's update finished from the carried copy. The adapter
+becomes under :func:`zerofn.zero.redundancy.plan_after_loss`'s or
+:func:`~zerofn.zero.redundancy.plan_after_join`'s plan, and a lost shard's
+update finished from the carried copy. The adapter
 (``zerofn_torch.elastic``) and the simulated world run the same functions.
 """
 
@@ -90,21 +91,19 @@ def regrouped(
     rank: ZeroRank,
     groups: Sequence[dict[str, Any]],
     regrouping: Regrouping,
+    new: int,
     known: Mapping[int, ParamState],
 ) -> ZeroRank:
-    """This rank under the survivors' plan: a new rank (its options' rank and
-    world size the new group's), its local optimizer holding the state of
-    every parameter it now owns and its carried copy that of the new
-    carried owner, all from ``known`` (its own, and what it received).
+    """This rank as rank ``new`` of the regrouped world (a survivor, a
+    running rank the world grew around, or a joiner): its options' rank and
+    world size the new ones, its local optimizer holding the state of every
+    parameter it now owns and its carried copy that of the new carried
+    owner, all from ``known`` (its own, and what it received).
 
     A parameter whose state is nowhere in ``known`` starts fresh, as one
     never stepped does (its state exists nowhere to be had).
-
-    Raises:
-        ValueError: this rank was lost.
     """
-    new = regrouping.new_rank(rank.options.rank)
-    world = len(regrouping.survivors)
+    world = len(regrouping.old_ranks)
     options = attrs.evolve(rank.options, rank=new, world_size=world)
     fresh = placed(groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True)
     partition = regrouping.plan.partition

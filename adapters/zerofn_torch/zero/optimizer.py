@@ -437,25 +437,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @property
     def regroups(self) -> int:
-        """How many times the optimizer went on in a smaller group
-        (:func:`zerofn_torch.elastic.recover`)."""
+        """How many times the optimizer went on in another world
+        (:mod:`zerofn_torch.elastic`: a loss, or a join)."""
         return self._regroups
 
     def regroup(
         self,
         group: Any,
         regrouping: Regrouping,
+        new_rank: int,
         known: Mapping[int, ParamState],
         *,
         finish_step: bool,
     ) -> None:
-        """Go on as a rank of ``group`` under ``regrouping``'s plan, with the
-        optimizer state ``known`` here (held and received). Not for training
-        loops: :func:`zerofn_torch.elastic.recover` calls it.
+        """Go on as rank ``new_rank`` of ``group`` under ``regrouping``'s
+        plan, with the optimizer state ``known`` here (held and received).
+        Not for training loops: :mod:`zerofn_torch.elastic` calls it.
 
         Args:
-            group: the survivors' process group.
-            regrouping: the core's decision (:func:`~zerofn.zero.redundancy.plan_after_loss`).
+            group: the new world's process group.
+            regrouping: the core's decision
+                (:func:`~zerofn.zero.redundancy.plan_after_loss`,
+                :func:`~zerofn.zero.redundancy.plan_after_join`).
+            new_rank: this rank in ``group``.
             known: every parameter's state this rank holds, by global index.
             finish_step: run the interrupted step's exchange on ``group``
                 (the lost shards' updates are in their new owners' parameters).
@@ -463,7 +467,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Raises:
             zerofn.errors.CollectiveError: the exchange on ``group`` failed.
         """
-        self._zero = zero = regrouped(self._zero, self.param_groups, regrouping, known)
+        self._zero = zero = regrouped(self._zero, self.param_groups, regrouping, new_rank, known)
         self.process_group = group
         self.rank, self.world_size = zero.options.rank, zero.options.world_size
         self._regroups += 1
