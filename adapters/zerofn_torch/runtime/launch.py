@@ -70,7 +70,9 @@ def _rank_main(
         failed = finish_polled()
         if failed:  # the program's own error, which the function did not wait for
             raise failed[0][1]
-        if not may_exit:  # a world that may have lost ranks has no barrier left to hold
+        # A world that may have lost ranks, or that grew (zerofn_torch.elastic),
+        # is not the one started here: it has no barrier of this launcher's to hold.
+        if not may_exit and dist.get_world_size() == world_size:
             drive(_barrier(), dist.group.WORLD, "the world's last barrier").wait()
     finally:
         dist.destroy_process_group()

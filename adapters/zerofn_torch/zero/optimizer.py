@@ -449,6 +449,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         known: Mapping[int, ParamState],
         *,
         finish_step: bool,
+        generation: int | None = None,
     ) -> None:
         """Go on as rank ``new_rank`` of ``group`` under ``regrouping``'s
         plan, with the optimizer state ``known`` here (held and received).
@@ -463,6 +464,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             known: every parameter's state this rank holds, by global index.
             finish_step: run the interrupted step's exchange on ``group``
                 (the lost shards' updates are in their new owners' parameters).
+            generation: the world's count of changes (a joiner takes the
+                job's); ``None``: one more than this optimizer's.
 
         Raises:
             zerofn.errors.CollectiveError: the exchange on ``group`` failed.
@@ -470,7 +473,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._zero = zero = regrouped(self._zero, self.param_groups, regrouping, new_rank, known)
         self.process_group = group
         self.rank, self.world_size = zero.options.rank, zero.options.world_size
-        self._regroups += 1
+        self._regroups = self._regroups + 1 if generation is None else generation
         if finish_step:
             params = self._all_params
             program = run_zero_step(zero.shards, params, zero.options.via, lambda _: None)

@@ -1,0 +1,123 @@
+"""The whole lifecycle on one machine, no restart and no checkpoint read: 3
+gloo ranks train with ``ZeroRedundancyOptimizer(redundancy=2)``; rank 2 dies
+at step 2; ranks 0 and 1 go on alone; a replacement process, started apart
+from the job, joins at step 4; 3 ranks finish the run::
+
+    .venv/bin/python examples/train_grow_back.py
+
+The running ranks call :func:`zerofn_torch.elastic.admit` at each step
+boundary while the world is short; the replacement calls
+:func:`zerofn_torch.elastic.join` with the job's store, model and optimizer,
+and trains on from the step the running ranks hand it. ``tests/test_grow_back.py``
+runs :func:`running` and :func:`replacement` and checks the three final
+ranks bit for bit against a run that shrank and grew at the same steps from
+consolidated state.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.elastic import JOINERS, admit, join, recover
+from zerofn_torch.runtime.launch import run_local_world
+
+from zerofn.errors import CollectiveError
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_elastic import make_model, train_step
+
+STEPS, LOST_AT, JOIN_AT, LOST, WORLD = 6, 2, 4, 2, 3
+
+
+def _result(model: torch.nn.Module, zero: ZeroRedundancyOptimizer, log: list[str]) -> Any:
+    zero.consolidate_state_dict(to=0)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": zero.state_dict() if zero.rank == 0 else None,
+        "rank": zero.rank,
+        "world_size": zero.world_size,
+        "log": log,
+    }
+
+
+def running(rank: int, world_size: int, job_store: str) -> Any:
+    """One of the job's first ranks: rank :data:`LOST` dies at step
+    :data:`LOST_AT`; the others recover, and let the replacement in from
+    step :data:`JOIN_AT` on."""
+    store = dist.FileStore(job_store, -1)
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
+    ddp = DDP(model)
+    log: list[str] = []
+    for step in range(STEPS):
+        if rank == LOST and step == LOST_AT:
+            os._exit(0)
+        if step >= JOIN_AT and zero.world_size < WORLD:
+            # A demonstration that ends the same every time: wait until the
+            # replacement has announced itself (a job would just call admit).
+            store.wait([f"{JOINERS}/1/fingerprint"])
+            grown = admit(zero, store, extra={"step": step})
+            if grown is not None:
+                ddp = DDP(model)  # the new default group
+                log.append(f"step {step}: {grown.joined} joined, {grown.world_size} ranks")
+        while True:
+            try:
+                train_step(ddp, zero, step)
+                break
+            except (CollectiveError, RuntimeError) as error:
+                survivors = recover(zero, error, deadline_s=2.0)
+                ddp = DDP(model, process_group=survivors.group)
+                log.append(
+                    f"step {step}: lost {list(survivors.lost)}, {survivors.world_size} ranks"
+                )
+                if survivors.finished_step:
+                    break
+    return _result(model, zero, log)
+
+
+def replacement(job_store: str, out: str) -> None:
+    """A process started apart from the job: it joins, trains to the end,
+    and saves what it holds to ``out``."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(job_store, -1)
+    model = make_model()
+    joined = join(store, model, torch.optim.Adam, redundancy=2, lr=0.01)
+    zero, first = joined.optimizer, joined.extra["step"]
+    ddp = DDP(model)
+    for step in range(first, STEPS):
+        train_step(ddp, zero, step)
+    result = _result(model, zero, [f"joined at step {first} as rank {joined.rank}"])
+    torch.save(result, out)
+    dist.destroy_process_group()
+
+
+def lifecycle(tmp: str) -> list[Any]:
+    """Run the job and its replacement; every final rank's result, in rank order."""
+    job_store, out = os.path.join(tmp, "job"), os.path.join(tmp, "replacement.pt")
+    joiner = multiprocessing.get_context("spawn").Process(target=replacement, args=(job_store, out))
+    joiner.start()
+    try:
+        ranks = run_local_world(running, WORLD, job_store, timeout_s=30.0, may_exit=[LOST])
+    finally:
+        joiner.join(timeout=120)
+    if joiner.exitcode != 0:
+        raise RuntimeError(f"the replacement exited with {joiner.exitcode}")
+    return [r for r in ranks if r is not None] + [torch.load(out, weights_only=False)]
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for result in lifecycle(tmp):
+            print(f"rank {result['rank']} of {result['world_size']}: " + "; ".join(result["log"]))
+
+
+if __name__ == "__main__":
+    main()
