@@ -32,6 +32,7 @@ __all__ = [
     "LossScaleConfig",
     "LossScaleState",
     "clip_coefficient",
+    "clip_program",
     "global_norm_program",
     "has_nonfinite",
     "init_loss_scale",
@@ -151,6 +152,46 @@ def nonfinite_program(grads: Sequence[torch.Tensor], device: torch.device) -> Pr
     return bool(total.item() > 0)
 
 
+def clip_program(
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    device: torch.device,
+    *,
+    shared: bool = False,
+    scale: float = 1.0,
+) -> Program[tuple[float, float]]:
+    """The norm of every rank's share of the gradients, and the factor that
+    clips it to ``max_norm``: one all-reduce of one number, unless
+    ``shared`` (every rank holds every gradient: its own norm is everyone's).
+    The plain step's ``clip_grad_norm_`` and the overlapped step's hook
+    (:func:`step_factor_program`) both ask it.
+
+    Args:
+        grads: this rank's share of the gradients.
+        max_norm: the clipping threshold.
+        norm_type: the norm's order.
+        device: where the collective's tensor lives.
+        shared: every rank holds every gradient.
+        scale: what the gradients are yet to be multiplied by (a loss
+            scaler's ``1 / scale``): the norm is the scaled gradients'.
+
+    Returns:
+        A program whose value is ``(norm, coefficient)``, equal on every rank.
+
+    Raises:
+        ValueError: ``max_norm`` negative or not finite; ``norm_type`` not positive.
+    """
+    clip_coefficient(0.0, max_norm)  # a bad max_norm is refused before any collective
+    power = local_norm_power(grads, norm_type)
+    if shared:
+        norm = norm_of_powers(float(power.item()), norm_type)
+    else:
+        norm = yield from global_norm_program(power, norm_type, device)
+    norm *= scale
+    return norm, clip_coefficient(norm, max_norm)
+
+
 def step_factor_program(
     grads: Sequence[torch.Tensor],
     *,
@@ -162,10 +203,11 @@ def step_factor_program(
     """What to multiply this rank's share of the gradients by before a step.
 
     A loss scaler's ``inv_scale`` asks first whether any rank's share holds
-    inf or nan (then every rank skips the step); ``max_norm`` then clips by
-    the 2-norm over every rank's share. Each question is one all-reduce of
-    one number, unless ``shared``: every rank holds all of the gradients, so
-    its own answer is everyone's and nothing is sent.
+    inf or nan (:func:`nonfinite_program`; then every rank skips the step);
+    ``max_norm`` then clips by the 2-norm over every rank's share
+    (:func:`clip_program`). Each question is one all-reduce of one number,
+    unless ``shared``: every rank holds all of the gradients, so its own
+    answer is everyone's and nothing is sent.
 
     Args:
         grads: this rank's share of the model's gradients.
@@ -186,12 +228,10 @@ def step_factor_program(
             return True, 0.0
     if max_norm is None:
         return False, unscale
-    power = local_norm_power(grads, 2.0)
-    if shared:
-        norm = norm_of_powers(float(power.item()), 2.0)
-    else:
-        norm = yield from global_norm_program(power, 2.0, device)
-    return False, unscale * clip_coefficient(norm * unscale, max_norm)
+    _, coefficient = yield from clip_program(
+        grads, max_norm, 2.0, device, shared=shared, scale=unscale
+    )
+    return False, unscale * coefficient
 
 
 def clip_coefficient(total_norm: float, max_norm: float, eps: float = 1e-6) -> float:

@@ -1,8 +1,9 @@
 """The gradients a ZeRO step reads, clipped by the whole model's norm and
 unscaled for a loss scaler. Each rank reads only what it owns
-(:func:`zerofn.zero.rank.step_grads`); the global answers come from one
-all-reduce of one number (programs of :mod:`zerofn.zero.precision`), which
-this module drives."""
+(:func:`zerofn.zero.rank.step_grads`); the global answers are the core's
+programs (:func:`~zerofn.zero.precision.clip_program`,
+:func:`~zerofn.zero.precision.nonfinite_program`, the same the overlapped
+step's hook asks), one all-reduce of one number each, which this module drives."""
 
 from __future__ import annotations
 
@@ -12,12 +13,7 @@ from typing import Any
 import torch
 
 from zerofn.zero.hook_driven import check_stepped_here
-from zerofn.zero.precision import (
-    clip_coefficient,
-    global_norm_program,
-    local_norm_power,
-    nonfinite_program,
-)
+from zerofn.zero.precision import clip_program, nonfinite_program
 from zerofn.zero.rank import ZeroRank, hand_grads, step_grads
 from zerofn_torch.runtime.driver import drive
 
@@ -45,16 +41,14 @@ def clip_grad_norm(
         zerofn.errors.CollectiveError: the all-reduce failed.
     """
     check_stepped_here(rank, "clip_grad_norm_")
-    clip_coefficient(0.0, max_norm)  # reject a bad max_norm before any collective
-    share = local_norm_power(step_grads(rank, params), float(norm_type))
-    program = global_norm_program(share, float(norm_type), rank.options.device)
-    total = drive(program, group, "clip_grad_norm_'s global norm").wait()
+    grads = step_grads(rank, params)
+    program = clip_program(grads, max_norm, float(norm_type), rank.options.device)
+    total, coefficient = drive(program, group, "clip_grad_norm_'s global norm").wait()
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total}; "
             "pass error_if_nonfinite=False to clip anyway"
         )
-    coefficient = clip_coefficient(total, max_norm)
     if coefficient != 1.0:
         grads = (
             rank.masters.grads()
