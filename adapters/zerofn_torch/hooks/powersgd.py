@@ -187,85 +187,10 @@ class PowerSGDState:
         """The hook's state records after the calls so far."""
         return self._cell.state
 
-    # PyTorch's attribute names, read-only: the configuration is a frozen record.
-    @property
-    def matrix_approximation_rank(self) -> int:
-        """Rank of the low-rank factors."""
-        return self.config.matrix_approximation_rank
-
-    @property
-    def start_powerSGD_iter(self) -> int:
-        """Iterations of plain averaging before compression."""
-        return self.config.start_powerSGD_iter
-
-    @property
-    def min_compression_rate(self) -> float:
-        """How much a matrix must shrink to be compressed."""
-        return self.config.min_compression_rate
-
-    @property
-    def use_error_feedback(self) -> bool:
-        """Whether compression errors carry over to the next step."""
-        return self.config.use_error_feedback
-
-    @property
-    def warm_start(self) -> bool:
-        """Whether each step starts from the previous ``Q`` factors."""
-        return self.config.warm_start
-
-    @property
-    def orthogonalization_epsilon(self) -> float:
-        """Added to column norms while orthogonalising."""
-        return self.config.orthogonalization_epsilon
-
-    @property
-    def compression_stats_logging_frequency(self) -> int:
-        """Iterations between statistics logs."""
-        return self.config.compression_stats_logging_frequency
-
-    @property
-    def batch_tensors_with_same_shape(self) -> bool:
-        """Whether same-shape factors are drawn as one batch."""
-        return self.config.batch_tensors_with_same_shape
-
     @property
     def iter(self) -> int:
         """Completed training iterations (PyTorch's ``state.iter``)."""
         return self.hook_state.global_state.iteration
-
-    # PyTorch's internal-state attribute names, as read-only views (PyTorch's
-    # code that reads them keeps working; writing one says what to do instead).
-    rng = _View(
-        "a numpy RandomState positioned where the seed stream stands (a copy)",
-        lambda self: _random_state(self.hook_state.global_state),
-    )
-    error_dict = _View(
-        "bucket index -> the bucket's error feedback, flat over the whole bucket "
-        "(zeros for parameters sent uncompressed; padding last for the batched hook)",
-        lambda self: _by_bucket(self.hook_state, lambda b: b.whole_error),
-    )
-    q_memory_dict = _View(
-        "bucket index -> the bucket's Q factors laid out as PyTorch's (flat layer-wise, "
-        "square for the batched hook)",
-        lambda self: _by_bucket(self.hook_state, lambda b: b.q),
-    )
-    p_memory_dict = _View(
-        "always empty: zerofn computes P from Q and the gradient each iteration and "
-        "keeps none between iterations",
-        lambda self: _ReadOnlyDict({}),
-    )
-    total_numel_before_compression = _View(
-        "elements the compressing iterations would have sent uncompressed",
-        lambda self: self.hook_state.global_state.numel_before_compression,
-    )
-    total_numel_after_compression = _View(
-        "elements they sent instead",
-        lambda self: self.hook_state.global_state.numel_after_compression,
-    )
-    next_stats_report = _View(
-        "the iteration from which the next statistics log is due",
-        lambda self: self.hook_state.global_state.next_stats_report,
-    )
 
     def compression_stats(self) -> tuple[float, int, int]:
         """``(rate, numel_before, numel_after)`` over all compressing iterations.
@@ -335,6 +260,64 @@ class PowerSGDState:
     def __repr__(self) -> str:
         return f"PowerSGDState(iter={self.iter}, config={self.config})"
 
+
+def _config(name: str) -> tuple[str, Callable[[PowerSGDState], Any]]:
+    return f"the configuration's {name} (a frozen record)", lambda self: getattr(self.config, name)
+
+
+# PyTorch's attribute names, each a read-only view of zerofn's records (code
+# that reads them keeps working; writing one says what to do instead).
+_PYTORCH_NAMES: dict[str, tuple[str, Callable[[PowerSGDState], Any]]] = {
+    **{
+        name: _config(name)
+        for name in (
+            "matrix_approximation_rank",
+            "start_powerSGD_iter",
+            "min_compression_rate",
+            "orthogonalization_epsilon",
+            "use_error_feedback",
+            "warm_start",
+            "batch_tensors_with_same_shape",
+            "compression_stats_logging_frequency",
+        )
+    },
+    "rng": (
+        "a numpy RandomState positioned where the seed stream stands (a copy)",
+        lambda self: _random_state(self.hook_state.global_state),
+    ),
+    "error_dict": (
+        "bucket index -> the bucket's error feedback, flat over the whole bucket "
+        "(zeros for parameters sent uncompressed; padding last for the batched hook)",
+        lambda self: _by_bucket(self.hook_state, lambda b: b.whole_error),
+    ),
+    "q_memory_dict": (
+        "bucket index -> the bucket's Q factors laid out as PyTorch's (flat layer-wise, "
+        "square for the batched hook)",
+        lambda self: _by_bucket(self.hook_state, lambda b: b.q),
+    ),
+    "p_memory_dict": (
+        "always empty: zerofn computes P from Q and the gradient each iteration and "
+        "keeps none between iterations",
+        lambda self: _ReadOnlyDict({}),
+    ),
+    "total_numel_before_compression": (
+        "elements the compressing iterations would have sent uncompressed",
+        lambda self: self.hook_state.global_state.numel_before_compression,
+    ),
+    "total_numel_after_compression": (
+        "elements they sent instead",
+        lambda self: self.hook_state.global_state.numel_after_compression,
+    ),
+    "next_stats_report": (
+        "the iteration from which the next statistics log is due",
+        lambda self: self.hook_state.global_state.next_stats_report,
+    ),
+}
+for _name, (_what, _read) in _PYTORCH_NAMES.items():
+    _view = _View(_what, _read)
+    _view.__set_name__(PowerSGDState, _name)
+    setattr(PowerSGDState, _name, _view)
+del _name, _what, _read, _view
 
 # PyTorch's PowerSGDState lists its attributes in __slots__, and code (PyTorch's
 # own pickling test among it) reads that list. Assigned after the class is made,
