@@ -217,20 +217,7 @@ def test_survivors_go_on_exactly_after_a_loss(
     expected, reference = unsharded(params, grads, name)
     for sim in ranks:
         assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
-    # Every parameter's state lives on its new owner and on its new carrier,
-    # equal to the unsharded optimizer's.
-    new_size = len(ranks)
-    by_index = {i: reference.state[p] for i, p in enumerate(reference.param_groups[0]["params"])}
-    for j, sim in enumerate(ranks):
-        carried = sim.zero.carried
-        assert carried is not None and carried.owner == carried_owner(j, new_size)
-        assert same_state(carried.optim, ranks[carried.owner].optimizer)
-        owned = sim.zero.plan.partition.params_of(j)  # type: ignore[union-attr]
-        local = [t for g in sim.optimizer.param_groups for t in g["params"]]
-        for index, tensor in zip(owned, local, strict=True):
-            mine, theirs = sim.optimizer.state[tensor], by_index.get(index, {})
-            assert mine.keys() == theirs.keys()
-            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    check_holdings(ranks, reference)
 
 
 def test_the_planner_counts_the_carried_copy() -> None:
