@@ -439,9 +439,10 @@ def join(
     Args:
         store: the job's store (the one the running ranks pass to :func:`admit`).
         model: the job's model (its values are replaced by the job's).
-        optimizer_class, **defaults: the job's local optimizer and its options.
+        optimizer_class: the job's local optimizer class.
         redundancy: the job's redundancy.
         timeout_s: how long to wait to be admitted, and the group's timeout.
+        **defaults: the job's optimizer options.
 
     Returns:
         The optimizer, this rank, the world size, and the running ranks' ``extra``.

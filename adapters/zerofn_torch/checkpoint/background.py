@@ -1,7 +1,7 @@
 """Sharded saves in the background: the handle a caller waits on, the one
 save in flight per group of ranks, and the gloo group such saves talk on.
 
-A background save runs the whole save protocol of :mod:`zerofn_torch.checkpoint`
+A background save runs the whole save protocol of :mod:`zerofn_torch.checkpoint.sharded`
 in a thread, so its collectives must not share a process group with
 training's (two threads issuing collectives on one group interleave them
 differently on different ranks); they run on a gloo group of the same ranks.

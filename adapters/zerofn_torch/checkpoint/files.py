@@ -1,7 +1,7 @@
 """The file-system side of sharded checkpoints: hashing, the manifest on
 disk, and the renames that make a save all-or-nothing.
 
-No collectives here: :mod:`zerofn_torch.checkpoint` decides on which rank
+No collectives here: :mod:`zerofn_torch.checkpoint.sharded` decides on which rank
 each runs and tells every rank how it went. Which names are temporaries and
 which checkpoints to keep are pure decisions of :mod:`zerofn.zero.checkpoint_run`.
 """

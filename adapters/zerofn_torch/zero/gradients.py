@@ -29,7 +29,7 @@ def clip_grad_norm(
     error_if_nonfinite: bool,
 ) -> torch.Tensor:
     """Clip the step's gradients by the whole model's norm (see
-    :meth:`zerofn_torch.zero.ZeroRedundancyOptimizer.clip_grad_norm_`).
+    :meth:`zerofn_torch.zero.optimizer.ZeroRedundancyOptimizer.clip_grad_norm_`).
 
     Returns:
         The norm before clipping: a float32 scalar, equal on every rank.
@@ -64,7 +64,7 @@ def unscale_gradients(
     rank: ZeroRank, params: list[torch.Tensor], group: Any, factor: float
 ) -> bool:
     """Multiply the step's gradients by ``factor`` and agree on inf/nan (see
-    :meth:`zerofn_torch.zero.ZeroRedundancyOptimizer.unscale_gradients_`).
+    :meth:`zerofn_torch.zero.optimizer.ZeroRedundancyOptimizer.unscale_gradients_`).
 
     Returns:
         ``True`` on every rank if any rank found inf or nan.

@@ -41,7 +41,7 @@ class LossScaler:
 
     Differences from ``GradScaler``: it accepts fp16 gradients; the skip
     decision is collective (one all-reduce); clipping goes through the
-    optimizer's :meth:`~zerofn_torch.zero.ZeroRedundancyOptimizer.clip_grad_norm_`
+    optimizer's :meth:`~zerofn_torch.zero.optimizer.ZeroRedundancyOptimizer.clip_grad_norm_`
     (the masters' gradients, not ``.grad``, hold the unscaled values); and
     :meth:`update` takes no explicit new scale tensor, only a float.
 
