@@ -66,6 +66,7 @@ QUOTED: dict[str, tuple[str, ...]] = {
     ),
     "docs/diloco.md": ("diloco", "pays-at-diloco"),
     "docs/links.md": ("links",),
+    "docs/resilience.md": ("elastic",),
 }
 """Each page that quotes measured numbers, and its blocks: ``headlines`` is
 the headline table (:data:`README_ROWS`); a name one section lists in its

@@ -14,12 +14,15 @@ fragments, outer state per rank, step time with a delayed sync), partition
 imbalance and core scaling benchmarks, saving
 while training (a background sharded save against a blocking one), then the
 soak (2,000 steps of DDP + PowerSGD + the overlapped ZeRO step: replicas
-bitwise equal, memory flat) and the kill-and-restart soak under torchrun
-(steps lost per kill, restart time), each also runnable alone
+bitwise equal, memory flat), the kill-and-restart soak under torchrun
+(steps lost per kill, restart time) and going on after a lost rank with
+``redundancy=2`` (its cost per step against ``redundancy=1`` and its floor,
+and a loss's seconds, bytes moved and steps lost), each also runnable alone
 (``bench_links.py``, ``bench_zero.py``, ``bench_modes.py``, ``bench_hooks.py``,
 ``bench_overlap.py``, ``bench_precision.py``, ``bench_compressed.py``,
 ``bench_diloco.py``,
-``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``); prints
+``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``,
+``bench_elastic.py``); prints
 each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
@@ -37,7 +40,10 @@ each section as it ends, and writes:
   see ``generated_blocks.py``), among them the rate at which each feature
   starts to pay (``pays-at-*``, from the link section).
 * ``docs/resilience.md``: the kill-and-restart soak's table, between its
-  ``<!-- soak:begin -->`` and ``<!-- soak:end -->`` markers.
+  ``<!-- soak:begin -->`` and ``<!-- soak:end -->`` markers (every run;
+  ``--quick``: into a copy under ``benchmarks/out/``), and, in its ``elastic``
+  block (full runs only), what ``redundancy=2`` costs and what a loss costs
+  with it, beside the restart figures of that soak (which runs first).
 * ``docs/design.md``: zerofn's code lines against PyTorch's per feature
   (``code_lines.py``), in its ``code-lines`` block; counted, not measured,
   so every run rewrites it before any benchmark starts, ``--quick``,
@@ -60,6 +66,7 @@ from collections.abc import Callable, Sequence
 import bench_checkpoint
 import bench_compressed
 import bench_diloco
+import bench_elastic
 import bench_hooks
 import bench_links
 import bench_modes
@@ -95,6 +102,8 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     "checkpoint": bench_checkpoint.bench_checkpoint,
     "soak": bench_soak.bench_soak,
     "restart": bench_soak_restart.bench_restart,
+    # After the restart soak: it quotes the figures that soak just wrote.
+    "elastic": bench_elastic.bench_elastic,
 }
 
 

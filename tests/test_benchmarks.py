@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import Any
 
 import attrs
 import pytest
@@ -23,13 +24,22 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
+import bench_elastic
 import bench_modes
 import bench_overlap
 import bench_precision
 import bench_soak
 import bench_zero
 import generated_blocks
-from report import Headline, Spread, floor_verdict, headline_table, md_table, paired_ratios
+from report import (
+    Headline,
+    Spread,
+    floor_verdict,
+    headline_table,
+    md_table,
+    paired_ratios,
+    round_sums,
+)
 
 from zerofn.model_shapes import MODELS
 
@@ -441,3 +451,76 @@ def test_overlap_bytes_miss_says_what_the_collectives_carried() -> None:
         "its collectives carried broadcast 400 bytes, reduce 400 bytes, which a ring on 2 "
         "ranks sends as 400 bytes against 300 for one all-reduce of the gradients"
     )
+
+
+# ----- going on after a lost rank (bench_elastic) ------------------------------------
+
+
+def _survivor(applied: int = 3, finished: bool = False, detect_s: float = 0.05) -> dict[str, Any]:
+    """What a survivor of :func:`bench_elastic._loss_rank` returns (made up)."""
+    loss = {
+        "step": 3,
+        "done_before": 3,
+        "applied": applied,
+        "finished_step": finished,
+        "lost": (2,),
+        "detect_s": detect_s,
+        "roll_call_s": 1.0,
+        "recover_rest_s": 0.1,
+        "ddp_s": 0.02,
+        "redo_s": 0.0 if finished else 0.1,
+        "total_s": detect_s + 1.22,
+        "moved_bytes": 8.0,
+        "error": "CollectiveError: ...",
+    }
+    steps = [(3, 0.15)] * 3 + [(2, 0.1)] * 2
+    return {"loss": loss, "state_bytes": 32, "step_s": steps, "world_size": 2, "steps": 6}
+
+
+def test_a_loss_counts_the_steps_its_survivors_state_lacks() -> None:
+    redone = bench_elastic.Loss.of(False, [_survivor(), _survivor(), None])
+    assert (redone.steps_lost, redone.moved_bytes, redone.state_bytes) == (0, 16.0, 32)
+    assert (redone.step_before_s, redone.step_after_s) == (0.15, 0.1)
+    finished = bench_elastic.Loss.of(True, [_survivor(4, True), _survivor(4, True), None])
+    assert finished.steps_lost == 0  # the step finished from the carried copies counts
+    assert bench_elastic.Loss.of(False, [_survivor(2), _survivor(2), None]).steps_lost == 1
+    gone_on_alone = _survivor() | {"world_size": 3}
+    with pytest.raises(RuntimeError, match="did not go on"):
+        bench_elastic.Loss.of(False, [_survivor(), gone_on_alone, None])
+
+
+def test_the_loss_summary_quotes_the_restart_soak_and_a_stall_at_the_timeout() -> None:
+    with open(os.path.join(ROOT, "docs", "resilience.md"), encoding="utf-8") as f:
+        figures = bench_elastic.restart_figures(f.read())
+    assert figures is not None, "the soak block on docs/resilience.md lost its summary line"
+    seconds, lost = figures
+    assert float(seconds.split()[0]) > 0 and float(lost.split()[0]) >= 0
+    assert bench_elastic.restart_figures("a page without the soak block") is None
+    losses = [bench_elastic.Loss.of(False, [_survivor(), _survivor(), None])] * 2
+    summary = bench_elastic.loss_summary(losses, figures)
+    assert f"{seconds} s from a kill to training again and {lost} steps lost" in summary
+    assert "0.50 of the model's optimizer state" in summary and "timeout" not in summary
+    stalled = bench_elastic.Loss.of(True, [_survivor(4, True, 29.99), _survivor(4, True), None])
+    summary = bench_elastic.loss_summary([*losses, stalled], None)
+    assert "In 1 of 3 losses the survivors' collective failed only at the group's 30 s" in summary
+    assert "its soak block was not found" in summary
+
+
+def test_the_extra_of_redundancy_is_held_to_the_carriers_own_work() -> None:
+    one = [0.10, 0.12, 0.09, 0.11]
+    adam, copies = [0.010, 0.012, 0.011, 0.010], [0.004, 0.005, 0.004, 0.006]
+    at = round_sums(one, round_sums(adam, copies))
+    line = bench_elastic.bound_line("2 ranks, iteration", one, at, adam, copies)
+    assert line.startswith("2 ranks, iteration: redundancy=2 adds +15.5 ms, 1.48x the extra")
+    assert line.endswith("1.00x the whole floor; its ratio 1.14 is at the floor's 1.14")
+    above = bench_elastic.bound_line("x", one, [t * 2 for t in one], adam, copies)
+    assert "is above the floor's (the step pays more than the carrier's own work) 1.1" in above
+    cost = bench_elastic.Cost(
+        2,
+        [
+            {"steps": {bench_elastic.ADAM: [1.0, 3.0], bench_elastic.COPIES: [1.0, 1.0]}},
+            {"steps": {bench_elastic.ADAM: [2.0, 1.0], bench_elastic.COPIES: [1.0, 0.0]}},
+        ],
+    )
+    assert cost.floor("steps") == [3.0, 4.0]  # the slowest carrier's, round by round
+    assert cost.floor("steps", bench_elastic.ADAM) == [2.0, 3.0]
