@@ -1,0 +1,53 @@
+"""The survivors' roll call (``zerofn_torch.elastic.roll_call``), in one
+process: ranks are threads sharing one in-memory store. Everyone who
+answers by the deadline is alive; one that never answers is out; one that
+answers too late sees another world than the others and raises rather than
+going on alone; any rank's interrupted step is everyone's."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+from zerofn_torch.elastic import RollCall, roll_call
+
+from zerofn.errors import CollectiveError
+
+
+def call_together(
+    store: Any, ranks: list[int], world: int, interrupted: set[int], deadline_s: float
+) -> dict[int, RollCall | BaseException]:
+    out: dict[int, RollCall | BaseException] = {}
+
+    def one(rank: int) -> None:
+        try:
+            out[rank] = roll_call(store, "call", rank, world, rank in interrupted, deadline_s)
+        except BaseException as e:
+            out[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return out
+
+
+def test_everyone_who_answers_is_alive_and_an_interrupted_step_is_everyones() -> None:
+    answers = call_together(dist.HashStore(), [0, 1, 2], 3, {1}, deadline_s=5.0)
+    assert all(a == RollCall((0, 1, 2), True) for a in answers.values())
+
+
+def test_a_rank_that_never_answers_is_out() -> None:
+    answers = call_together(dist.HashStore(), [0, 2], 3, set(), deadline_s=0.5)
+    assert answers == {0: RollCall((0, 2), False), 2: RollCall((0, 2), False)}
+
+
+def test_a_rank_that_answers_too_late_raises_instead_of_going_on_alone() -> None:
+    store = dist.HashStore()
+    early = call_together(store, [0, 1], 3, set(), deadline_s=0.5)
+    assert early == {0: RollCall((0, 1), False), 1: RollCall((0, 1), False)}
+    (late,) = call_together(store, [2], 3, set(), deadline_s=0.5).values()
+    assert isinstance(late, CollectiveError)
+    assert "disagree on who is alive" in str(late)
