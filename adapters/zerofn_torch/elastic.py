@@ -334,7 +334,7 @@ def _new_world(store: Any, prefix: str, rank: int, world_size: int, timeout_s: f
     return dist.group.WORLD
 
 
-def _broadcast_params(params: Sequence[torch.Tensor], group: Any) -> Program[None]:
+def _broadcast_params(params: Sequence[torch.Tensor]) -> Program[None]:
     """Rank 0's parameters into every rank's (a joiner's come from here)."""
     for i, p in enumerate(params):
         yield Broadcast(p.data, 0, last=i == len(params) - 1)
@@ -354,7 +354,7 @@ def _grow(
     regrouping, generation, extra = shared
     params = [p for g in zero.param_groups for p in g["params"]]
     with torch.no_grad():
-        drive(_broadcast_params(params, group), group, "the joiners' parameters").wait()
+        drive(_broadcast_params(params), group, "the joiners' parameters").wait()
     known: dict[int, ParamState] = (
         known_states(zero.zero_rank) if rank < len(regrouping.survivors) else {}
     )
