@@ -171,9 +171,10 @@ def _whole(plan: ShardPlan) -> Partition:
 
 @attrs.frozen
 class Move:
-    """A copy one survivor sends another to restore redundancy: the state of
-    ``indices`` (global), from the rank that holds it to its new carrier
-    (ranks of the new group).
+    """A copy of optimizer state one rank sends another when the world
+    changes: the state of ``indices`` (global), from a rank that holds it to
+    the rank that needs it (its new owner, a joiner, or its new carrier;
+    ranks of the new world).
 
     Attributes:
         indices: the parameters whose optimizer state travels.
