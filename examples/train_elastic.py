@@ -6,6 +6,22 @@ no checkpoint read::
     .venv/bin/python examples/train_elastic.py                 # lost before its step 3
     .venv/bin/python examples/train_elastic.py --in-exchange   # lost inside step 3's exchange
 
+Under torchrun it takes one agent per node: a node's agent stops all of its
+workers when one dies, but the other nodes' agents leave theirs running. 3
+"nodes" on this machine, node ``n``'s worker rank ``n``, node 0's agent
+hosting the job's store (which the roll call needs: node 0 must live)::
+
+    for n in 0 1 2; do
+      .venv/bin/torchrun --nnodes=3 --nproc-per-node=1 --node-rank=$n \
+          --master-addr=127.0.0.1 --master-port=29511 --rdzv-id=zerofn-elastic \
+          --max-restarts=0 examples/train_elastic.py --torchrun-worker out &
+    done; wait
+
+Rank 2 kills itself (``SIGKILL``) at step 3 and node 2's agent exits with an
+error; ranks 0 and 1 recover, finish and save their results in ``out/``;
+their agents then wait up to 300 s at torchrun's exit barrier for node 2's
+agent, and exit 0.
+
 Each step's data comes from a ``DistributedSampler`` of the current world, so
 after the loss the two survivors split the data between them (a sampler for 2
 ranks, each survivor's new rank). ``tests/test_elastic.py`` runs :func:`train`
@@ -17,10 +33,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 from zerofn_torch import ZeroRedundancyOptimizer
@@ -63,22 +83,34 @@ def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, step: int) -> None:
     zero.step()
 
 
-def _exit_after_local_step(zero: ZeroRedundancyOptimizer) -> None:
-    """This rank exits right after its next local step, inside the step:
+def exit_quietly() -> None:
+    """How the lost rank ends under :func:`run_local_world`: at once, status 0."""
+    os._exit(0)
+
+
+def kill_self() -> None:
+    """How the lost rank ends under torchrun: ``SIGKILL``, as the OOM killer would."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_after_local_step(zero: ZeroRedundancyOptimizer, die: Callable[[], None]) -> None:
+    """This rank dies right after its next local step, inside the step:
     the others' exchange then fails."""
     local = zero.optim
     step = local.step
 
     def step_then_exit(*args: Any, **kwargs: Any) -> Any:
         step(*args, **kwargs)
-        os._exit(0)
+        die()
 
     local.step = step_then_exit  # type: ignore[method-assign]
 
 
-def train(rank: int, world_size: int, in_exchange: bool = False) -> dict[str, Any] | None:
-    """The training loop of one rank: rank :data:`LOST` exits at step
-    :data:`LOST_AT`; the others recover and go on.
+def train(
+    rank: int, world_size: int, in_exchange: bool = False, die: Callable[[], None] = exit_quietly
+) -> dict[str, Any] | None:
+    """The training loop of one rank: rank :data:`LOST` ends at step
+    :data:`LOST_AT` (calls ``die``); the others recover and go on.
 
     Returns:
         The parameters, the consolidated optimizer state (on the new rank
@@ -91,8 +123,8 @@ def train(rank: int, world_size: int, in_exchange: bool = False) -> dict[str, An
     for step in range(STEPS):
         if rank == LOST and step == LOST_AT:
             if not in_exchange:
-                os._exit(0)
-            _exit_after_local_step(zero)
+                die()
+            _exit_after_local_step(zero, die)
         while True:
             try:
                 train_step(ddp, zero, step)
@@ -120,10 +152,33 @@ def train(rank: int, world_size: int, in_exchange: bool = False) -> dict[str, An
     }
 
 
+def torchrun_worker(out_dir: str, in_exchange: bool) -> None:
+    """One worker under torchrun (one agent per node, ``--max-restarts 0``):
+    the process group from torchrun's environment, :func:`train` as under
+    :func:`run_local_world`, the lost rank killing itself with ``SIGKILL``;
+    each survivor saves its result as ``rank<N>.pt`` in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # as run_local_world's ranks: the same sums, bit for bit
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank = dist.get_rank()
+    result = train(rank, dist.get_world_size(), in_exchange, kill_self)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--in-exchange", action="store_true", help="lose the rank mid-step")
+    parser.add_argument(
+        "--torchrun-worker",
+        metavar="OUT_DIR",
+        help="run as one torchrun worker (one agent per node), saving the result in OUT_DIR",
+    )
     args = parser.parse_args()
+    if args.torchrun_worker:
+        torchrun_worker(args.torchrun_worker, args.in_exchange)
+        return
     results = run_local_world(train, 3, args.in_exchange, timeout_s=30.0, may_exit=[LOST])
     for rank, result in enumerate(results):
         if result is None:

@@ -6,16 +6,27 @@ backward fails: they redo the step on 2 ranks) or right after its local step
 The survivors go on to the end on 2 ranks; their parameters and optimizer
 state equal, bit for bit, a reference that runs 3 ranks to the loss and then
 2 fresh ranks from the consolidated state with the same batches. The bytes a
-step sends do not change with ``redundancy=2``."""
+step sends do not change with ``redundancy=2``. Under torchrun with one agent
+per node, the survivors of a node killed with ``SIGKILL`` recover the same
+way and end with the same bits; their agents then wait at torchrun's exit
+barrier for the dead node's agent."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 import train_elastic as example
@@ -131,3 +142,134 @@ def _recover_with_everyone_alive(rank: int, world_size: int) -> None:
     with pytest.raises(RuntimeError, match="a bug of the user's"):
         recover(zero, error, deadline_s=2.0)
     assert zero.world_size == 2 and zero.regroups == 0
+
+
+# ----- under torchrun, one agent per node -------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_ID = "zerofn-elastic"
+TORCHRUN_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def torchrun_node(node: int, port: int, out_dir: Path) -> list[str]:
+    """The agent of node ``node`` of 3, one worker each: a static rendezvous,
+    so node ``n``'s worker is rank ``n``, and node 0's agent hosts the job's
+    store (the rendezvous's, and the workers' default store with it)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=3",
+        "--nproc-per-node=1",
+        f"--node-rank={node}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        f"--rdzv-id={RUN_ID}",
+        "--max-restarts=0",
+        os.path.join(ROOT, "examples", "train_elastic.py"),
+        "--torchrun-worker",
+        str(out_dir),
+    ]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun starts each worker in
+    a session of its own: killing the agent's session leaves them running)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+def _end(agent: subprocess.Popen[bytes]) -> None:
+    """Kill an agent that is still running, and its workers."""
+    if agent.poll() is None:
+        for pid in [agent.pid, *_children(agent.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        agent.wait()
+
+
+def _wait_for_text(path: Path, text: str, deadline: float) -> None:
+    while text not in path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"no {text!r} in {path.name}:\n{path.read_text()}"
+        time.sleep(0.1)
+
+
+def stand_in_at_the_exit_barrier(port: int) -> None:
+    """Check in at torchrun's exit barrier for the dead node's agent, with
+    torch's own barrier, in the static rendezvous's store: the survivors'
+    agents wait there for all 3 (300 s, not settable from the command line)."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import barrier
+
+    tcp = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)
+    )
+    store = dist.PrefixStore(RUN_ID, tcp)  # type: ignore[attr-defined]
+    barrier(store, 3, _TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT_S + 60)
+@pytest.mark.slow  # make test-slow: 3 torchrun agents, a real SIGKILL
+def test_under_torchrun_with_an_agent_per_node_the_survivors_go_on(tmp_path: Path) -> None:
+    lost, survivors = example.LOST, (0, 1)
+    port = free_port()
+    logs = [tmp_path / f"node{n}.log" for n in range(3)]
+    env = {**os.environ, "LOGLEVEL": "INFO"}  # the agents say when they wait at the barrier
+    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
+    agents: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as stack:
+        for node in range(3):
+            output = stack.enter_context(open(logs[node], "wb"))
+            agents.append(
+                subprocess.Popen(
+                    torchrun_node(node, port, tmp_path),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            stack.callback(_end, agents[-1])
+        # The killed node's agent fails (no restart left), and the job's
+        # store, in node 0's agent, lives on.
+        assert agents[lost].wait(deadline - time.monotonic()) != 0
+        assert "exitcode  : -9" in logs[lost].read_text()
+        # The survivors' workers recover, finish and exit 0; their agents
+        # then wait for all 3 agents at torchrun's exit barrier...
+        for node in survivors:
+            _wait_for_text(logs[node], "Waiting 300 seconds for other agents", deadline)
+            assert agents[node].poll() is None
+        # ...which lets them go, with status 0, once the dead one's place is taken.
+        stand_in_at_the_exit_barrier(port)
+        for node in survivors:
+            assert agents[node].wait(min(30.0, deadline - time.monotonic())) == 0
+    assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+    ours = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in survivors]
+    # The same bits as the in-process run (equal, above, to the reference).
+    in_process = run_local_world(example.train, 3, False, timeout_s=30.0, may_exit=[lost])
+    for rank in survivors:
+        assert ours[rank]["world_size"] == 2
+        (recovery,) = ours[rank]["recoveries"]
+        assert (recovery["step"], recovery["lost"], recovery["finished_step"]) == (
+            example.LOST_AT,
+            (lost,),
+            False,
+        )
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(ours[rank]["params"], in_process[rank]["params"], strict=True)
+        )
+    assert same_state(ours[0]["state"], in_process[0]["state"])
