@@ -42,6 +42,7 @@ from zerofn.errors import CollectiveError
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
 from zerofn.zero.regroup import ParamState, adopt_carried_values, known_states, outgoing_states
 from zerofn_torch.checkpoint.background import settle_in_flight
+from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects, broadcast_object
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
@@ -158,7 +159,8 @@ def recover(
     restore redundancy (the only bytes that move), and rebuild the optimizer
     on the new group. A step whose exchange failed (every local step taken)
     is finished: the lost shards' updates come from their carriers' copies
-    and the exchange runs on the new group.
+    and the exchange runs on the new group. Last, the survivors check that
+    their parameters agree (:func:`zerofn_torch.verify_replicas`).
 
     Args:
         zero: the optimizer (built with ``redundancy=2``).
@@ -177,6 +179,7 @@ def recover(
         BaseException: ``error`` itself, when every rank answered.
         zerofn.errors.CollectiveError: the survivors disagree, or a
             collective on the new group failed.
+        zerofn.replicas.ReplicaMismatch: the survivors' parameters differ.
     """
     old = zero.zero_rank
     if old.carried is None:
@@ -208,6 +211,7 @@ def recover(
     for outbox in sent:
         known.update(outbox.get(new_rank, {}))
     zero.regroup(group, regrouping, new_rank, known, finish_step=call.interrupted)
+    verify_replicas([p for g in zero.param_groups for p in g["params"]], group)
     return Recovered(group, new_rank, len(regrouping.survivors), lost, call.interrupted)
 
 
@@ -362,6 +366,7 @@ def _grow(
     for sent in all_gather_objects(outbox, group, "the joiners' shards and carried copies"):
         known.update(sent.get(rank, {}))
     zero.regroup(group, regrouping, rank, known, finish_step=False, generation=generation)
+    verify_replicas(params, group)
     return extra
 
 
@@ -383,8 +388,9 @@ def admit(
     every joiner starts a new default process group, rank 0 sends the
     joiners the plan (:func:`~zerofn.zero.redundancy.plan_after_join`),
     ``extra`` and the parameters, the moves give the joiners their shards and
-    carried copies, and every optimizer is rebuilt. A background save in
-    flight is finished first.
+    carried copies, and every optimizer is rebuilt; last, every rank checks
+    that the parameters agree (:func:`zerofn_torch.verify_replicas`). A
+    background save in flight is finished first.
 
     Args:
         zero: the running optimizer (``redundancy=2``).
