@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import JOINERS, admit, join, recover
+from zerofn_torch.runtime.futures import settle
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
@@ -96,6 +97,9 @@ def replacement(job_store: str, out: str) -> None:
         train_step(ddp, zero, step)
     result = _result(model, zero, [f"joined at step {first} as rank {joined.rank}"])
     torch.save(result, out)
+    # No callback of zerofn's may be running when the group goes: freeing it
+    # waits for gloo's threads, one of which would wait for this thread.
+    settle()
     dist.destroy_process_group()
 
 

@@ -524,3 +524,91 @@ def test_the_extra_of_redundancy_is_held_to_the_carriers_own_work() -> None:
     )
     assert cost.floor("steps") == [3.0, 4.0]  # the slowest carrier's, round by round
     assert cost.floor("steps", bench_elastic.ADAM) == [2.0, 3.0]
+
+
+def _grown(
+    to_joiner: dict[int, int], between: int = 0, empty: tuple[float, ...] = (0.002, 0.004)
+) -> list[dict[str, Any]]:
+    """What the 2 running ranks of :func:`bench_elastic._running_rank` return
+    (made up): a model of 4 parameters of 10, 10, 20 and 20 elements; the
+    joiner owns parameter 2 and carries 0 and 1."""
+    params = [torch.zeros(3)]
+    sizes = [10, 10, 20, 20]
+    joiner = {
+        "rank": 2,
+        "world_size": 3,
+        "called": 105.0,
+        "joined": 106.5,
+        "ddp": 106.6,
+        "first": 106.8,
+        "broadcasts": {"broadcast": 4},
+        "broadcast_bytes": {"broadcast": 240},
+        "outbox": {"to": {}, "pickled": 50},
+        "held": {"owned": (2,), "carried": (0, 1), "shard_state": 164, "carried_state": 168},
+        "params": params,
+    }
+
+    def rank(r: int, to: dict[int, dict[int, int]], pickled: int) -> dict[str, Any]:
+        return {
+            "started": 100.0,
+            "admit_began": 105.2 + r * 0.01,
+            "admit_s": 1.3,
+            "ddp_s": 0.05,
+            "step_s": [0.1, 0.2, 0.15],
+            "empty_admit_s": list(empty),
+            "after_s": [0.2, 0.14, 0.14],
+            "joined": 1,
+            "world_size": 3,
+            "outbox": {"to": to, "pickled": pickled},
+            "params": params,
+            "param_bytes": 240,
+            "sizes": sizes,
+        } | ({"joiner": joiner} if r == 0 else {})
+
+    first = {i: b for i, b in to_joiner.items() if i != 2}
+    second = {i: b for i, b in to_joiner.items() if i == 2}
+    return [rank(0, {2: first, 1: {3: between}}, 400), rank(1, {2: second}, 300)]
+
+
+def test_a_join_splits_the_joiners_seconds_and_the_state_it_was_sent() -> None:
+    sent = {0: 84, 1: 84, 2: 164}  # Adam: 2 float32 states per element, a 4-byte step
+    join = bench_elastic.Join.of(_grown(sent))
+    parts = (join.start_s, join.wait_s, join.grow_s, join.ddp_s, join.first_step_s)
+    assert parts == pytest.approx((5.0, 0.2, 1.3, 0.1, 0.2))
+    assert sum(parts) == pytest.approx(join.total_s)  # the parts add up to the whole
+    assert (join.admit_s, join.step_before_s, join.step_after_s) == (1.3, 0.15, 0.14)
+    assert (join.shard_bytes, join.carried_bytes, join.moved_bytes) == (164, 168, 332)
+    assert (join.shard_planned, join.carried_planned) == (164, 168)
+    assert join.gathered_bytes == 2 * 400  # every outbox padded to the largest, from 2 ranks
+    assert bench_elastic.planned_state_bytes([10, 20], [1]) == 2 * 20 * 4 + 4
+    summary = bench_elastic.join_summary([join, join])
+    assert "to its first completed step: 6.80 (6.80 to 6.80) s" in summary
+    assert "they reach one every 150 ms here" in summary
+    assert "(median of 4 calls at the boundaries" in summary and "takes 3.00 ms" in summary
+    assert "as planned;" in summary and "nothing between the running ranks" in summary
+    assert "ended 0 apart" in summary
+    moved = bench_elastic.Join.of(_grown(sent, between=2**20))
+    assert "1.0 MiB between the running ranks as the ring" in bench_elastic.join_summary([moved])
+    short = bench_elastic.Join.of(_grown({0: 84, 2: 164}))  # the carried copy half sent
+    assert "**NOT as planned**" in bench_elastic.join_summary([short])
+    assert "the state addressed to it" in bench_elastic.join_bytes_table([join])
+    assert bench_elastic.join_table([join, short]).count("\n") == 3
+
+
+def test_a_join_that_went_wrong_is_refused() -> None:
+    stray = _grown({3: 8})  # state for a parameter the joiner neither owns nor carries
+    with pytest.raises(RuntimeError, match=r"parameters \[3\] reached the joiner"):
+        bench_elastic.Join.of(stray)
+    alone = _grown({2: 164})
+    del alone[0]["joiner"]
+    with pytest.raises(RuntimeError, match="did not grow"):
+        bench_elastic.Join.of(alone)
+    with pytest.raises(RuntimeError, match="made 0 outboxes"):
+        bench_elastic._grown_outbox([])
+    sized = bench_elastic._grown_outbox([{2: {5: {"exp_avg": torch.zeros(4), "step": 1}}}])
+    assert sized["to"] == {2: {5: 16}} and sized["pickled"] > 16
+    command = bench_elastic._joiner_command("/tmp/job", "/tmp/out.pt", True)
+    assert (
+        command[0] == sys.executable
+        and "joiner_main('/tmp/job', '/tmp/out.pt', True)" in command[2]
+    )

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.runtime.futures import settle
 from zerofn_torch.runtime.launch import run_local_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
@@ -139,6 +140,7 @@ def _two_joiners_joiner(job_store: str, out: str) -> None:
     joined.optimizer.consolidate_state_dict(to=0)
     params = [p.detach().clone() for p in model.parameters()]
     torch.save({"rank": joined.rank, "params": params}, out)
+    settle()  # as examples/train_grow_back.py's replacement
     torch.distributed.destroy_process_group()
 
 

@@ -349,3 +349,21 @@ def test_lose_a_rank_go_on_and_grow_back() -> None:
     for sim in ranks:
         assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
     check_holdings(ranks, reference)
+
+
+def test_a_loaded_state_reaches_the_carried_copies_too() -> None:
+    """After ``load_global_state`` (what ``load_state_dict`` and
+    ``load_sharded`` run) every carried copy holds its owner's state."""
+    from zerofn.zero.rank_state import load_global_state
+
+    sizes = [12, 7, 30, 5]
+    params = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
+    plan = plan_shards([sizes], ["cpu/torch.float32"] * 4, [True] * 4, 3, "greedy")
+    grads = grads_for(params, 3, seed=3)
+    _, reference = unsharded(params, grads, "adam")
+    state = reference.state_dict()
+    ranks = world_of(plan, params, "adam")
+    for sim in ranks:
+        groups = [{"params": sim.params, **{k: v for k, v in reference.defaults.items()}}]
+        load_global_state(sim.zero, groups, state)
+    check_holdings(ranks, reference)

@@ -44,6 +44,7 @@ from zerofn.zero.regroup import ParamState, adopt_carried_values, known_states, 
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.futures import settle
 from zerofn_torch.runtime.object_collectives import all_gather_objects, broadcast_object
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -142,6 +143,15 @@ def roll_call(
     return RollCall(alive, any(flag == b"1" for flag in flags))
 
 
+def _timeout_s(group: Any) -> float:
+    """``group``'s collective timeout in seconds (the new group keeps it)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):  # no gloo backend to ask: gloo's default
+        return float(dist.default_pg_timeout.total_seconds())
+
+
 def recover(
     zero: ZeroRedundancyOptimizer,
     error: BaseException,
@@ -167,10 +177,14 @@ def recover(
         error: what the failed step raised; raised again if no rank is lost.
         store: where the roll call is held (default: the default process
             group's store, which the launcher keeps).
-        deadline_s: how long a rank has to answer the roll call.
+        deadline_s: how long a rank has to answer the roll call. A survivor
+            can stay blocked in the failed collective until the group's
+            timeout (gloo does not always report a dead peer to every rank
+            at once); with more than 3 ranks, keep this above that timeout,
+            or the roll call misses it and the survivors refuse to go on.
 
     Returns:
-        The new group and this rank's place in it.
+        The new group (with the old group's timeout) and this rank's place in it.
 
     Raises:
         ValueError: ``zero`` keeps one copy of each shard (``redundancy=1``),
@@ -198,6 +212,7 @@ def recover(
     regrouping = plan_after_loss(old.plan, lost)
     group = dist.new_group(
         [dist.get_global_rank(zero.process_group, r) for r in regrouping.survivors],
+        timeout=timedelta(seconds=_timeout_s(zero.process_group)),
         use_local_synchronization=True,
     )
     if call.interrupted:
@@ -419,6 +434,7 @@ def admit(
             _answer(store, ticket, {"prefix": prefix, "rank": world + i, "world_size": size})
     settle_in_flight(group)
     rank = zero.rank
+    settle()  # no callback of ours may be running when the world's groups go
     dist.destroy_process_group()
     new_group = _new_world(store, prefix, rank, size, timeout_s)
     extra = _grow(
@@ -460,6 +476,9 @@ def join(
     """
     params = list(model.parameters())
     mine = fingerprint(params, optimizer_class, defaults, redundancy)
+    # Before announcing: the options are checked while the job is untouched,
+    # and the optimizer's lazy imports are paid before the running ranks wait.
+    optimizer_class([torch.zeros(1, dtype=params[0].dtype)], **defaults)
     ticket = store.add(f"{JOINERS}/count", 1)
     store.set(f"{JOINERS}/{ticket}/fingerprint", pickle.dumps(mine))
     key = f"{JOINERS}/{ticket}/answer"

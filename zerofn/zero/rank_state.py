@@ -93,7 +93,8 @@ def load_global_state(
     rank: ZeroRank, groups: Sequence[dict[str, Any]], state_dict: StateDict
 ) -> None:
     """Load this rank's shard of a full (checked) state dict into the local
-    optimizer and the masters, and its groups' options into ``groups``;
+    optimizer and the masters (and the carried copy's, with
+    ``redundancy=2``), and its groups' options into ``groups``;
     ``state_dict`` is not modified (its tensors are copied)."""
     optim = rank.optim
     local = cpu_copy(shard(rank.plan.partition, state_dict, rank.options.rank))
@@ -101,6 +102,16 @@ def load_global_state(
     local, masters = without_masters(local)
     optim.load_state_dict(local)
     _load_masters(rank, groups, masters)
+    if rank.carried is not None:  # the carried copy is the owner's state again
+        carried = rank.carried
+        kept = carried.optim.state_dict()
+        saved = state_dict["state"]
+        kept["state"] = {
+            local: cpu_copy(saved[index])
+            for local, index in enumerate(carried.indices)
+            if index in saved
+        }
+        carried.optim.load_state_dict(kept)
     for live, saved in zip(groups, state_dict["param_groups"], strict=True):
         live.update(hyperparameters(saved))
     sync_hyperparameters(groups, optim.param_groups)

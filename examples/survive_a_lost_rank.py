@@ -1,0 +1,387 @@
+"""Lose ranks on purpose, go on without them, and save what the survivors end with.
+
+W gloo ranks on this machine train ``train_elastic.py``'s model with DDP and
+``ZeroRedundancyOptimizer(Adam, redundancy=2)``; each ``--kill RANK@STEP:PHASE``
+ends a rank in step STEP, and the survivors recover in-process
+(``zerofn_torch.elastic.recover``) and go on to step N::
+
+    .venv/bin/python examples/survive_a_lost_rank.py --world-size 4 --steps 22 \\
+        --kill 1@10:exchange --kill 2@20:between --out out/killed
+    .venv/bin/python examples/survive_a_lost_rank.py --world-size 4 --steps 22 \\
+        --kill 1@10:exchange --kill 2@20:between --out out/reference --reference
+
+RANK is the rank the process started as (not its rank in the world of the
+moment); steps count from 0. PHASE says where in STEP it dies:
+
+- ``backward``: inside its backward (a hook on a parameter's gradient ends
+  the process); the survivors' DDP all-reduce fails and they redo STEP;
+- ``exchange``: right after its local optimizer step, inside the ZeRO step's
+  exchange; the survivors finish STEP from the carried copies;
+- ``between``: after STEP completed, before STEP+1; the survivors' STEP+1
+  fails and they redo it.
+
+Kills come in step order, one rank at a time: a later one after the
+survivors restored redundancy. The dying process ends at once with status 0
+(``os._exit(0)``: ``run_local_world`` counts any other end as a failure of
+the world); under torchrun the same loop dies with ``SIGKILL`` instead (see
+``train_elastic.py``'s ``kill_self`` and ``--torchrun-worker``).
+
+It writes ``OUT/final.pt``: ``{"model": the model's state_dict, "optimizer":
+the consolidated ZeRO state_dict}`` from the survivors' rank 0, and prints
+last one line per kill: the seconds from the failure a survivor caught to its
+next completed step, and the steps lost (the Adam step count of the state
+the survivors go on from against the steps done: 0 expected).
+
+``--reference`` runs the same model, data and kills without dying: W ranks
+up to the first loss (through STEP for ``exchange`` and ``between``, whose
+step the survivors keep; up to it for ``backward``, whose step they redo),
+the state consolidated, then fresh ranks of the survivors' world size from
+it with the same batches (those of a world of that size), and so on per
+kill. Its ``final.pt`` equals the killed run's bit for bit
+(``tests/test_survive_a_lost_rank.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from train_elastic import _exit_after_local_step, exit_quietly, make_model, train_step
+from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.elastic import recover
+from zerofn_torch.runtime.launch import run_local_world
+
+from zerofn.errors import CollectiveError
+
+PHASES = ("backward", "exchange", "between")
+TIMEOUT_S = 4.0
+"""The gloo group's timeout: a survivor that does not see the death sooner
+fails then (gloo does not always tell every survivor at once)."""
+DEADLINE_S = TIMEOUT_S + 2.0
+"""The roll call's deadline: each recovery waits this long for the dead rank,
+longer than the group's timeout, so that a survivor still blocked in the
+failed collective answers in time."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """One rank lost on purpose.
+
+    Attributes:
+        rank: the rank the process started as.
+        step: the step it dies in (``between``: after it).
+        phase: ``backward``, ``exchange`` or ``between``.
+    """
+
+    rank: int
+    step: int
+    phase: str
+
+    @property
+    def failing_step(self) -> int:
+        """The step whose collective fails on the survivors."""
+        return self.step + 1 if self.phase == "between" else self.step
+
+    @property
+    def kept(self) -> int:
+        """Steps done before the survivors' world takes over (the first step it runs)."""
+        return self.step if self.phase == "backward" else self.step + 1
+
+    def __str__(self) -> str:
+        return f"{self.rank}@{self.step}:{self.phase}"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What one launch of ranks runs.
+
+    Attributes:
+        first: the first step.
+        last: the step after the last one.
+        kills: the ranks lost on the way (none in a reference).
+        start: the state to start from (``final.pt``'s format), or a fresh model.
+        redundancy: copies of each shard (2 to survive a loss).
+        deadline_s: the roll call's deadline.
+    """
+
+    first: int
+    last: int
+    kills: tuple[Kill, ...] = ()
+    start: dict[str, Any] | None = None
+    redundancy: int = 2
+    deadline_s: float = DEADLINE_S
+
+
+@dataclass
+class Recovery:
+    """One recovery, as a survivor saw it (times and counts filled in as it goes)."""
+
+    step: int
+    lost: tuple[int, ...]
+    finished_step: bool
+    sizes: tuple[int, int]
+    began: float
+    seconds: float = float("nan")
+    steps_lost: int | None = None
+
+
+def parse_kill(text: str) -> Kill:
+    """``RANK@STEP:PHASE`` as a :class:`Kill`."""
+    try:
+        rank, rest = text.split("@")
+        step, phase = rest.split(":")
+        kill = Kill(int(rank), int(step), phase)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RANK@STEP:PHASE") from None
+    if phase not in PHASES:
+        raise argparse.ArgumentTypeError(f"{text!r}: PHASE is one of {', '.join(PHASES)}")
+    return kill
+
+
+def check_kills(world_size: int, steps: int, kills: tuple[Kill, ...]) -> None:
+    """Refuse kills this run cannot honour.
+
+    Raises:
+        ValueError: a rank outside the world or killed twice, a kill the
+            survivors would never notice (at or after the last step), kills
+            out of step order or at the same step, or fewer than 2 survivors.
+    """
+    ranks = [k.rank for k in kills]
+    if any(not 0 <= r < world_size for r in ranks) or len(set(ranks)) != len(ranks):
+        raise ValueError(f"each killed rank is one of 0..{world_size - 1}, once: {ranks}")
+    if world_size - len(kills) < 2:
+        raise ValueError(
+            f"{len(kills)} kills of {world_size} ranks: redundancy=2 needs 2 survivors to go on"
+        )
+    if any(k.failing_step >= steps or k.step < 0 for k in kills):
+        raise ValueError(f"every kill must be noticed within the {steps} steps (between: STEP+1)")
+    failing = [k.failing_step for k in kills]
+    if failing != sorted(set(failing)):
+        raise ValueError(f"kills in step order, one per step: {[str(k) for k in kills]}")
+
+
+def _die_in_backward(model: torch.nn.Module) -> None:
+    """End this process when the gradient of the model's last parameter (the
+    first one backward reaches) is computed, before DDP averages any bucket."""
+    last = list(model.parameters())[-1]
+    last.register_hook(lambda grad: exit_quietly())  # type: ignore[no-untyped-call]
+
+
+def _arm(kill: Kill | None, model: torch.nn.Module, zero: ZeroRedundancyOptimizer) -> None:
+    """Set up this rank's death inside the coming step, if it is due."""
+    if kill is None or kill.phase == "between":
+        return
+    if kill.phase == "backward":
+        _die_in_backward(model)
+    else:
+        _exit_after_local_step(zero, exit_quietly)
+
+
+def _adam_steps(zero: ZeroRedundancyOptimizer) -> int | None:
+    """The Adam step count of this rank's shard (``None``: it owns nothing)."""
+    counts = [int(s["step"]) for s in zero.optim.state.values() if "step" in s]
+    return min(counts) if counts else None
+
+
+def _done(recovery: Recovery, zero: ZeroRedundancyOptimizer, step: int) -> None:
+    """The survivors completed ``step`` after ``recovery``: time it, and count
+    the steps lost (the state holds ``step + 1`` Adam steps when none is)."""
+    recovery.seconds = time.perf_counter() - recovery.began
+    applied = _adam_steps(zero)
+    recovery.steps_lost = None if applied is None else step + 1 - applied
+
+
+def _step_surviving(
+    ddp: DDP, model: torch.nn.Module, zero: ZeroRedundancyOptimizer, step: int, job: Segment
+) -> tuple[DDP, list[Recovery]]:
+    """Run ``step`` until it completes, recovering from each rank lost on the way.
+
+    Returns:
+        The DDP to go on with (rebuilt on the survivors' group after a loss)
+        and the recoveries this step needed.
+    """
+    recoveries: list[Recovery] = []
+    while True:
+        try:
+            train_step(ddp, zero, step)
+            break
+        except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
+            began, before = time.perf_counter(), zero.world_size
+            survivors = recover(zero, error, deadline_s=job.deadline_s)
+            ddp = DDP(model, process_group=survivors.group)
+            recoveries.append(
+                Recovery(
+                    step,
+                    survivors.lost,
+                    survivors.finished_step,
+                    (before, survivors.world_size),
+                    began,
+                )
+            )
+            if survivors.finished_step:
+                break  # the step was finished from the carried copies
+    for recovery in recoveries:
+        _done(recovery, zero, step)
+    return ddp, recoveries
+
+
+def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
+    """One rank's training loop, for both modes: steps ``job.first`` to
+    ``job.last``, this rank dying where ``job.kills`` say, the others recovering.
+
+    Args:
+        rank: the rank this process started as.
+        world_size: the ranks started.
+        job: what to run.
+
+    Returns:
+        On the final world's rank 0: ``final.pt``'s ``model`` and
+        ``optimizer``, the ``recoveries`` it went through (as dicts) and the
+        final ``world_size``; ``None`` on the other survivors.
+    """
+    model = make_model()
+    if job.start is not None:
+        model.load_state_dict(job.start["model"])
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, redundancy=job.redundancy, lr=0.01
+    )
+    if job.start is not None:
+        zero.load_state_dict(job.start["optimizer"])
+    ddp = DDP(model)
+    mine = {k.step: k for k in job.kills if k.rank == rank}
+    recoveries: list[Recovery] = []
+    for step in range(job.first, job.last):
+        _arm(mine.get(step), model, zero)
+        ddp, done = _step_surviving(ddp, model, zero, step, job)
+        recoveries += done
+        if step in mine and mine[step].phase == "between":
+            exit_quietly()
+    zero.consolidate_state_dict(to=0)
+    if zero.rank != 0:
+        return None
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": zero.state_dict(),
+        "recoveries": [asdict(r) for r in recoveries],
+        "world_size": zero.world_size,
+    }
+
+
+def run_killed(
+    world_size: int, steps: int, kills: tuple[Kill, ...], deadline_s: float = DEADLINE_S
+) -> dict[str, Any]:
+    """``world_size`` ranks for ``steps`` steps, losing the ranks of ``kills``.
+
+    Returns:
+        What the final world's rank 0 returned (:func:`run_rank`).
+    """
+    check_kills(world_size, steps, kills)
+    job = Segment(0, steps, kills, deadline_s=deadline_s)
+    results = run_local_world(
+        run_rank, world_size, job, timeout_s=TIMEOUT_S, may_exit=[k.rank for k in kills]
+    )
+    (final,) = [r for r in results if r is not None]
+    result: dict[str, Any] = final
+    return result
+
+
+def run_reference(world_size: int, steps: int, kills: tuple[Kill, ...]) -> dict[str, Any]:
+    """The same steps and batches with nobody dying: one launch per world
+    (``world_size`` ranks, then one fewer after each kill), each from the
+    state the last one consolidated.
+
+    Returns:
+        What the last launch's rank 0 returned (:func:`run_rank`, no
+        recoveries), with ``segments``: ``(first step, last step + 1, ranks)``
+        of each launch.
+    """
+    check_kills(world_size, steps, kills)
+    start: dict[str, Any] | None = None
+    first, segments = 0, []
+    for lost, end in enumerate([*(k.kept for k in kills), steps]):
+        # redundancy=1: nobody dies here, and a loaded state reaches the owners only
+        job = Segment(first, end, start=start, redundancy=1)
+        start = run_local_world(run_rank, world_size - lost, job, timeout_s=TIMEOUT_S)[0]
+        segments.append((first, end, world_size - lost))
+        first = end
+    assert start is not None
+    return {**start, "segments": segments}
+
+
+def save_final(result: dict[str, Any], out_dir: str) -> str:
+    """Write ``final.pt`` (``model`` and ``optimizer``) in ``out_dir``; its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "final.pt")
+    torch.save({"model": result["model"], "optimizer": result["optimizer"]}, path)
+    return path
+
+
+def adam_steps(optimizer_state: dict[str, Any]) -> set[int]:
+    """The Adam step counts found in a consolidated optimizer state."""
+    return {int(s["step"]) for s in optimizer_state["state"].values()}
+
+
+def report(result: dict[str, Any], kills: tuple[Kill, ...]) -> list[str]:
+    """What a run did: per kill, the recovery's seconds and the steps lost
+    (a reference: the steps each world ran)."""
+    if "segments" in result:
+        return [
+            f"reference: steps {first} to {end - 1} on {size} ranks"
+            for first, end, size in result["segments"]
+        ]
+    lines = []
+    for kill, r in zip(kills, result["recoveries"], strict=True):
+        how = "the step finished from the carried copies" if r["finished_step"] else "step redone"
+        lines.append(
+            f"rank {kill.rank} lost in step {kill.step} ({kill.phase}): "
+            f"{r['sizes'][0]} -> {r['sizes'][1]} ranks at step {r['step']}, {how}; "
+            f"recovered in {r['seconds']:.2f} s; steps lost: {r['steps_lost']}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, required=True, help="ranks to start")
+    parser.add_argument("--steps", type=int, required=True, help="steps to train")
+    parser.add_argument(
+        "--kill",
+        type=parse_kill,
+        action="append",
+        default=[],
+        metavar="RANK@STEP:PHASE",
+        help=f"lose the rank started as RANK in STEP; PHASE: {', '.join(PHASES)}",
+    )
+    parser.add_argument("--out", required=True, help="directory for final.pt")
+    parser.add_argument("--reference", action="store_true", help="the same, without dying")
+    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="roll call deadline")
+    args = parser.parse_args(argv)
+    kills = tuple(args.kill)
+    try:
+        check_kills(args.world_size, args.steps, kills)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.reference:
+        result = run_reference(args.world_size, args.steps, kills)
+    else:
+        result = run_killed(args.world_size, args.steps, kills, args.deadline_s)
+    path = save_final(result, args.out)
+    counts = sorted(adam_steps(result["optimizer"]))
+    print(
+        f"wrote {path}: {result['world_size']} of {args.world_size} ranks at the end, "
+        f"{args.steps} steps done, Adam step count {counts} in the optimizer state"
+    )
+    for line in report(result, kills):
+        print(line)
+    lost = [r["steps_lost"] for r in result["recoveries"]]
+    if counts != [args.steps] or any(n != 0 for n in lost):
+        raise SystemExit(f"steps were lost: Adam step counts {counts}, per recovery {lost}")
+
+
+if __name__ == "__main__":
+    main()

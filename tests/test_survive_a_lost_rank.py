@@ -1,0 +1,146 @@
+"""``examples/survive_a_lost_rank.py``: ranks lost on purpose (in a backward,
+inside the ZeRO step's exchange, between steps; one after another), the
+survivors going on in-process with ``redundancy=2``; their ``final.pt`` (the
+model's state_dict and the consolidated optimizer state) equals, bit for bit,
+the ``--reference`` run's, which never loses a rank but restarts on the
+survivors' world size from the consolidated state at each loss with the same
+batches. No step is lost (the Adam step counts)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+import survive_a_lost_rank as example
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "survive_a_lost_rank.py")
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "final.pt") -> None:
+    """The same structure, every tensor ``torch.equal`` (and of the same dtype)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def check_recoveries(
+    result: dict[str, Any], world_size: int, kills: tuple[example.Kill, ...]
+) -> None:
+    """One recovery per kill, at the step the survivors noticed it, the step
+    finished only when the rank died in the exchange, no step lost."""
+    assert result["world_size"] == world_size - len(kills)
+    assert len(result["recoveries"]) == len(kills)
+    for i, (kill, r) in enumerate(zip(kills, result["recoveries"], strict=True)):
+        assert r["step"] == kill.failing_step
+        assert r["finished_step"] == (kill.phase == "exchange")
+        assert tuple(r["sizes"]) == (world_size - i, world_size - i - 1)
+        assert len(r["lost"]) == 1 and r["seconds"] > 0
+        assert r["steps_lost"] == 0
+
+
+@pytest.mark.parametrize(
+    "world_size,steps,kills",
+    [
+        pytest.param(3, 14, ("1@12:exchange",), marks=pytest.mark.slow, id="3 ranks, exchange"),
+        pytest.param(3, 14, ("1@12:backward",), marks=pytest.mark.slow, id="3 ranks, backward"),
+        pytest.param(3, 14, ("2@12:between",), id="3 ranks, between"),  # the unmarked one
+        pytest.param(
+            4,
+            22,
+            ("1@10:exchange", "2@20:between"),
+            marks=pytest.mark.slow,
+            id="4 ranks, exchange then between",
+        ),
+    ],
+)
+def test_the_survivors_end_with_the_references_bits(
+    tmp_path: Path, world_size: int, steps: int, kills: tuple[str, ...]
+) -> None:
+    plan = tuple(example.parse_kill(k) for k in kills)
+    killed = example.run_killed(world_size, steps, plan)
+    check_recoveries(killed, world_size, plan)
+    reference = example.run_reference(world_size, steps, plan)
+    ours = torch.load(example.save_final(killed, str(tmp_path / "killed")), weights_only=False)
+    theirs = torch.load(
+        example.save_final(reference, str(tmp_path / "reference")), weights_only=False
+    )
+    assert ours.keys() == {"model", "optimizer"}
+    assert example.adam_steps(ours["optimizer"]) == {steps}
+    assert_bitwise_equal(ours, theirs)
+
+
+def _cli(*args: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()
+
+
+@pytest.mark.slow  # make test-slow: two runs of the command, each starting torch twice
+def test_the_command_line_end_to_end(tmp_path: Path) -> None:
+    """The smallest case through the command: 3 ranks, rank 2 lost between steps 1 and 2."""
+    common = ["--world-size", "3", "--steps", "3", "--kill", "2@1:between"]
+    killed = _cli(*common, "--out", str(tmp_path / "killed"))
+    reference = _cli(*common, "--out", str(tmp_path / "reference"), "--reference")
+    wrote = "final.pt: 2 of 3 ranks at the end, 3 steps done, Adam step count [3]"
+    assert wrote in killed[-2] and wrote in reference[-3]
+    assert re.fullmatch(
+        r"rank 2 lost in step 1 \(between\): 3 -> 2 ranks at step 2, step redone; "
+        r"recovered in \d+\.\d\d s; steps lost: 0",
+        killed[-1],
+    ), killed[-1]
+    assert reference[-2:] == [
+        "reference: steps 0 to 1 on 3 ranks",
+        "reference: steps 2 to 2 on 2 ranks",
+    ]
+    ours, theirs = (
+        torch.load(tmp_path / name / "final.pt", weights_only=False)
+        for name in ("killed", "reference")
+    )
+    assert_bitwise_equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "world_size,steps,kills,why",
+    [
+        (3, 14, ("3@2:backward",), "each killed rank"),
+        (3, 14, ("1@2:backward", "1@5:between"), "each killed rank"),
+        (3, 14, ("1@2:backward", "2@5:between"), "2 survivors"),
+        (3, 14, ("1@13:between",), "noticed within"),
+        (4, 14, ("1@5:between", "2@6:backward"), "step order"),
+        (4, 14, ("1@6:backward", "2@5:exchange"), "step order"),
+    ],
+)
+def test_kills_it_cannot_honour_are_refused(
+    world_size: int, steps: int, kills: tuple[str, ...], why: str
+) -> None:
+    plan = tuple(example.parse_kill(k) for k in kills)
+    with pytest.raises(ValueError, match=why):
+        example.check_kills(world_size, steps, plan)
+
+
+@pytest.mark.parametrize("text", ["1@2", "x@2:exchange", "1@2:forward", "1:exchange@2"])
+def test_a_kill_is_rank_at_step_colon_phase(text: str) -> None:
+    with pytest.raises(Exception, match="RANK@STEP:PHASE|PHASE is one of"):
+        example.parse_kill(text)
+    assert example.parse_kill("2@12:between") == example.Kill(2, 12, "between")
