@@ -214,10 +214,7 @@ def test_survivors_go_on_exactly_after_a_loss(
     ranks = survivors_of(ranks, sorted(lost), interrupted=interrupted)
     for step in grads[before:]:
         step_simulated(ranks, step)
-    expected, reference = unsharded(params, grads, name)
-    for sim in ranks:
-        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
-    check_holdings(ranks, reference)
+    check_against_unsharded(ranks, params, grads, name)
 
 
 def test_the_planner_counts_the_carried_copy() -> None:
@@ -257,6 +254,20 @@ def test_the_command_line_shows_the_carried_copy(capsys: pytest.CaptureFixture[s
     assert "carried GiB" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--model", "gpt2-small", "--world-size", "4", "--redundancy", "3"])
+
+
+def check_against_unsharded(
+    ranks: list[SimulatedRank],
+    params: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    name: str,
+) -> None:
+    """Every rank's parameters are the unsharded optimizer's after ``grads``,
+    and every state lives where :func:`check_holdings` says."""
+    expected, reference = unsharded(params, grads, name)
+    for sim in ranks:
+        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
+    check_holdings(ranks, reference)
 
 
 def check_holdings(ranks: list[SimulatedRank], reference: torch.optim.Optimizer) -> None:
@@ -320,10 +331,7 @@ def test_a_grown_world_goes_on_exactly(
     assert len(ranks) == plan.world_size + joiners
     for step in grads[before:]:
         step_simulated(ranks, step)
-    expected, reference = unsharded(params, grads, name)
-    for sim in ranks:
-        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
-    check_holdings(ranks, reference)
+    check_against_unsharded(ranks, params, grads, name)
 
 
 def test_lose_a_rank_go_on_and_grow_back() -> None:
@@ -344,11 +352,8 @@ def test_lose_a_rank_go_on_and_grow_back() -> None:
     ranks = grown_by(ranks, 1)
     for step in grads[4:]:
         step_simulated(ranks, step)
-    expected, reference = unsharded(params, grads, "adam")
     assert len(ranks) == 3
-    for sim in ranks:
-        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
-    check_holdings(ranks, reference)
+    check_against_unsharded(ranks, params, grads, "adam")
 
 
 def test_a_loaded_state_reaches_the_carried_copies_too() -> None:
