@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from zerofn.comm import Broadcast, Program
 from zerofn.errors import CollectiveError
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
-from zerofn.zero.regroup import ParamState, adopt_carried_values, known_states, outgoing_states
+from zerofn.zero.regroup import Outbox, ParamState, adopt_carried_values, moves_program
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime.driver import drive
@@ -143,6 +143,20 @@ def roll_call(
     return RollCall(alive, any(flag == b"1" for flag in flags))
 
 
+def _moved(
+    program: Generator[Outbox, Sequence[Outbox], dict[int, ParamState]], group: Any, purpose: str
+) -> dict[int, ParamState]:
+    """Run the core's :func:`~zerofn.zero.regroup.moves_program` on ``group``:
+    its outbox all-gathered, every parameter's state this rank knows after."""
+    outbox = next(program)
+    try:
+        program.send(all_gather_objects(outbox, group, purpose))
+    except StopIteration as done:
+        known: dict[int, ParamState] = done.value
+        return known
+    raise AssertionError("moves_program yields once")
+
+
 def _timeout_s(group: Any) -> float:
     """``group``'s collective timeout in seconds (the new group keeps it)."""
     try:
@@ -219,12 +233,9 @@ def recover(
         for gone in lost:
             adopt_carried_values(old, [p for g in zero.param_groups for p in g["params"]], gone)
     new_rank = regrouping.new_rank(zero.rank)
-    known = known_states(old)
-    sent = all_gather_objects(
-        outgoing_states(regrouping, new_rank, known), group, "restoring redundancy after a loss"
+    known = _moved(
+        moves_program(old, regrouping, new_rank), group, "restoring redundancy after a loss"
     )
-    for outbox in sent:
-        known.update(outbox.get(new_rank, {}))
     zero.regroup(group, regrouping, new_rank, known, finish_step=call.interrupted)
     verify_replicas([p for g in zero.param_groups for p in g["params"]], group)
     return Recovered(group, new_rank, len(regrouping.survivors), lost, call.interrupted)
@@ -374,12 +385,11 @@ def _grow(
     params = [p for g in zero.param_groups for p in g["params"]]
     with torch.no_grad():
         drive(_broadcast_params(params), group, "the joiners' parameters").wait()
-    known: dict[int, ParamState] = (
-        known_states(zero.zero_rank) if rank < len(regrouping.survivors) else {}
+    known = _moved(
+        moves_program(zero.zero_rank, regrouping, rank),
+        group,
+        "the joiners' shards and carried copies",
     )
-    outbox = outgoing_states(regrouping, rank, known)
-    for sent in all_gather_objects(outbox, group, "the joiners' shards and carried copies"):
-        known.update(sent.get(rank, {}))
     zero.regroup(group, regrouping, rank, known, finish_step=False, generation=generation)
     verify_replicas(params, group)
     return extra

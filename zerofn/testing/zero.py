@@ -35,14 +35,8 @@ from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import ZeroRank, build_rank, local_step, resolve_options
-from zerofn.zero.redundancy import plan_after_join, plan_after_loss
-from zerofn.zero.regroup import (
-    ParamState,
-    adopt_carried_values,
-    known_states,
-    outgoing_states,
-    regrouped,
-)
+from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
+from zerofn.zero.regroup import adopt_carried_values, moves_program, regrouped
 from zerofn.zero.shards import Shards
 from zerofn.zero.step import Compressed, run_zero_step
 
@@ -136,12 +130,10 @@ def simulated_ranks(
         ValueError, TypeError: a bad ``master_dtype``, compression or
             hyperparameter.
     """
-    sizes = [len(group) for group in plan.partition.group_sizes]
-    starts = [sum(sizes[:g]) for g in range(len(sizes))]
     ranks = []
     for rank in range(plan.world_size):
         mine = [p.detach().clone() for p in params]
-        groups = [{"params": mine[a : a + n]} for a, n in zip(starts, sizes, strict=True)]
+        groups = _groups(plan, mine)
         options = resolve_options(
             groups, optimizer_class, defaults,
             rank=rank, world_size=plan.world_size, via="broadcasts", bucket_view=bucket_view,
@@ -252,20 +244,11 @@ def survivors_of(
     """
     regrouping = plan_after_loss(ranks[0].zero.plan, lost)
     alive = [ranks[old] for old in regrouping.survivors]
-    known = [known_states(sim.zero) for sim in alive]
-    inbox: list[dict[int, ParamState]] = [{} for _ in alive]
-    for new, states in enumerate(known):
-        for target, moved in outgoing_states(regrouping, new, states).items():
-            inbox[target].update(moved)
-    rebuilt = []
-    for sim, states, received in zip(alive, known, inbox, strict=True):
-        if interrupted:
+    if interrupted:
+        for sim in alive:
             for gone in lost:
                 adopt_carried_values(sim.zero, sim.params, gone)
-        groups = _groups(regrouping.plan, sim.params)
-        new = regrouping.new_rank(sim.zero.options.rank)
-        zero = regrouped(sim.zero, groups, regrouping, new, {**states, **received})
-        rebuilt.append(SimulatedRank(sim.params, zero))
+    rebuilt = _regrouped_world(alive, regrouping)
     if interrupted:
         programs = [
             run_zero_step(sim.shards, sim.params, "broadcasts", lambda _: None) for sim in rebuilt
@@ -294,25 +277,24 @@ def grown_by(ranks: Sequence[SimulatedRank], joiners: int) -> list[SimulatedRank
         newcomers.append(
             SimulatedRank(mine, build_rank(_groups(first.plan, mine), options, regrouping.plan))
         )
-    world = [*ranks, *newcomers]
-    known = [known_states(sim.zero) if r < len(ranks) else {} for r, sim in enumerate(world)]
-    inbox: list[dict[int, ParamState]] = [{} for _ in world]
-    for new, states in enumerate(known):
-        for target, moved in outgoing_states(regrouping, new, states).items():
-            inbox[target].update(moved)
-    return [
-        SimulatedRank(
-            sim.params,
-            regrouped(
-                sim.zero,
-                _groups(regrouping.plan, sim.params),
-                regrouping,
-                new,
-                {**states, **received},
-            ),
-        )
-        for new, (sim, states, received) in enumerate(zip(world, known, inbox, strict=True))
-    ]
+    return _regrouped_world([*ranks, *newcomers], regrouping)
+
+
+def _regrouped_world(world: Sequence[SimulatedRank], regrouping: Regrouping) -> list[SimulatedRank]:
+    """Every rank of the new world rebuilt (new rank = position): the core's
+    :func:`~zerofn.zero.regroup.moves_program` on each, the outboxes handed
+    to all, then :func:`~zerofn.zero.regroup.regrouped`."""
+    programs = [moves_program(sim.zero, regrouping, new) for new, sim in enumerate(world)]
+    outboxes = [next(program) for program in programs]
+    rebuilt = []
+    for new, (sim, program) in enumerate(zip(world, programs, strict=True)):
+        try:
+            program.send(outboxes)
+        except StopIteration as done:
+            groups = _groups(regrouping.plan, sim.params)
+            zero = regrouped(sim.zero, groups, regrouping, new, done.value)
+            rebuilt.append(SimulatedRank(sim.params, zero))
+    return rebuilt
 
 
 def master_replica_gap(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:

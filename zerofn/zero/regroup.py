@@ -8,7 +8,7 @@ update finished from the carried copy. The adapter
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -18,15 +18,21 @@ from zerofn.zero.rank import ZeroRank, placed
 from zerofn.zero.redundancy import Regrouping, carried_owner
 
 __all__ = [
+    "Outbox",
     "ParamState",
     "adopt_carried_values",
     "known_states",
+    "moves_program",
     "outgoing_states",
     "regrouped",
 ]
 
 ParamState = dict[str, Any]
 """One parameter's optimizer state, as ``torch.optim`` keeps it."""
+
+Outbox = dict[int, dict[int, ParamState]]
+"""What one rank sends when the world changes: per target rank, the state of
+each parameter moved to it."""
 
 
 def _copied(state: Mapping[str, Any]) -> ParamState:
@@ -66,6 +72,21 @@ def outgoing_states(
                 {i: known[i] for i in move.indices if i in known}
             )
     return out
+
+
+def moves_program(
+    rank: ZeroRank, regrouping: Regrouping, new: int
+) -> Generator[Outbox, Sequence[Outbox], dict[int, ParamState]]:
+    """The moves of a changing world, as rank ``new`` of it takes part: it
+    yields what it sends (:func:`outgoing_states` of what it knows), is sent
+    back every rank's outbox (an all-gather, in the adapter; handed over, in
+    the simulated world), and returns every parameter's state it knows then,
+    for :func:`regrouped`. A joiner knows nothing yet and sends nothing."""
+    known = known_states(rank)
+    every = yield outgoing_states(regrouping, new, known)
+    for outbox in every:
+        known.update(outbox.get(new, {}))
+    return known
 
 
 def adopt_carried_values(rank: ZeroRank, params: Sequence[torch.Tensor], lost: int) -> None:
