@@ -25,7 +25,7 @@
    the rebuilt optimizer, and after a loss inside the exchange the exchange
    again), DDP's rebuild, and the step redone, up to their next completed
    step; the state bytes moved to restore redundancy (the outboxes of
-   ``outgoing_states``) against the model's optimizer state; steps lost (the
+   ``moves_program``) against the model's optimizer state; steps lost (the
    steps done before the loss that the state the survivors go on from lacks,
    by Adam's step count in it).
    Beside it, the restart path's figures, read from the kill-and-restart
@@ -44,7 +44,7 @@
    ``admit``, and the ``admit`` calls that found nobody). Bytes sent to the
    joiner: the parameters (its broadcasts inside ``join``,
    ``collective_traffic``) and the optimizer state (the tensors addressed
-   to it in the outboxes of ``outgoing_states``, which ``_grow`` calls by
+   to it in the outboxes of ``moves_program``, which ``_grow`` calls by
    name; they travel pickled, by ``all_gather_object``, which
    ``collective_traffic`` does not see), against the model's parameters
    and the state the grown plan gives it; the three ranks' parameters
@@ -377,10 +377,30 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
+def _watch_outboxes(seen: Callable[[Any], None]) -> None:
+    """Hand ``seen`` every outbox this process sends in the moves
+    (``recover`` and ``_grow`` call ``moves_program`` by name, in this
+    process's copy of ``zerofn_torch.elastic``)."""
+    moves = elastic.moves_program
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        program = moves(*args, **kwargs)
+        outbox = next(program)
+        seen(outbox)
+        every = yield outbox
+        try:
+            program.send(every)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("moves_program yields once")
+
+    setattr(elastic, "moves_program", watched)  # noqa: B010
+
+
 def _instrument(spent: dict[str, float]) -> None:
-    """Time ``recover``'s roll call and count the state it sends (this
-    process's copy of ``zerofn_torch.elastic``; ``recover`` calls both by name)."""
-    roll_call, outgoing = elastic.roll_call, elastic.outgoing_states
+    """Time ``recover``'s roll call (called by name, in this process's copy
+    of ``zerofn_torch.elastic``) and count the state it sends."""
+    roll_call = elastic.roll_call
 
     def timed_roll_call(*args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
@@ -389,13 +409,11 @@ def _instrument(spent: dict[str, float]) -> None:
         finally:
             spent["roll_call_s"] += time.perf_counter() - began
 
-    def counted_outgoing(*args: Any, **kwargs: Any) -> Any:
-        out = outgoing(*args, **kwargs)
-        spent["moved_bytes"] += _tensor_bytes(out)
-        return out
+    def counted(outbox: Any) -> None:
+        spent["moved_bytes"] += _tensor_bytes(outbox)
 
     setattr(elastic, "roll_call", timed_roll_call)  # noqa: B010
-    setattr(elastic, "outgoing_states", counted_outgoing)  # noqa: B010
+    _watch_outboxes(counted)
 
 
 def _loss_rank(
@@ -428,7 +446,7 @@ def _loss_rank(
             if not spent["roll_call_s"] or not spent["moved_bytes"]:
                 raise RuntimeError(
                     "recover no longer calls zerofn_torch.elastic.roll_call and "
-                    "outgoing_states by name: bench_elastic._instrument timed nothing"
+                    "moves_program by name: bench_elastic._instrument timed nothing"
                 ) from error
             ddp = DDP(model, process_group=survivors.group)
             t2 = time.perf_counter()
@@ -655,16 +673,9 @@ STATE = OPTIMIZERS["adam"]
 
 
 def _record_outboxes(outboxes: list[Any]) -> None:
-    """Keep every outbox ``outgoing_states`` makes in this process (``admit``
-    and ``join`` call it by name, in ``_grow``): what each rank sends to which."""
-    outgoing = elastic.outgoing_states
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        out = outgoing(*args, **kwargs)
-        outboxes.append(out)
-        return out
-
-    setattr(elastic, "outgoing_states", recorded)  # noqa: B010
+    """Keep every outbox this process sends in the moves (``admit`` and
+    ``join`` run them in ``_grow``): what each rank sends to which."""
+    _watch_outboxes(outboxes.append)
 
 
 def _grown_outbox(outboxes: Sequence[Any]) -> dict[str, Any]:
@@ -673,12 +684,12 @@ def _grown_outbox(outboxes: Sequence[Any]) -> dict[str, Any]:
     ``all_gather_object`` sends).
 
     Raises:
-        RuntimeError: ``outgoing_states`` was not called once.
+        RuntimeError: the moves did not run once.
     """
     if len(outboxes) != 1:
         raise RuntimeError(
             f"the growth made {len(outboxes)} outboxes, not one: does _grow still call "
-            "zerofn_torch.elastic.outgoing_states by name? bench_elastic._record_outboxes "
+            "zerofn_torch.elastic.moves_program by name? bench_elastic._record_outboxes "
             "counted nothing"
         )
     (out,) = outboxes
@@ -974,7 +985,7 @@ def join_bytes_table(joins: Sequence[Join]) -> str:
             [
                 "optimizer state for its shard",
                 fmt_bytes(j.shard_bytes),
-                "the tensors addressed to it in the running ranks' outboxes (`outgoing_states`)",
+                "the tensors addressed to it in the running ranks' outboxes (`moves_program`)",
                 f"its shard's state by the grown plan, {_of(j.shard_bytes, j.shard_planned)}; "
                 f"held after `join` (`memory_bytes`): {fmt_bytes(j.shard_held)}",
             ],
