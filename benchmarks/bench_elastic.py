@@ -14,7 +14,9 @@
    are counted for both (``collective_traffic``; DDP runs zerofn's all-reduce
    hook so that its all-reduce is counted too) and must be equal; memory from
    ``memory_bytes()`` (its ``carried`` key) against
-   ``plan_footprint(..., redundancy=2)``.
+   ``plan_footprint(..., redundancy=2)``. In the same rounds,
+   ``verify_replicas`` over the model: its cost when it runs every
+   :data:`VERIFY_EVERY` steps is one check over that many iterations.
 2. **A loss** (3 gloo ranks, the same model, ``redundancy=2``): rank 2 exits
    at step :data:`LOST_AT`, before its step or inside the step's exchange
    (right after its local step): ``examples/train_elastic.py``'s two modes,
@@ -90,7 +92,7 @@ from report import (
     take_turns,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch import ZeroRedundancyOptimizer, verify_replicas
 from zerofn_torch.elastic import admit, join, recover
 from zerofn_torch.hooks import allreduce_hook
 from zerofn_torch.runtime.launch import run_local_world
@@ -114,6 +116,13 @@ STEP = {1: "optimizer step, redundancy=1", 2: "optimizer step, redundancy=2"}
 ADAM = "Adam over the carried shard alone"
 COPIES = "the carrier's copies alone"
 PARTS = (ADAM, COPIES)
+VERIFY = "verify_replicas"
+VERIFY_EVERY = 100
+"""``verify_replicas(..., every=VERIFY_EVERY)``: its cost is one check's
+time over this many iterations."""
+AFTER_DETECTION_S = 1.0
+"""The target for a loss: at most this long from its detection (the failed
+collective, then the roll call that proves who is gone) to the next step."""
 GROUP_TIMEOUT_S = 30.0
 """The process group's timeout in the loss runs (as ``examples/train_elastic.py``)."""
 
@@ -184,9 +193,17 @@ def _cost_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int
     assert carried is not None
     shapes = [tuple(t.shape) for t in carried.tensors()]
     parts = {ADAM: update_alone(shapes), COPIES: copies_alone(shapes)}
-    # Iterations only, so both copies take the same steps on the same data.
+    # Iterations only, so both copies take the same steps on the same data;
+    # the check reads the parameters and changes nothing.
     iterations_s = take_turns(
-        {ITERATION[1]: iterations[1], ITERATION[2]: iterations[2], **parts}, rounds, warmup
+        {
+            ITERATION[1]: iterations[1],
+            ITERATION[2]: iterations[2],
+            VERIFY: lambda: verify_replicas(models[1]),
+            **parts,
+        },
+        rounds,
+        warmup,
     )
     diff = max(
         (p - q).abs().max().item()
@@ -210,6 +227,7 @@ def _cost_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int
         "planned": planned,
         "max_diff": diff,
         "numel": sum(p.numel() for p in models[1].parameters()),
+        "tensors": len(list(models[1].parameters())),
         "carried_numel": sum(math.prod(s) for s in shapes),
     }
 
@@ -227,6 +245,18 @@ class Cost:
         ``"steps"``) with ``redundancy``."""
         names = ITERATION if timed == "iterations" else STEP
         return list(self.results[0][timed][names[redundancy]])
+
+    def verify_share(self) -> Spread:
+        """Per round, ``verify_replicas``' time (the slowest rank's) over
+        :data:`VERIFY_EVERY` iterations of ``redundancy=1`` (rank 0's): its
+        cost per iteration when it runs every that many steps."""
+        per_step = [VERIFY_EVERY * t for t in self.times("iterations", 1)]
+        return paired_ratios(self.checks(), per_step)
+
+    def checks(self) -> list[float]:
+        """Per round, the slowest rank's seconds of one ``verify_replicas``."""
+        per_rank = [r["iterations"][VERIFY] for r in self.results]
+        return [max(v) for v in zip(*per_rank, strict=True)]
 
     def floor(self, timed: str, part: str | None = None) -> list[float]:
         """Per round, the heaviest carrier's floor (``part``: that part
@@ -616,6 +646,7 @@ def loss_summary(losses: Sequence[Loss], restart: tuple[str, str] | None) -> str
     """The closing lines: the loss's seconds and their parts, bytes moved,
     steps lost, and the restart path beside them."""
     rest = [x.total_s - x.roll_call_s for x in losses]
+    after = [x.total_s - x.detect_s - x.roll_call_s for x in losses]
     line = (
         f"From a loss to the survivors' next completed step: "
         f"{span([x.total_s for x in losses], 2)} s, of which the roll call "
@@ -623,7 +654,10 @@ def loss_summary(losses: Sequence[Loss], restart: tuple[str, str] | None) -> str
         f"rank never answers) and everything else {span(rest, 2)} s (the failed collective "
         f"{span([x.detect_s for x in losses], 2)} s, the rest of `recover` "
         f"{span([x.recover_rest_s for x in losses], 2)} s, DDP's rebuild "
-        f"{span([x.ddp_s for x in losses], 2)} s). State moved to restore redundancy: "
+        f"{span([x.ddp_s for x in losses], 2)} s). Once the loss is detected (the failed "
+        f"collective, then the roll call that proves who is gone) the survivors complete "
+        f"their next step in {span(after, 2)} s (target: at most {AFTER_DETECTION_S:g} s). "
+        f"State moved to restore redundancy: "
         f"{fmt_bytes(statistics.median(x.moved_bytes for x in losses))}, "
         f"{statistics.median(x.moved_bytes / x.state_bytes for x in losses):.2f} of the "
         f"model's optimizer state ({fmt_bytes(losses[0].state_bytes)}). Steps lost (steps "
@@ -1105,9 +1139,19 @@ def _headlines(
                 "== 1",
                 carried == planned,
             ),
+            Headline(
+                name,
+                f"`verify_replicas(every={VERIFY_EVERY})`: % of an iteration "
+                f"(a check / {VERIFY_EVERY} iterations)",
+                c.verify_share().scaled(100),
+                "<= 1",
+                c.verify_share().median <= 0.01,
+                short=f"verify_replicas, {c.world_size} ranks",
+            ),
         ]
     name = f"a lost rank, redundancy=2 (3 gloo ranks → 2, roll call deadline {DEADLINE_S:g} s)"
     lost = [float(x.steps_lost) for x in losses]
+    after = [x.total_s - x.detect_s - x.roll_call_s for x in losses]
     headlines += [
         Headline(
             name,
@@ -1116,8 +1160,10 @@ def _headlines(
         ),
         Headline(
             name,
-            "of which seconds besides the roll call",
-            Spread.of([x.total_s - x.roll_call_s for x in losses]),
+            "seconds from its detection (failed collective, roll call) to the next step",
+            Spread.of(after),
+            f"<= {AFTER_DETECTION_S:g}",
+            statistics.median(after) <= AFTER_DETECTION_S,
         ),
         Headline(name, "steps lost per loss", Spread.of(lost), "== 0", max(lost) == 0),
     ]
@@ -1154,6 +1200,26 @@ def _headlines(
         ),
     ]
     return headlines
+
+
+def verify_line(costs: Sequence[Cost]) -> str:
+    """What checking the replicas costs: one ``verify_replicas`` over the
+    model (timed in the same rounds as the iterations), and per iteration
+    when it runs every :data:`VERIFY_EVERY` steps."""
+    parts = []
+    for c in costs:
+        parts.append(
+            f"{c.world_size} ranks: a check takes {Spread.of(c.checks()).scaled(1e3).fmt(2)} ms, "
+            f"{c.verify_share().scaled(100).fmt(2)} % of an iteration"
+        )
+    tensors = costs[0].results[0]["tensors"]
+    return (
+        f"**Checking the replicas.** `verify_replicas(ddp.module, every={VERIFY_EVERY}, "
+        f"step=step)` hashes each of the model's {tensors} tensors and all-gathers 8 bytes a "
+        f"tensor; timed in the same rounds as the iterations above (the slowest rank's): "
+        + "; ".join(parts)
+        + f" when it runs every {VERIFY_EVERY} steps (target: at most 1 %)."
+    )
 
 
 def elastic_block(
@@ -1204,6 +1270,7 @@ def elastic_block(
             f"{'as planned' if planned else '**NOT as planned**'}. "
             f"The two copies of the model ended {diff:.3g} apart (the same iterations on the "
             "same data).",
+            verify_line(costs),
             f"**What a loss costs.** 3 gloo ranks, the same model, `redundancy=2`; rank 2 "
             f"exits at step {LOST_AT} (`examples/train_elastic.py`'s two modes), {repeats} "
             f"time{'s' if repeats > 1 else ''} each; the survivors call `recover(..., "

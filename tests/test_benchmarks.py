@@ -526,6 +526,23 @@ def test_the_extra_of_redundancy_is_held_to_the_carriers_own_work() -> None:
     assert cost.floor("steps", bench_elastic.ADAM) == [2.0, 3.0]
 
 
+def test_a_replica_check_is_charged_its_slowest_rank_over_its_interval() -> None:
+    iterations = {bench_elastic.ITERATION[1]: [0.1, 0.2]}
+    cost = bench_elastic.Cost(
+        2,
+        [
+            {"iterations": iterations | {bench_elastic.VERIFY: [0.01, 0.02]}, "tensors": 8},
+            {"iterations": {bench_elastic.VERIFY: [0.03, 0.01]}},
+        ],
+    )
+    assert cost.checks() == [0.03, 0.02]
+    every = bench_elastic.VERIFY_EVERY
+    assert cost.verify_share().median == pytest.approx((0.03 / 0.1 + 0.02 / 0.2) / 2 / every)
+    line = bench_elastic.verify_line([cost])
+    assert "each of the model's 8 tensors" in line
+    assert "2 ranks: a check takes 25.00 [22.50, 27.50] ms, 0.20 [0.15, 0.25] %" in line
+
+
 def _grown(
     to_joiner: dict[int, int], between: int = 0, empty: tuple[float, ...] = (0.002, 0.004)
 ) -> list[dict[str, Any]]:
