@@ -30,7 +30,8 @@ ratios are medians of per-round ratios, with their quartiles):
    ``docs/powersgd.md``), the run is repeated without it and the table says so.
 4. **DiLoCo** (``bench_diloco``'s model, inner AdamW): time per inner step
    against inner steps with no communication, blocking (H = 10, 50) and
-   streaming with int8 (P = 2 fragments) at a delay long enough for the link
+   streaming with int8 (P = 2 fragments, H = 50 as the blocking run it is
+   set beside, or more where the delay needs it) at a delay long enough for the link
    (:func:`streaming_delay`, from the fragment's bytes, the rate and the
    inner step measured at the start of the run) and at delay 1.
 
@@ -170,7 +171,10 @@ QUIET_STEPS = 10
 BLOCKING = (10, 50)
 FRAGMENTS = 2
 STREAM_COMPRESSION = "int8"
-MIN_SYNC_EVERY = 10
+MIN_SYNC_EVERY = max(BLOCKING)
+"""Streaming runs sync at least this seldom: the longer blocking run's ``H``,
+so each streaming figure has a blocking twin that moves the same bytes per
+inner step (the streaming papers sync every 100 inner steps)."""
 LONG_TARGET = 1.05
 DELAY_1_TARGET = 1.10
 CODEC = "int8 sync arithmetic alone (both ranks, simulated)"
@@ -377,8 +381,9 @@ def diloco_why(
     beyond = mine - quiet - (exposed + codec) / stride
     return (
         f"a fragment's int8 sync puts {raw['fragment_link_bytes']:,} bytes on the link, "
-        f"{_ms(link)} at {rate_label(bits_per_second)}, under {delay} inner step"
-        f"{'s' if delay > 1 else ''} of {_ms(quiet)} ({_ms(exposed)} left to wait, "
+        f"{_ms(link)} at {rate_label(bits_per_second)}, "
+        f"{'more than' if exposed > 0 else 'within'} the {delay} inner step"
+        f"{'s' if delay > 1 else ''} of {_ms(quiet)} it may take ({_ms(exposed)} left to wait, "
         f"{_ms(exposed / stride)} per inner step); its arithmetic alone (encode, decode, the "
         f"replica's update) takes {_ms(codec)} a sync on the rank's one core, "
         f"{_ms(codec / stride)} per inner step ({codec / stride / quiet:.2f} of a step); the "
@@ -856,9 +861,10 @@ def _diloco_rank(
     batch = torch.randn(32, width, generator=torch.Generator().manual_seed(rank))
     quiet_model = bench_diloco.make_model(width, depth)
     quiet = bench_diloco.window(quiet_model, bench_diloco.adamw(quiet_model), batch, QUIET_STEPS)
-    quiet()
+    for _ in range(3):  # the first windows run slower (allocations, caches)
+        quiet()
     samples = []
-    for _ in range(3):
+    for _ in range(5):
         dist.barrier()
         start = time.perf_counter()
         quiet()

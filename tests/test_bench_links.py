@@ -84,7 +84,7 @@ def test_the_delay_formula_shows_its_numbers() -> None:
     line = bench_links.delay_formula(4_329_600, GBIT, 0.010)
     assert "ceil(4,329,600 x 8 / 1 Gbit/s / 10.00 ms)" in line
     assert "ceil(34.64 ms / 10.00 ms) = 4" in line
-    assert "H = 10 (P = 2, stride 5 > delay)" in line
+    assert "H = 50 (P = 2, stride 25 > delay)" in line
 
 
 # ----- why lines from made-up timings -------------------------------------------------
@@ -206,7 +206,7 @@ def test_diloco_why_sets_the_syncs_link_time_against_the_steps_it_hides_under() 
     raw = _diloco_raw()
     why = bench_links.diloco_why(bench_links.streaming_name(1), raw, GBIT)
     # 34.6 ms on the link under one 20 ms step: 14.6 ms to wait, 2.93 ms per step (stride 5).
-    assert "puts 4,329,600 bytes on the link, 35 ms at 1 Gbit/s, under 1 inner step of 20 ms" in why
+    assert "puts 4,329,600 bytes on the link, 35 ms at 1 Gbit/s, more than the 1 inner step of 20 ms it may take" in why
     assert "(15 ms left to wait, 2.93 ms per inner step)" in why
     assert (
         "takes 15 ms a sync on the rank's one core, 3.00 ms per inner step (0.15 of a step)" in why
@@ -215,7 +215,7 @@ def test_diloco_why_sets_the_syncs_link_time_against_the_steps_it_hides_under() 
     assert "the run took 1.60 ms per inner step more than without communication" in why
     assert "-4.33 ms beyond the wait and the arithmetic" in why
     covered = bench_links.diloco_why(raw["long"], raw, GBIT)
-    assert "under 2 inner steps of 20 ms (0.00 ms left to wait" in covered
+    assert "within the 2 inner steps of 20 ms it may take (0.00 ms left to wait" in covered
 
 
 # ----- the section from a made-up child's output -------------------------------------
