@@ -1147,6 +1147,12 @@ def _headlines(
                 "<= 1",
                 c.verify_share().median <= 0.01,
                 short=f"verify_replicas, {c.world_size} ranks",
+                why=(
+                    f"a check takes {statistics.median(c.checks()) * 1e3:.1f} ms (hashing "
+                    f"the model's {c.results[0]['numel'] / 1e6:.1f}M parameters on each rank, "
+                    f"then an all-gather) against an iteration of "
+                    f"{statistics.median(c.times('iterations', 1)) * 1e3:.1f} ms"
+                ),
             ),
         ]
     name = f"a lost rank, redundancy=2 (3 gloo ranks → 2, roll call deadline {DEADLINE_S:g} s)"
@@ -1164,6 +1170,12 @@ def _headlines(
             Spread.of(after),
             f"<= {AFTER_DETECTION_S:g}",
             statistics.median(after) <= AFTER_DETECTION_S,
+            why=(
+                f"the rest of `recover` (group, moves, rebuild) takes "
+                f"{statistics.median(x.recover_rest_s for x in losses):.2f} s, DDP's rebuild "
+                f"{statistics.median(x.ddp_s for x in losses):.2f} s and the step redone "
+                f"{statistics.median(x.redo_s for x in losses):.2f} s"
+            ),
         ),
         Headline(name, "steps lost per loss", Spread.of(lost), "== 0", max(lost) == 0),
     ]
