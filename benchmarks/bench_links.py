@@ -167,7 +167,7 @@ POWERSGD_TARGET = 0.30
 
 # DiLoCo: the runs, by name.
 QUIET = "no communication"
-QUIET_STEPS = 10
+QUIET_STEPS = 50
 BLOCKING = (10, 50)
 FRAGMENTS = 2
 STREAM_COMPRESSION = "int8"
@@ -861,8 +861,13 @@ def _diloco_rank(
     batch = torch.randn(32, width, generator=torch.Generator().manual_seed(rank))
     quiet_model = bench_diloco.make_model(width, depth)
     quiet = bench_diloco.window(quiet_model, bench_diloco.adamw(quiet_model), batch, QUIET_STEPS)
-    for _ in range(3):  # the first windows run slower (allocations, caches)
-        quiet()
+    ddp_model = DDP(bench_diloco.make_model(width, depth))
+    ddp_opt = bench_diloco.adamw(ddp_model)
+    # DDP rebuilds its buckets after its first window; and the inner steps
+    # run ~1.5x slower until the process has made its larger allocations,
+    # which this window does (the delay below must come from the steady step).
+    bench_diloco.window(ddp_model, ddp_opt, batch, 1)()
+    quiet()
     samples = []
     for _ in range(5):
         dist.barrier()
@@ -889,9 +894,6 @@ def _diloco_rank(
             "delay": d,
             "compression": STREAM_COMPRESSION,
         }
-    ddp_model = DDP(bench_diloco.make_model(width, depth))
-    ddp_opt = bench_diloco.adamw(ddp_model)
-    bench_diloco.window(ddp_model, ddp_opt, batch, 1)()  # DDP rebuilds its buckets
     runs: dict[str, Callable[[], None]] = {
         QUIET: quiet,
         DDP_NAME: bench_diloco.window(ddp_model, ddp_opt, batch, DDP_STEPS),
