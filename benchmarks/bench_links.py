@@ -83,6 +83,7 @@ import attrs
 import bench_compressed
 import bench_diloco
 import bench_hooks
+import bench_loss_time
 import bench_overlap
 import torch
 import torch.distributed as dist
@@ -963,13 +964,15 @@ def _measure(
             out = run_local_world(_powersgd_rank, WORLD, *sizes.powersgd, alone)[0]
             out["aborted"] = said[0] if said else type(error).__name__
         return dict(out)
+    if name == "demo":
+        return bench_loss_time.measure(quick)
     if name == "diloco":
         width, depth, rounds, warmup = sizes.diloco
         if curve_only:
             rounds, warmup = sizes.curve
         args = (width, depth, rounds, warmup, bits_per_second, curve_only)
         return dict(run_local_world(_diloco_rank, WORLD, *args)[0])
-    raise ValueError(f"unknown measurement {name!r}; choose from {MEASUREMENTS}")
+    raise ValueError(f"unknown measurement {name!r}; choose from {(*MEASUREMENTS, 'demo')}")
 
 
 def child_main(argv: Sequence[str]) -> None:
@@ -1411,12 +1414,14 @@ def section_from(
     seconds: Mapping[str, float],
     netem: str | None = None,
     curve: Mapping[str, Mapping[str, Any]] | None = None,
+    loss_time: Mapping[str, Any] | None = None,
 ) -> Section:
     """The section from every rate's child output (``rate -> measurement ->
     raw``), each rate's wall time (the figure's extra rates' too), why links
     cannot be delayed here (``unavailable_reason(delay=True)``; ``None``: they
     can), and DiLoCo's measurement at each of the figure's rates (``curve``;
-    ``None``: the model alone)."""
+    ``None``: the model alone), and the demo's runs at
+    :data:`bench_loss_time.RATE` (``loss_time``; ``None``: not run)."""
     rates = list(results)
     blocks = [_intro(rates, netem)]
     headlines: list[Headline] = []
@@ -1430,6 +1435,12 @@ def section_from(
         if extra:
             took = ", ".join(f"{rate_label(links.parse_rate(r))} {seconds[r]:.0f} s" for r in extra)
             body += f"\n\nDiLoCo alone at the figure's other rates took {took}."
+        blocks.append(body)
+        panels.append(panel)
+    if loss_time is not None:
+        body, panel = bench_loss_time.loss_time_part(
+            loss_time, rate_label(links.parse_rate(bench_loss_time.RATE))
+        )
         blocks.append(body)
         panels.append(panel)
     for rate, measured in results.items():
@@ -1467,7 +1478,8 @@ def bench_links(quick: bool) -> Section:
             started = time.perf_counter()
             curve[rate] = run_in_namespace(rate, quick, ("diloco",), curve=True)["diloco"]
             seconds[rate] = time.perf_counter() - started
-    return section_from(results, seconds, links.unavailable_reason(delay=True), curve)
+    loss_time = run_in_namespace(bench_loss_time.RATE, quick, ("demo",))["demo"]
+    return section_from(results, seconds, links.unavailable_reason(delay=True), curve, loss_time)
 
 
 BENCHES: dict[str, Callable[[bool], Section]] = {"links": bench_links}

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 import bench_compressed
 import bench_hooks
 import bench_links
+import bench_loss_time
 import bench_overlap
 import generated_blocks
 from report import headline_table
@@ -536,3 +537,33 @@ def test_the_utilization_panel_draws_the_model_and_what_was_measured() -> None:
     assert ddp.x == (0.1, 1.0) and ddp.y == pytest.approx((0.2, 0.2))  # 1 / 5 steps' time
     assert measured["blocking, H=10 (measured)"].y == pytest.approx((1 / 3, 1 / 3))
     assert "DiLoCo alone at the figure's other rates took 100 Mbit/s 7 s" in section.body
+
+
+# ----- held-out loss against training time (bench_loss_time) --------------------------
+
+
+def _demo_run(step_s: list[float], held_out: list[tuple[int, float]]) -> dict[str, Any]:
+    return {"title": "made up", "step_s": step_s, "held_out": [list(p) for p in held_out]}
+
+
+def test_an_evaluation_sits_at_the_training_time_of_the_steps_before_it() -> None:
+    run = _demo_run([0.5, 0.5, 1.0, 1.0], [(2, 4.0), (4, 3.5)])
+    assert bench_loss_time.curve_points(run) == ([1.0, 3.0], [4.0, 3.5])
+
+
+def test_the_loss_time_part_says_who_reached_ddps_loss_first() -> None:
+    raw = {
+        "runs": {
+            "ddp": _demo_run([1.0] * 4, [(2, 4.0), (4, 3.0)]),
+            "diloco": _demo_run([0.25] * 4, [(2, 2.9), (4, 2.5)]),
+            "zero": _demo_run([2.0] * 4, [(2, 4.1), (4, 3.1)]),
+        },
+        "steps": 4,
+        "world_size": 2,
+    }
+    assert bench_loss_time.fastest_to(raw["runs"], 3.0) == [("diloco", 0.5), ("ddp", 4.0)]
+    body, panel = bench_loss_time.loss_time_part(raw, "100 Mbit/s")
+    assert "| diloco | 250 | 1.0 | 2.500 |" in body
+    assert "DDP's last (3.000): diloco 0.5 s, ddp 4.0 s; not reached: zero." in body
+    assert [c.label for c in panel.curves] == ["ddp", "diloco", "zero"]
+    assert panel.curves[1].x == (0.5, 1.0)
