@@ -60,7 +60,12 @@ def measure(quick: bool) -> dict[str, Any]:
                 a + b for a, b in zip(got.forward_backward, got.optimizer_step, strict=True)
             ],
         }
-    return {"runs": runs, "steps": cfg.steps, "world_size": world_size}
+    return {
+        "runs": runs,
+        "steps": cfg.steps,
+        "world_size": world_size,
+        "eval_every": cfg.eval_every,
+    }
 
 
 def curve_points(run: Mapping[str, Any]) -> tuple[list[float], list[float]]:
@@ -108,19 +113,13 @@ def loss_time_part(raw: Mapping[str, Any], rate_label: str) -> tuple[str, Panel]
             rows,
         )
     )
-    baseline = runs.get("ddp", {}).get("held_out")
-    if baseline:
-        goal = baseline[-1][1]
+    goal = common_loss(runs)
+    if goal is not None:
         reached = fastest_to(runs, goal)
         body += (
-            f"\n\nTraining seconds until the held-out loss first reached DDP's last "
-            f"({goal:.3f}): "
+            f"\n\nTraining seconds until the held-out loss first reached {goal:.3f}, the "
+            f"lowest every run reached (evaluations every {raw['eval_every']} steps): "
             + ", ".join(f"{key} {seconds:.1f} s" for key, seconds in reached)
-            + (
-                "; not reached: " + ", ".join(k for k in runs if k not in dict(reached))
-                if len(reached) < len(runs)
-                else ""
-            )
             + "."
         )
     panel = Panel(
@@ -130,6 +129,13 @@ def loss_time_part(raw: Mapping[str, Any], rate_label: str) -> tuple[str, Panel]
         curves,
     )
     return body, panel
+
+
+def common_loss(runs: Mapping[str, Any]) -> float | None:
+    """The lowest held-out loss every run reached: the highest of the runs'
+    best losses (``None`` without evaluations)."""
+    bests = [min(loss for _, loss in run["held_out"]) for run in runs.values() if run["held_out"]]
+    return max(bests) if bests and len(bests) == len(runs) else None
 
 
 def fastest_to(runs: Mapping[str, Any], loss: float) -> Sequence[tuple[str, float]]:

@@ -551,7 +551,7 @@ def test_an_evaluation_sits_at_the_training_time_of_the_steps_before_it() -> Non
     assert bench_loss_time.curve_points(run) == ([1.0, 3.0], [4.0, 3.5])
 
 
-def test_the_loss_time_part_says_who_reached_ddps_loss_first() -> None:
+def test_the_loss_time_part_says_who_reached_a_common_loss_first() -> None:
     raw = {
         "runs": {
             "ddp": _demo_run([1.0] * 4, [(2, 4.0), (4, 3.0)]),
@@ -560,10 +560,13 @@ def test_the_loss_time_part_says_who_reached_ddps_loss_first() -> None:
         },
         "steps": 4,
         "world_size": 2,
+        "eval_every": 2,
     }
     assert bench_loss_time.fastest_to(raw["runs"], 3.0) == [("diloco", 0.5), ("ddp", 4.0)]
     body, panel = bench_loss_time.loss_time_part(raw, "100 Mbit/s")
     assert "| diloco | 250 | 1.0 | 2.500 |" in body
-    assert "DDP's last (3.000): diloco 0.5 s, ddp 4.0 s; not reached: zero." in body
+    assert bench_loss_time.common_loss(raw["runs"]) == 3.1  # zero's best; all reached it
+    assert "reached 3.100, the lowest every run reached (evaluations every 2 steps): " in body
+    assert "diloco 0.5 s, ddp 4.0 s, zero 8.0 s." in body
     assert [c.label for c in panel.curves] == ["ddp", "diloco", "zero"]
     assert panel.curves[1].x == (0.5, 1.0)
