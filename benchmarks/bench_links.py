@@ -59,7 +59,9 @@ per inner step) against the rate (:data:`CURVE_RATES`, 0.1 to 10 Gbit/s) for
 H = 1 (DDP), 10, 50 and streaming, beside the DiLoCo papers' model (sync time
 = 2 N bytes (W - 1) / W / rate; utilization t / (t + sync / H) for blocking
 syncs). The full run measures DiLoCo alone at the rates other than 1 and 10
-Gbit/s, with fewer rounds; the quick run draws the model only.
+Gbit/s, with fewer rounds; the quick run draws the model only. A second
+figure (:mod:`bench_loss_time`): the demo's model trained at 100 Mbit/s by DDP,
+ZeRO, ZeRO + PowerSGD and DiLoCo, held-out loss against training time.
 
 Run ``python benchmarks/bench_links.py`` for this section alone (as root;
 ``--quick``: one short case at 1 Gbit/s with tiny models, for CI);
