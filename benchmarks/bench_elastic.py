@@ -530,6 +530,12 @@ class Loss:
     step_before_s: float  # a step on 3 ranks before the loss (median)
     step_after_s: float  # a step on 2 ranks after it (median)
 
+    @property
+    def after_detection_s(self) -> float:
+        """Seconds from the loss's detection (the failed collective, then
+        the roll call) to the next completed step."""
+        return self.total_s - self.detect_s - self.roll_call_s
+
     @classmethod
     def of(cls, in_exchange: bool, results: Sequence[Mapping[str, Any] | None]) -> Loss:
         """From what the ranks of one world returned (``None``: the lost one).
@@ -646,7 +652,7 @@ def loss_summary(losses: Sequence[Loss], restart: tuple[str, str] | None) -> str
     """The closing lines: the loss's seconds and their parts, bytes moved,
     steps lost, and the restart path beside them."""
     rest = [x.total_s - x.roll_call_s for x in losses]
-    after = [x.total_s - x.detect_s - x.roll_call_s for x in losses]
+    after = [x.after_detection_s for x in losses]
     line = (
         f"From a loss to the survivors' next completed step: "
         f"{span([x.total_s for x in losses], 2)} s, of which the roll call "
@@ -1157,7 +1163,7 @@ def _headlines(
         ]
     name = f"a lost rank, redundancy=2 (3 gloo ranks → 2, roll call deadline {DEADLINE_S:g} s)"
     lost = [float(x.steps_lost) for x in losses]
-    after = [x.total_s - x.detect_s - x.roll_call_s for x in losses]
+    after = [x.after_detection_s for x in losses]
     headlines += [
         Headline(
             name,
