@@ -21,12 +21,10 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -224,18 +222,7 @@ def stand_in_at_the_exit_barrier(port: int, host: str = "127.0.0.1") -> None:
     barrier(store, 3, _TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
 
 
-@attrs.frozen
-class Agents:
-    """Where the 3 agents run: each node's command line and environment
-    (the loopback: as they are; two namespaces: inside one of them), and how
-    the test stands in at the exit barrier for the dead node's agent."""
-
-    command: Callable[[int, list[str]], list[str]]
-    env: Callable[[int], dict[str, str]]
-    stand_in: Callable[[], None]
-
-
-def run_three_agents(tmp_path: Path, port: int, host: str, agents_at: Agents) -> None:
+def run_three_agents(tmp_path: Path, port: int) -> None:
     """Start the 3 agents, let node 2's worker kill itself, and check that
     the survivors' agents reach torchrun's exit barrier with their workers
     done, then leave it with status 0 once the test stands in there."""
@@ -248,10 +235,10 @@ def run_three_agents(tmp_path: Path, port: int, host: str, agents_at: Agents) ->
             output = stack.enter_context(open(logs[node], "wb"))
             agents.append(
                 subprocess.Popen(
-                    agents_at.command(node, torchrun_node(node, port, tmp_path, host)),
+                    torchrun_node(node, port, tmp_path),
                     cwd=ROOT,
                     # The agents say when they wait at the barrier.
-                    env={**agents_at.env(node), "LOGLEVEL": "INFO"},
+                    env={**os.environ, "LOGLEVEL": "INFO"},
                     stdout=output,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -271,7 +258,7 @@ def run_three_agents(tmp_path: Path, port: int, host: str, agents_at: Agents) ->
         # taken. Standing in is torch's business, not zerofn's: where the
         # agents' store no longer answers, they are ended instead (below).
         try:
-            agents_at.stand_in()
+            stand_in_at_the_exit_barrier(port)
         except (RuntimeError, ValueError) as e:  # DistNetworkError is a RuntimeError
             warnings.warn(f"could not stand in at torchrun's exit barrier: {e}", stacklevel=1)
         else:
@@ -304,11 +291,5 @@ def check_the_survivors_results(tmp_path: Path) -> None:
 @pytest.mark.timeout(TORCHRUN_TIMEOUT_S + 60)
 @pytest.mark.slow  # make test-slow: 3 torchrun agents, a real SIGKILL
 def test_under_torchrun_with_an_agent_per_node_the_survivors_go_on(tmp_path: Path) -> None:
-    port = free_port()
-    on_loopback = Agents(
-        command=lambda node, argv: argv,
-        env=lambda node: dict(os.environ),
-        stand_in=lambda: stand_in_at_the_exit_barrier(port),
-    )
-    run_three_agents(tmp_path, port, "127.0.0.1", on_loopback)
+    run_three_agents(tmp_path, free_port())
     check_the_survivors_results(tmp_path)
