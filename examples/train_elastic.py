@@ -51,6 +51,12 @@ from zerofn.errors import CollectiveError
 
 STEPS, LOST_AT, LOST = 6, 3, 2
 BATCH = 4
+TIMEOUT_S = 4.0
+"""The process group's collective timeout: a survivor that gloo leaves
+blocked in the failed collective is released after this long."""
+DEADLINE_S = 6.0
+"""The roll call's deadline, above :data:`TIMEOUT_S`, so that a survivor
+released only at the group's timeout still answers (docs/resilience.md)."""
 
 
 def make_model() -> torch.nn.Module:
@@ -131,7 +137,7 @@ def train(
                 break
             except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
                 began = time.perf_counter()
-                survivors = recover(zero, error, deadline_s=3.0)
+                survivors = recover(zero, error, deadline_s=DEADLINE_S)
                 ddp = DDP(model, process_group=survivors.group)
                 recoveries.append(
                     {
@@ -160,7 +166,7 @@ def torchrun_worker(out_dir: str, in_exchange: bool) -> None:
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as run_local_world's ranks: the same sums, bit for bit
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     result = train(rank, dist.get_world_size(), in_exchange, kill_self)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -179,7 +185,7 @@ def main() -> None:
     if args.torchrun_worker:
         torchrun_worker(args.torchrun_worker, args.in_exchange)
         return
-    results = run_local_world(train, 3, args.in_exchange, timeout_s=30.0, may_exit=[LOST])
+    results = run_local_world(train, 3, args.in_exchange, timeout_s=TIMEOUT_S, may_exit=[LOST])
     for rank, result in enumerate(results):
         if result is None:
             print(f"rank {rank}: exited at step {LOST_AT}")

@@ -8,8 +8,9 @@ state equal, bit for bit, a reference that runs 3 ranks to the loss and then
 2 fresh ranks from the consolidated state with the same batches. The bytes a
 step sends do not change with ``redundancy=2``. Under torchrun with one agent
 per node, the survivors of a node killed with ``SIGKILL`` recover the same
-way and end with the same bits; their agents then wait at torchrun's exit
-barrier for the dead node's agent."""
+way and end with the same bits, on one machine's loopback and across two
+network namespaces joined by a shaped link; their agents then wait at
+torchrun's exit barrier for the dead node's agent."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import recover
 from zerofn_torch.runtime.launch import run_local_world
+from zerofn_torch.runtime.links import Node, netns_names, two_nodes, unavailable_reason
 from zerofn_torch.runtime.traffic import collective_traffic
 
 
@@ -84,7 +88,9 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 )
 def test_survivors_go_on_exactly_after_losing_a_rank(in_exchange: bool) -> None:
     lost, at = example.LOST, example.LOST_AT
-    elastic = run_local_world(example.train, 3, in_exchange, timeout_s=30.0, may_exit=[lost])
+    elastic = run_local_world(
+        example.train, 3, in_exchange, timeout_s=example.TIMEOUT_S, may_exit=[lost]
+    )
     assert elastic[lost] is None
     done_before = at + 1 if in_exchange else at
     first = run_local_world(reference_before, 3, done_before)[0]
@@ -222,7 +228,18 @@ def stand_in_at_the_exit_barrier(port: int, host: str = "127.0.0.1") -> None:
     barrier(store, 3, _TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
 
 
-def run_three_agents(tmp_path: Path, port: int) -> None:
+@attrs.frozen
+class Agents:
+    """Where the 3 agents run: each node's command line and environment
+    (the loopback: as they are; two namespaces: inside one of them), and how
+    the test stands in at the exit barrier for the dead node's agent."""
+
+    command: Callable[[int, list[str]], list[str]]
+    env: Callable[[int], dict[str, str]]
+    stand_in: Callable[[], None]
+
+
+def run_three_agents(tmp_path: Path, port: int, host: str, agents_at: Agents) -> None:
     """Start the 3 agents, let node 2's worker kill itself, and check that
     the survivors' agents reach torchrun's exit barrier with their workers
     done, then leave it with status 0 once the test stands in there."""
@@ -235,10 +252,10 @@ def run_three_agents(tmp_path: Path, port: int) -> None:
             output = stack.enter_context(open(logs[node], "wb"))
             agents.append(
                 subprocess.Popen(
-                    torchrun_node(node, port, tmp_path),
+                    agents_at.command(node, torchrun_node(node, port, tmp_path, host)),
                     cwd=ROOT,
                     # The agents say when they wait at the barrier.
-                    env={**os.environ, "LOGLEVEL": "INFO"},
+                    env={**agents_at.env(node), "LOGLEVEL": "INFO"},
                     stdout=output,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -258,7 +275,7 @@ def run_three_agents(tmp_path: Path, port: int) -> None:
         # taken. Standing in is torch's business, not zerofn's: where the
         # agents' store no longer answers, they are ended instead (below).
         try:
-            stand_in_at_the_exit_barrier(port)
+            agents_at.stand_in()
         except (RuntimeError, ValueError) as e:  # DistNetworkError is a RuntimeError
             warnings.warn(f"could not stand in at torchrun's exit barrier: {e}", stacklevel=1)
         else:
@@ -272,7 +289,9 @@ def check_the_survivors_results(tmp_path: Path) -> None:
     lost, survivors = example.LOST, (0, 1)
     assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
     ours = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in survivors]
-    in_process = run_local_world(example.train, 3, False, timeout_s=30.0, may_exit=[lost])
+    in_process = run_local_world(
+        example.train, 3, False, timeout_s=example.TIMEOUT_S, may_exit=[lost]
+    )
     for rank in survivors:
         assert ours[rank]["world_size"] == 2
         (recovery,) = ours[rank]["recoveries"]
@@ -291,5 +310,55 @@ def check_the_survivors_results(tmp_path: Path) -> None:
 @pytest.mark.timeout(TORCHRUN_TIMEOUT_S + 60)
 @pytest.mark.slow  # make test-slow: 3 torchrun agents, a real SIGKILL
 def test_under_torchrun_with_an_agent_per_node_the_survivors_go_on(tmp_path: Path) -> None:
-    run_three_agents(tmp_path, free_port())
+    port = free_port()
+    on_loopback = Agents(
+        command=lambda node, argv: argv,
+        env=lambda node: dict(os.environ),
+        stand_in=lambda: stand_in_at_the_exit_barrier(port),
+    )
+    run_three_agents(tmp_path, port, "127.0.0.1", on_loopback)
+    check_the_survivors_results(tmp_path)
+
+
+def _stand_in_inside(node: Node, port: int) -> None:
+    """Stand in at the exit barrier from inside ``node`` (the store's address
+    is reachable only there)."""
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+        "from test_elastic import stand_in_at_the_exit_barrier as stand_in; "
+        f"stand_in({port}, {node.address!r})"
+    )
+    done = subprocess.run(
+        node.command([sys.executable, "-c", code]), cwd=ROOT, capture_output=True, timeout=60
+    )
+    if done.returncode:
+        raise RuntimeError(done.stderr.decode(errors="replace")[-2000:])
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT_S + 90)
+@pytest.mark.slow  # make test-slow: 3 torchrun agents on two namespaces, a real SIGKILL
+def test_a_node_lost_across_a_link_leaves_the_others_going(tmp_path: Path) -> None:
+    """The launch the docs give, on two machines for real: nodes 0 and 1 (the
+    store's host among them) in one network namespace, node 2 in another,
+    joined by a shaped 1 Gbit/s veth pair; node 2's worker dies with
+    ``SIGKILL`` and the two others go on, talking over their node's address."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    before = netns_names()
+    with two_nodes("1gbit") as link:
+        where = (link.a, link.a, link.b)
+        port = free_port()
+        across = Agents(
+            command=lambda node, argv: where[node].command(argv),
+            env=lambda node: where[node].env(),
+            stand_in=lambda: _stand_in_inside(link.a, port),
+        )
+        crossed = link.link_bytes()
+        run_three_agents(tmp_path, port, link.a.address, across)
+        crossed = link.link_bytes().since(crossed)
+    # Node 2's worker took part in the job (its rendezvous, the first steps'
+    # all-reduces) over the link, in both directions.
+    assert crossed.a_to_b > 0 and crossed.b_to_a > 0
+    assert netns_names() == before
     check_the_survivors_results(tmp_path)
