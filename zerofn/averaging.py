@@ -60,24 +60,25 @@ def _require_int(name: str, value: object) -> None:
         raise TypeError(f"Arg ``{name}`` must be an int, got {type(value).__name__}")
 
 
-def _positive(name: str) -> Any:
+def _int_at_least(floor: int, name: str, what: str) -> Any:
+    """A validator of an int ``name`` of at least ``floor``, refused in
+    PyTorch's words (``what``: "a positive value", ...)."""
+
     def check(_: object, __: object, value: object) -> None:
         _require_int(name, value)
         assert isinstance(value, int)
-        if value < 1:
-            raise ValueError(f"Arg ``{name}`` must be a positive value, got {value}.")
+        if value < floor:
+            raise ValueError(f"Arg ``{name}`` must be {what}, got {value}.")
 
     return check
+
+
+def _positive(name: str) -> Any:
+    return _int_at_least(1, name, "a positive value")
 
 
 def _non_negative(name: str) -> Any:
-    def check(_: object, __: object, value: object) -> None:
-        _require_int(name, value)
-        assert isinstance(value, int)
-        if value < 0:
-            raise ValueError(f"Arg ``{name}`` must be a non-negative number, got {value}.")
-
-    return check
+    return _int_at_least(0, name, "a non-negative number")
 
 
 # ----- when to average ----------------------------------------------------------
@@ -228,19 +229,27 @@ class AveragerState:
 
     def state_dict(self) -> dict[str, int]:
         """The state as a plain dict (safe for ``torch.load(weights_only=True)``)."""
-        return {"step": self.step}
+        return attrs.asdict(self)
+
+
+def _counter_from_dict(record: Any, whose: str, state_dict: Mapping[str, Any]) -> Any:
+    """``record`` (a one-counter record) from its ``state_dict()``.
+
+    Raises:
+        ValueError: ``state_dict`` lacks the counter, or it is negative.
+        TypeError: the counter is not an int.
+    """
+    (key,) = attrs.fields_dict(record)
+    if key not in state_dict:
+        raise ValueError(f"{whose} state dict needs a {key!r} entry; got {sorted(state_dict)}")
+    return record(state_dict[key])
 
 
 def averager_state_from_dict(state_dict: Mapping[str, Any]) -> AveragerState:
-    """The :class:`AveragerState` saved by :meth:`AveragerState.state_dict`.
-
-    Raises:
-        ValueError: ``state_dict`` has no ``"step"`` or a negative one.
-        TypeError: the step is not an int.
-    """
-    if "step" not in state_dict:
-        raise ValueError(f"an averager state dict needs a 'step' entry; got {sorted(state_dict)}")
-    return AveragerState(state_dict["step"])
+    """The :class:`AveragerState` saved by :meth:`AveragerState.state_dict`
+    (errors as :func:`_counter_from_dict`'s)."""
+    state: AveragerState = _counter_from_dict(AveragerState, "an averager", state_dict)
+    return state
 
 
 def take_averaging_step(
@@ -299,22 +308,15 @@ class LocalSGDState:
     iter: int = attrs.field(default=0, validator=_non_negative("iter"))
 
     def state_dict(self) -> dict[str, int]:
-        """The state as a plain dict (safe for ``torch.load(weights_only=True)``)."""
-        return {"iter": self.iter}
+        """As :meth:`AveragerState.state_dict`."""
+        return attrs.asdict(self)
 
 
 def local_sgd_state_from_dict(state_dict: Mapping[str, Any]) -> LocalSGDState:
-    """The :class:`LocalSGDState` saved by :meth:`LocalSGDState.state_dict`.
-
-    Raises:
-        ValueError: ``state_dict`` has no ``"iter"`` or a negative one.
-        TypeError: the iteration is not an int.
-    """
-    if "iter" not in state_dict:
-        raise ValueError(
-            f"a post-local SGD state dict needs an 'iter' entry; got {sorted(state_dict)}"
-        )
-    return LocalSGDState(state_dict["iter"])
+    """The :class:`LocalSGDState` saved by :meth:`LocalSGDState.state_dict`
+    (errors as :func:`_counter_from_dict`'s)."""
+    state: LocalSGDState = _counter_from_dict(LocalSGDState, "a post-local SGD", state_dict)
+    return state
 
 
 def take_bucket(

@@ -109,12 +109,9 @@ class Broadcast:
 
 @attrs.frozen(eq=False)
 class Reduce:
-    """Sum ``tensor`` across ranks onto rank ``dst`` alone.
-
-    Attributes:
-        tensor: this rank's contribution, handed over (reduced in place).
-        dst: the receiving rank's index in the group.
-        last: as for :class:`AllReduce`.
+    """Sum ``tensor`` (this rank's contribution, handed over: reduced in
+    place) across ranks onto rank ``dst`` (an index in the group) alone;
+    ``last`` as for :class:`AllReduce`.
 
     The response is ``(tensor,)``: the sum on ``dst``; on other ranks its
     contents are unspecified (the program must not read them).

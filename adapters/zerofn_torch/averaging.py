@@ -40,6 +40,7 @@ from zerofn.averaging import (
 )
 from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer
 
 __all__ = [
     "DiLoCoOptimizer",
@@ -304,7 +305,7 @@ class HierarchicalModelAverager(_ScheduledAverager[HierarchicalSchedule]):
 # ----- the optimizer ------------------------------------------------------------
 
 
-class PostLocalSGDOptimizer(torch.optim.Optimizer):
+class PostLocalSGDOptimizer(WrappedOptimizer):
     """Run any optimizer locally, then let an averager average the parameters.
 
     Each :meth:`step` steps ``optim`` and calls
@@ -325,16 +326,6 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         self.optim = optim
         self.param_groups = optim.param_groups
         self.averager = averager
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        """The local optimizer's per-parameter state."""
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        """The local optimizer's default hyperparameters."""
-        return self.optim.defaults
 
     def __repr__(self) -> str:
         return repr(self.optim)

@@ -55,6 +55,7 @@ from zerofn.diloco.sync import SyncProgram, run_sync, sync_program
 from zerofn_torch.hooks.default import noop_hook
 from zerofn_torch.runtime.driver import PolledProgram, drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
+from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -104,7 +105,7 @@ def _refuse_all_reducing_ddp(params: list[torch.Tensor], group: Any) -> None:
             )
 
 
-class DiLoCoOptimizer(torch.optim.Optimizer):
+class DiLoCoOptimizer(WrappedOptimizer):
     """DiLoCo and Streaming DiLoCo around any inner optimizer.
 
     Each :meth:`step` steps ``optim`` alone; the fragments' syncs start and
@@ -196,16 +197,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._hooks = self._poll_during_backward()
 
     # ----- the optimizer's face ------------------------------------------------------
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        """The inner optimizer's per-parameter state."""
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        """The inner optimizer's default hyperparameters."""
-        return self.optim.defaults
 
     @property
     def inner_steps(self) -> int:

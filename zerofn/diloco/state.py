@@ -17,6 +17,7 @@ import attrs
 
 from zerofn.diloco.config import DiLoCoConfig
 from zerofn.diloco.schedule import applied_at, fragment_synced_at
+from zerofn.validators import int_at_least
 
 __all__ = [
     "DiLoCoState",
@@ -28,9 +29,7 @@ __all__ = [
 ]
 
 
-def _non_negative(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+_non_negative = int_at_least(0)
 
 
 @attrs.frozen

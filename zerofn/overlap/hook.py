@@ -201,19 +201,13 @@ def gradients_to_step(
     params: Sequence[int],
     grads: Sequence[torch.Tensor],
 ) -> dict[int, torch.Tensor]:
-    """The gradients of ``bucket`` this rank steps under ``order``.
+    """The gradients of ``bucket`` this rank steps under ``order`` (given
+    while the hook was in ``state``), by global parameter index: all of
+    ``params``' ``grads`` when the order says ``everywhere``, else those of
+    the shards this rank owns (:func:`~zerofn.overlap.step.owned_gradients`).
 
-    Args:
-        state: the hook's state when the order was given.
-        config: the hook's config.
-        order: the order naming ``bucket``.
-        bucket: the bucket's index.
-        params: global indices of its parameters, in bucket order.
-        grads: their averaged gradients.
-
-    Returns:
-        Global parameter index -> gradient: all of them when the order says
-        ``everywhere``, else the shards this rank owns.
+    Raises:
+        ValueError: an order for owned shards before the bucket plan is fixed.
     """
     if order.everywhere:
         return dict(zip(params, grads, strict=True))

@@ -223,40 +223,19 @@ def bucket_layouts(
     max_large: int = 1,
     large_numel: int = 1 << 20,
 ) -> st.SearchStrategy[list[list[int]]]:
-    """Element counts of the parameters of DDP gradient buckets.
-
-    DDP never makes an empty bucket, so every bucket holds at least one
-    parameter.
-
-    Args:
-        min_buckets: fewest buckets; at least 1.
-        max_buckets: most buckets.
-        max_params_per_bucket: most parameters in one bucket; at least 1.
-        max_numel: largest ordinary size (see :func:`element_counts`).
-        allow_zero: whether zero-element parameters may be drawn.
-        max_large: most embedding-like parameters over all buckets.
-        large_numel: upper bound of the embedding-like sizes.
-
-    Returns:
-        A strategy drawing ``[[size, ...], ...]``, one non-empty inner list
-        per bucket, in DDP's bucket order.
-
-    Raises:
-        ValueError: for inconsistent bounds.
-    """
-    _check_range("bucket counts", min_buckets, max_buckets, floor=1)
-    _check_range("params per bucket", 1, max_params_per_bucket, floor=1)
-    _check_range("max_large", 0, max_large)
-    return _grouped_sizes(
+    """Element counts of the parameters of DDP gradient buckets, one
+    non-empty inner list per bucket in DDP's bucket order (DDP never makes an
+    empty bucket): :func:`group_sizes` with buckets for groups and no empty
+    one, its arguments and errors the same."""
+    return group_sizes(
         min_buckets,
         max_buckets,
-        1,
-        max_params_per_bucket,
-        max_numel,
-        allow_zero,
-        max_large,
-        large_numel,
-        True,
+        max_params_per_group=max_params_per_bucket,
+        allow_empty_groups=False,
+        max_numel=max_numel,
+        allow_zero=allow_zero,
+        max_large=max_large,
+        large_numel=large_numel,
     )
 
 

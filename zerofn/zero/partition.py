@@ -467,17 +467,8 @@ def flat_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> Fla
 
     Rank ``r`` owns elements ``[r * total // world_size, (r + 1) * total //
     world_size)``, so every rank holds ``floor`` or ``ceil`` of
-    ``total / world_size``. Correct only for element-wise optimizers.
-
-    Args:
-        group_sizes: element count of every parameter, per param group.
-        world_size: number of ranks.
-
-    Returns:
-        The :class:`FlatPartition`.
-
-    Raises:
-        ValueError: for a non-positive world size or a negative size.
+    ``total / world_size``. Correct only for element-wise optimizers. Its
+    arguments and errors are :func:`greedy_partition`'s.
     """
     frozen = _freeze_group_sizes(group_sizes)
     _check_world_size(world_size)

@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from zerofn.comm import AllReduce, Program, Reduction
+from zerofn.validators import int_at_least
 
 __all__ = [
     "MASTER_KEY",
@@ -264,11 +265,6 @@ def _below_one(instance: object, attribute: attrs.Attribute[float], value: float
         raise ValueError(f"{attribute.name} must lie strictly between 0 and 1, got {value}")
 
 
-def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
-
 @attrs.frozen
 class LossScaleConfig:
     """Dynamic loss scaling, with ``torch.amp.GradScaler``'s defaults.
@@ -285,7 +281,7 @@ class LossScaleConfig:
     init_scale: float = attrs.field(default=2.0**16, validator=_positive)
     growth_factor: float = attrs.field(default=2.0, validator=_above_one)
     backoff_factor: float = attrs.field(default=0.5, validator=_below_one)
-    growth_interval: int = attrs.field(default=2000, validator=_at_least_one)
+    growth_interval: int = attrs.field(default=2000, validator=int_at_least(1))
 
 
 @attrs.frozen

@@ -16,8 +16,8 @@ Which group a bucket is averaged in is the pure
 ``zerofn_torch.runtime.driver.drive``. The counter lives in a
 :class:`zerofn.averaging.LocalSGDState` and checkpoints as a plain dict.
 
-DDP checks a hook's annotations at registration, so this module keeps them as
-real objects (no postponed evaluation).
+Its hook's annotations stay real objects, with no postponed evaluation:
+DDP reads them when the hook is registered.
 """
 
 import logging

@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from zerofn.hooks.powersgd import (
     PowerSGDConfig,
     PowerSGDGlobalState,
     PowerSGDHook,
+    PowerSGDHookState,
 )
 from zerofn.hooks.powersgd.keys import tracked
 from zerofn_torch.runtime.hook_cells import HookCell
@@ -50,8 +52,6 @@ from zerofn_torch.runtime.hook_cells import HookCell
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
 logger = logging.getLogger(__name__)
-
-_State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
 
 
 class _ReadOnlyDict(dict[int, torch.Tensor]):
@@ -90,7 +90,7 @@ class _View:
 
 
 def _by_bucket(
-    state: _State, part: Callable[[PowerSGDBucketState], torch.Tensor | None]
+    state: PowerSGDHookState, part: Callable[[PowerSGDBucketState], torch.Tensor | None]
 ) -> _ReadOnlyDict:
     found = {i: part(b) for i, b in state.buckets if b is not None}
     return _ReadOnlyDict({i: t for i, t in found.items() if t is not None})
@@ -156,7 +156,7 @@ class PowerSGDState:
         )
         logger.info("PowerSGD config: %s", config)
         self.process_group = process_group
-        initial: _State = HookState(powersgd.init_global_state(config))
+        initial: PowerSGDHookState = HookState(powersgd.init_global_state(config))
         # Not state to checkpoint: the cell's lock and pipeline belong to this
         # process; its state is replaced by load_state_dict.
         self._cell = HookCell(initial)
@@ -176,14 +176,14 @@ class PowerSGDState:
         with self._cell.lock:
             self._cell.state = powersgd.with_parameter_keys(self._cell.state, finder)
 
-    def _adopt(self, config: PowerSGDConfig, state: _State) -> None:
+    def _adopt(self, config: PowerSGDConfig, state: PowerSGDHookState) -> None:
         self.config = config
         self._cell.state = state
         self.layerwise_hook: PowerSGDHook = powersgd.layerwise(config)
         self.batched_hook: PowerSGDHook = powersgd.batched(config)
 
     @property
-    def hook_state(self) -> _State:
+    def hook_state(self) -> PowerSGDHookState:
         """The hook's state records after the calls so far."""
         return self._cell.state
 
@@ -265,22 +265,33 @@ def _config(name: str) -> tuple[str, Callable[[PowerSGDState], Any]]:
     return f"the configuration's {name} (a frozen record)", lambda self: getattr(self.config, name)
 
 
+# PyTorch's PowerSGDState lists its attributes in __slots__, and code (PyTorch's
+# own pickling test among it) reads that list. Assigned after the class is made,
+# it creates no slots: every name on it is a property or a view below.
+_PYTORCH_SLOTS = (
+    "process_group",
+    "matrix_approximation_rank",
+    "start_powerSGD_iter",
+    "min_compression_rate",
+    "orthogonalization_epsilon",
+    "use_error_feedback",
+    "warm_start",
+    "batch_tensors_with_same_shape",
+    "rng",
+    "error_dict",
+    "p_memory_dict",
+    "q_memory_dict",
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+    "compression_stats_logging_frequency",
+    "next_stats_report",
+)
+
 # PyTorch's attribute names, each a read-only view of zerofn's records (code
 # that reads them keeps working; writing one says what to do instead).
 _PYTORCH_NAMES: dict[str, tuple[str, Callable[[PowerSGDState], Any]]] = {
-    **{
-        name: _config(name)
-        for name in (
-            "matrix_approximation_rank",
-            "start_powerSGD_iter",
-            "min_compression_rate",
-            "orthogonalization_epsilon",
-            "use_error_feedback",
-            "warm_start",
-            "batch_tensors_with_same_shape",
-            "compression_stats_logging_frequency",
-        )
-    },
+    **{name: _config(name) for name in attrs.fields_dict(PowerSGDConfig) if name in _PYTORCH_SLOTS},
     "rng": (
         "a numpy RandomState positioned where the seed stream stands (a copy)",
         lambda self: _random_state(self.hook_state.global_state),
@@ -318,29 +329,7 @@ for _name, (_what, _read) in _PYTORCH_NAMES.items():
     _view.__set_name__(PowerSGDState, _name)
     setattr(PowerSGDState, _name, _view)
 del _name, _what, _read, _view
-
-# PyTorch's PowerSGDState lists its attributes in __slots__, and code (PyTorch's
-# own pickling test among it) reads that list. Assigned after the class is made,
-# it creates no slots: every name on it is a property or view above.
-PowerSGDState.__slots__ = (  # type: ignore[attr-defined,misc]
-    "process_group",
-    "matrix_approximation_rank",
-    "start_powerSGD_iter",
-    "min_compression_rate",
-    "orthogonalization_epsilon",
-    "use_error_feedback",
-    "warm_start",
-    "batch_tensors_with_same_shape",
-    "rng",
-    "error_dict",
-    "p_memory_dict",
-    "q_memory_dict",
-    "iter",
-    "total_numel_before_compression",
-    "total_numel_after_compression",
-    "compression_stats_logging_frequency",
-    "next_stats_report",
-)
+PowerSGDState.__slots__ = _PYTORCH_SLOTS  # type: ignore[attr-defined,misc]
 
 
 def _log_stats_if_due(state: PowerSGDState, before: PowerSGDGlobalState) -> None:
@@ -405,17 +394,8 @@ def batched_powerSGD_hook(
 
     Faster than :func:`powerSGD_hook`, usually less accurate beyond rank 1.
     The numbers PyTorch's hook was written to give (PyTorch 2.13's fails on
-    every call; see :func:`zerofn.hooks.powersgd.batched`).
-
-    Args:
-        state: the model's :class:`PowerSGDState`.
-        bucket: DDP's bucket.
-
-    Returns:
-        A future of the bucket's averaged (approximated) flat gradient.
-
-    Raises:
-        ValueError: if ``state`` holds state for this bucket index made for
-            other gradient shapes or by :func:`powerSGD_hook`.
+    every call; see :func:`zerofn.hooks.powersgd.batched`). Its arguments,
+    result and errors are :func:`powerSGD_hook`'s; the state it refuses may
+    also be one that :func:`powerSGD_hook` made.
     """
     return _run(state, state.batched_hook, bucket)

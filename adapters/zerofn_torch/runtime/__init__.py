@@ -9,4 +9,5 @@ buckets (:mod:`~zerofn_torch.runtime.hook_cells`,
 :mod:`~zerofn_torch.runtime.foreign_hooks`); and the worlds programs run in:
 local worlds of ranks (:mod:`~zerofn_torch.runtime.launch`), shaped links
 (:mod:`~zerofn_torch.runtime.links`) and the traffic counted on them
-(:mod:`~zerofn_torch.runtime.traffic`)."""
+(:mod:`~zerofn_torch.runtime.traffic`); and the face of an optimizer that
+wraps another (:mod:`~zerofn_torch.runtime.wrapped_optimizer`)."""

@@ -613,11 +613,7 @@ def two_nodes(rate: str, *, delay: str | None = None) -> Iterator[TwoNodes]:
         The two nodes; :meth:`TwoNodes.link_bytes` reads the pair's counters.
 
     Raises:
-        ValueError: a malformed rate or delay (before anything is made).
-        LinkUnavailable: namespaces (or netem, with a delay) cannot be made
-            here; nothing was created.
-        RuntimeError: ``ip`` or ``tc`` failed, or a namespace could not be
-            removed.
+        As :func:`shaped_loopback`.
     """
     shaping = plan_shaping(rate, delay)
     _require(delay is not None)

@@ -28,18 +28,9 @@ def clip_grad_norm(
     norm_type: float,
     error_if_nonfinite: bool,
 ) -> torch.Tensor:
-    """Clip the step's gradients by the whole model's norm (see
-    :meth:`zerofn_torch.zero.optimizer.ZeroRedundancyOptimizer.clip_grad_norm_`).
-
-    Returns:
-        The norm before clipping: a float32 scalar, equal on every rank.
-
-    Raises:
-        ValueError: ``max_norm`` negative, ``norm_type`` not positive.
-        RuntimeError: with ``overlap_with_ddp=True``; a non-finite norm
-            with ``error_if_nonfinite``.
-        zerofn.errors.CollectiveError: the all-reduce failed.
-    """
+    """Clip the step's gradients by the whole model's norm: the body of
+    :meth:`zerofn_torch.zero.optimizer.ZeroRedundancyOptimizer.clip_grad_norm_`,
+    which says what it returns and raises."""
     check_stepped_here(rank, "clip_grad_norm_")
     grads = step_grads(rank, params)
     program = clip_program(grads, max_norm, float(norm_type), rank.options.device)

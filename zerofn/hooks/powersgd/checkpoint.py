@@ -31,6 +31,7 @@ from zerofn.hooks.powersgd.state import (
     ParamMemory,
     PowerSGDBucketState,
     PowerSGDGlobalState,
+    PowerSGDHookState,
     SquareMemory,
     claim,
     memories,
@@ -52,7 +53,6 @@ READABLE_FORMATS = (STATE_DICT_FORMAT, "zerofn.hooks.powersgd/2")
 
 _V1 = "zerofn.powersgd/1"
 _CONFIG_FIELDS = tuple(f.name for f in attrs.fields(PowerSGDConfig))
-_State = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
 
 
 def _layout(layout: tuple[BucketKeys, ...]) -> list[dict[str, Any]]:
@@ -63,7 +63,7 @@ def _tensors(**named: torch.Tensor | None) -> dict[str, Any]:
     return {name: value for name, value in named.items() if value is not None}
 
 
-def to_state_dict(config: PowerSGDConfig, state: _State) -> dict[str, Any]:
+def to_state_dict(config: PowerSGDConfig, state: PowerSGDHookState) -> dict[str, Any]:
     """Config and state as tensors, numbers, strings, lists and dicts only
     (loadable with ``torch.load(..., weights_only=True)``).
 
@@ -92,7 +92,7 @@ def to_state_dict(config: PowerSGDConfig, state: _State) -> dict[str, Any]:
     }
 
 
-def _memory_entries(state: _State) -> dict[str, Any]:
+def _memory_entries(state: PowerSGDHookState) -> dict[str, Any]:
     """Each parameter's memory by key, and the batched squares by bucket index."""
     params = {
         key: {"shape": list(m.shape), **_tensors(error=m.error, q=m.q)}
@@ -203,7 +203,9 @@ def _read_squares(entries: Mapping[Any, Any]) -> dict[int, SquareMemory]:
     return squares
 
 
-def _with_square(state: _State, index: int, square: SquareMemory | None) -> _State:
+def _with_square(
+    state: PowerSGDHookState, index: int, square: SquareMemory | None
+) -> PowerSGDHookState:
     """Give bucket ``index`` its batched square memory back, if it was made
     for exactly the parameters the bucket holds, in any order (else it is of
     no use)."""
@@ -243,7 +245,7 @@ def _read_config(state_dict: Mapping[str, Any]) -> PowerSGDConfig:
         raise ValueError(f"PowerSGD state dict: invalid config: {error}") from error
 
 
-def from_state_dict(state_dict: Mapping[str, Any]) -> tuple[PowerSGDConfig, _State]:
+def from_state_dict(state_dict: Mapping[str, Any]) -> tuple[PowerSGDConfig, PowerSGDHookState]:
     """Config and state from a :func:`to_state_dict` result (tensors are copied).
 
     The parameters' memories wait, unclaimed, for the buckets that hold them.
@@ -266,7 +268,9 @@ def from_state_dict(state_dict: Mapping[str, Any]) -> tuple[PowerSGDConfig, _Sta
     )
     squares = _read_squares(_entry(state_dict, "squares", Mapping, ""))
     unclaimed = _read_params(_entry(state_dict, "parameters", Mapping, ""))
-    state: _State = HookState(global_state, () if unclaimed is None else ((UNCLAIMED, unclaimed),))
+    state: PowerSGDHookState = HookState(
+        global_state, () if unclaimed is None else ((UNCLAIMED, unclaimed),)
+    )
     # Laid out as in the last iteration (the batched squares with their
     # buckets); a driver's claims move the memories on from there.
     for index, (keys, shapes) in enumerate(global_state.previous):

@@ -43,6 +43,7 @@ __all__ = [
     "ParamMemory",
     "PowerSGDBucketState",
     "PowerSGDGlobalState",
+    "PowerSGDHookState",
     "SquareMemory",
     "claim",
     "claim_parameters",
@@ -209,6 +210,10 @@ class PowerSGDGlobalState:
     parameter_keys: KeyFinder = attrs.field(factory=KeyFinder)
 
 
+PowerSGDHookState: TypeAlias = HookState[PowerSGDGlobalState, PowerSGDBucketState | None]
+"""The state a PowerSGD hook carries from bucket to bucket."""
+
+
 def init_global_state(config: PowerSGDConfig) -> PowerSGDGlobalState:
     """The global state before the first iteration."""
     return PowerSGDGlobalState(iteration=0, seeds=SeedStream.from_seed(config.random_seed))
@@ -225,7 +230,7 @@ def fits_bucket(state: PowerSGDBucketState | None, bucket: BucketInfo) -> bool:
 
 
 def memories(
-    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None],
+    state: PowerSGDHookState,
 ) -> dict[Key, ParamMemory]:
     """Every parameter memory in ``state``, by key."""
     out: dict[Key, ParamMemory] = {}
@@ -247,11 +252,11 @@ def _check_shape(key: Key, memory: ParamMemory, shape: Shape) -> None:
 
 
 def claim(
-    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None],
+    state: PowerSGDHookState,
     index: int,
     keys: Sequence[Key],
     shapes: Sequence[Shape],
-) -> HookState[PowerSGDGlobalState, PowerSGDBucketState | None]:
+) -> PowerSGDHookState:
     """Move the memories of ``keys`` to bucket ``index``, wherever they are.
 
     Other buckets keep their other memories; bucket ``index``'s former
@@ -288,9 +293,7 @@ def claim(
     return attrs.evolve(state, buckets=(*others, (index, claimed)))
 
 
-def with_parameter_keys(
-    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None], finder: KeyFinder
-) -> HookState[PowerSGDGlobalState, PowerSGDBucketState | None]:
+def with_parameter_keys(state: PowerSGDHookState, finder: KeyFinder) -> PowerSGDHookState:
     """``state`` with ``finder`` as what is known of the parameters' keys
     (a driver's :func:`zerofn.hooks.powersgd.keys.tracked` parameters, or the
     finder of the state it replaces)."""
@@ -298,11 +301,11 @@ def with_parameter_keys(
 
 
 def claim_parameters(
-    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None],
+    state: PowerSGDHookState,
     index: int,
     identities: Sequence[int],
     shapes: Sequence[Shape],
-) -> HookState[PowerSGDGlobalState, PowerSGDBucketState | None]:
+) -> PowerSGDHookState:
     """Before bucket ``index`` runs: find its parameters' keys, and once they
     are known, :func:`claim` their memories for it.
 
@@ -340,7 +343,7 @@ def _parameter_count(state: PowerSGDGlobalState) -> int | None:
 
 
 def _square_for(
-    state: HookState[PowerSGDGlobalState, PowerSGDBucketState | None],
+    state: PowerSGDHookState,
     index: int,
     keys: tuple[Key, ...],
 ) -> SquareMemory | None:
