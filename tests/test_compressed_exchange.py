@@ -6,11 +6,14 @@ the overlapped step's compressed sends (``zerofn.testing.overlap``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.comm import Broadcast, GatherSegments
@@ -24,8 +27,11 @@ from zerofn.testing.zero import (
 from zerofn.zero.compressed_exchange import (
     compression_master_dtype,
     exchange_bytes,
+    local_spans,
     resolve_compression,
+    update_parts,
 )
+from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.plan import plan_shards
 
 quantizers = st.builds(
@@ -242,3 +248,117 @@ def test_the_overlapped_step_keeps_replicas_identical(
     assert gap < (1e-3 if compression == "int8" else 1e-2)
     sent = [r for r in squeezed.requests[-1][0] if isinstance(r, Broadcast)]
     assert sent and all(r.tensor.dtype == torch.uint8 for r in sent)
+
+
+class _AdamInOneStep(torch.optim.Adam):
+    """Adam's numbers; being a subclass, stepped whole (``steps_in_parts``)."""
+
+
+@settings(max_examples=draws(25), deadline=None)
+@given(
+    mode=st.sampled_from(["greedy", "balanced", "flat"]),
+    world=st.integers(1, 3),
+    compression=st.sampled_from(["int8", "int4"]),
+    sizes=st.lists(st.integers(0, 90), min_size=1, max_size=6).filter(any),
+    piece_elements=st.sampled_from([1, 64, 10**6]),
+    seed=st.integers(0, 1000),
+)
+def test_an_update_in_parts_gives_the_numbers_of_one_whole_step(
+    mode: str, world: int, compression: str, sizes: list[int], piece_elements: int, seed: int
+) -> None:
+    """Adam steps its masters a part at a time beside the compressed
+    exchange; its subclass, stepped whole before the exchange, ends every
+    step with the same parameters, masters and optimizer state, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g) for n in sizes]
+    plan = plan_shards([sizes], ["k"] * len(sizes), [True] * len(sizes), world, mode)  # type: ignore[arg-type]
+
+    def world_of(optimizer: type[torch.optim.Optimizer]) -> list[SimulatedRank]:
+        return simulated_ranks(
+            plan, params, optimizer, exchange_compression=compression,
+            piece_elements=piece_elements, lr=0.05, weight_decay=0.01,
+        )  # fmt: skip
+
+    in_parts, whole = world_of(torch.optim.Adam), world_of(_AdamInOneStep)
+    assert all(r.compressed is not None and r.compressed.in_parts for r in in_parts)
+    assert not any(r.compressed is not None and r.compressed.in_parts for r in whole)
+    calls = [0] * world
+    for rank, sim in enumerate(in_parts):
+        step = sim.optimizer.step
+
+        def counted(*args: object, rank: int = rank, step: Any = step) -> object:
+            calls[rank] += 1
+            return step(*args)
+
+        sim.optimizer.step = counted  # type: ignore[method-assign]
+    for _ in range(3):
+        grads = [torch.randn(n, generator=g) for n in sizes]
+        step_simulated(in_parts, grads)
+        step_simulated(whole, grads)
+        for a, b in zip(in_parts, whole, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a.params, b.params, strict=True))
+            assert a.masters is not None and b.masters is not None
+            assert all(
+                torch.equal(x, y) for x, y in zip(a.masters.master, b.masters.master, strict=True)
+            )
+            ours, theirs = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+            assert ours.keys() == theirs.keys()
+            assert all(torch.equal(ours[i][k], theirs[i][k]) for i in ours for k in ours[i])
+            assert all(m.grad is None for m in a.masters.master)
+    # One part per piece that starts a tensor: more than one where the
+    # tensors start in different pieces.
+    for rank, sim in enumerate(in_parts):
+        spans = local_spans(plan, rank, sim.shards.local_sources(sim.params))
+        parts = update_parts(plan, spans, sim.zero.exchange.piece)  # type: ignore[union-attr]
+        assert calls[rank] == 3 * len(parts)
+
+
+@settings(max_examples=draws(80), deadline=None)
+@given(
+    mode=st.sampled_from(["greedy", "balanced", "flat"]),
+    world=st.integers(1, 4),
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=8).filter(any),
+    piece=st.sampled_from([2, 64, 128, 1024]),
+)
+def test_update_parts_step_every_tensor_once_before_its_first_piece(
+    mode: str, world: int, sizes: list[int], piece: int
+) -> None:
+    plan = plan_shards([sizes], ["k"] * len(sizes), [True] * len(sizes), world, mode)  # type: ignore[arg-type]
+    params = [torch.zeros(n) for n in sizes]
+    for rank in range(world):
+        sim = simulated_ranks(plan, params, torch.optim.SGD, exchange_compression="int8", lr=0.1)[
+            rank
+        ]
+        spans = local_spans(plan, rank, sim.shards.local_sources(sim.params))
+        parts = update_parts(plan, spans, piece)
+        named = [t for tensors in parts.values() for t in tensors]
+        assert sorted(named) == sorted(set(named))
+        assert set(named) == {t for t, span in enumerate(spans) if span is not None}
+        assert list(parts) == sorted(parts)
+        for (layout, k), tensors in parts.items():
+            length = plan.layouts[layout].segments[rank].length
+            for t in tensors:
+                span = spans[t]
+                assert span is not None and span.layout == layout
+                # The piece holding the tensor's first element (an empty
+                # tensor at the segment's end: the last piece).
+                assert k * piece <= max(span.offset, 0)
+                assert span.offset < (k + 1) * piece or span.offset >= length - span.numel
+
+
+def test_only_torch_optim_s_own_element_wise_classes_without_hooks_step_in_parts() -> None:
+    param = torch.nn.Parameter(torch.zeros(3))
+    assert steps_in_parts(torch.optim.Adam([param]))
+    assert steps_in_parts(torch.optim.SGD([param], lr=0.1))
+    assert not steps_in_parts(_AdamInOneStep([param]))
+    assert not steps_in_parts(torch.optim.LBFGS([param]))
+    hooked = torch.optim.AdamW([param])
+    handle = hooked.register_step_post_hook(lambda *_: None)
+    assert not steps_in_parts(hooked)
+    handle.remove()
+    assert steps_in_parts(hooked)
+    handle = register_optimizer_step_pre_hook(lambda *_: None)
+    try:
+        assert not steps_in_parts(torch.optim.Adam([param]))
+    finally:
+        handle.remove()

@@ -40,10 +40,11 @@ import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
-from zerofn.comm import Collect, GatherSegments, Post, Program
+from zerofn.comm import Collect, GatherSegments, Post
 from zerofn.zero.chunks import ChunkSource
 from zerofn.zero.exchange import ExchangeVia, slot_view
 from zerofn.zero.layout import BufferLayout
+from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.shards import Shards
@@ -61,6 +62,7 @@ __all__ = [
     "exchange_bytes",
     "local_spans",
     "resolve_compression",
+    "update_parts",
 ]
 
 
@@ -323,7 +325,8 @@ def compressed_exchange_program(
     masters: Sequence[torch.Tensor],
     exchange: CompressedExchange,
     via: ExchangeVia,
-) -> Program[None]:
+    in_parts: bool = False,
+) -> StepProgram[None]:
     """Send this rank's shard as its quantized difference; apply everyone's.
 
     Args:
@@ -335,6 +338,11 @@ def compressed_exchange_program(
             optimizer's order (``shards.local_sources``).
         exchange: the payload buffers (handed over).
         via: how the payloads move.
+        in_parts: the masters are not stepped yet: the program asks for
+            their local step a part at a time (:class:`LocalStep` requests
+            naming tensors, the last one ``last``), each part just before
+            the first piece that carries it is encoded (see
+            :func:`update_parts`). Else they were stepped before.
 
     Returns:
         A program making, per buffer, one posted request per piece (the
@@ -349,11 +357,45 @@ def compressed_exchange_program(
     if len(sources) != len(masters):
         raise ValueError(f"{len(masters)} masters for {len(sources)} local tensors")
     spans = local_spans(shards.plan, shards.rank, sources)
+    update = update_parts(shards.plan, spans, exchange.piece) if in_parts else {}
     for index in range(len(layouts)):
         difference = _difference(shards, index, masters, spans, exchange)
         yield from _send_pieces(
-            shards, index, params, difference, exchange, via, last=index == len(layouts) - 1
+            shards, index, params, difference, exchange, via, index == len(layouts) - 1, update
         )
+    if in_parts:
+        stepped = {t for part in update.values() for t in part}
+        unsent = tuple(t for t in range(len(spans)) if t not in stepped)
+        yield LocalStep(shards.rank, unsent, last=True)
+
+
+def update_parts(
+    plan: ShardPlan, spans: Sequence[LocalSpan | None], piece: int
+) -> dict[tuple[int, int], tuple[int, ...]]:
+    """When each local tensor is stepped, for an update in parts: just before
+    the first piece that carries any of it is encoded.
+
+    Args:
+        plan: the shard plan.
+        spans: where each local tensor sits in this rank's segments
+            (:func:`local_spans`).
+        piece: elements per piece.
+
+    Returns:
+        ``(buffer index, piece index) -> local tensor indices`` to step before
+        that piece is encoded, in the local optimizer's order. Tensors no
+        buffer carries (``None`` spans) are in no part: the program steps them
+        with its last request.
+    """
+    parts: dict[tuple[int, int], list[int]] = {}
+    for tensor, span in enumerate(spans):
+        if span is None:
+            continue
+        count = _piece_count(piece, plan.layouts[span.layout])
+        # An empty tensor at a segment's end starts past its last piece.
+        first = min(span.offset // piece, count - 1)
+        parts.setdefault((span.layout, first), []).append(tensor)
+    return {key: tuple(tensors) for key, tensors in sorted(parts.items())}
 
 
 @attrs.frozen(eq=False)
@@ -424,9 +466,11 @@ def _send_pieces(
     exchange: CompressedExchange,
     via: ExchangeVia,
     last: bool,
-) -> Program[None]:
-    """Buffer ``index``'s exchange, piece by piece: encode piece ``k + 1``
-    while piece ``k`` travels, decode piece ``k`` while ``k + 1`` travels."""
+    update: dict[tuple[int, int], tuple[int, ...]],
+) -> StepProgram[None]:
+    """Buffer ``index``'s exchange, piece by piece: step (``update``) and
+    encode piece ``k + 2`` while pieces ``k`` and ``k + 1`` travel, decode
+    piece ``k`` once it has arrived."""
     quantizer = exchange.quantizer
     layout = shards.plan.layouts[index]
     parts = exchange.parts(index)
@@ -438,7 +482,9 @@ def _send_pieces(
         _, _, at, nbytes = _piece(quantizer, exchange.piece, layout.segments[rank].length, k)
         return parts[rank][at : at + nbytes]
 
-    def encode(k: int) -> None:
+    def step_and_encode(k: int) -> StepProgram[None]:
+        if (index, k) in update:
+            yield LocalStep(shards.rank, update[index, k], last=False)
         start, numel, _, _ = _piece(
             quantizer, exchange.piece, layout.segments[shards.rank].length, k
         )
@@ -450,14 +496,16 @@ def _send_pieces(
         GatherSegments(tuple(payload(r, k) for r in range(len(parts))), shards.rank, via)
         for k in range(count)
     ]
-    encode(0)
-    yield Post(requests[0])
+    # Two pieces in flight: the next one is queued behind the one on the
+    # wire, so the link does not idle between them.
+    for k in range(min(2, count)):
+        yield from step_and_encode(k)
+        yield Post(requests[k])
     for k in range(count):
-        if k + 1 < count:
-            encode(k + 1)
         yield Collect(requests[k], last=last and k + 1 == count)
-        if k + 1 < count:
-            yield Post(requests[k + 1])
+        if k + 2 < count:
+            yield from step_and_encode(k + 2)
+            yield Post(requests[k + 2])
         for segment in layout.segments:
             start, numel, _, _ = _piece(quantizer, exchange.piece, segment.length, k)
             if numel:

@@ -4,8 +4,14 @@ of them may step a flat shard that cuts through tensors."""
 from __future__ import annotations
 
 import torch
+import torch.optim.optimizer as optimizer_module
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_elementwise", "check_optimizer_class"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "check_elementwise",
+    "check_optimizer_class",
+    "steps_in_parts",
+]
 
 # Each of these updates every element from that element's own gradient and
 # state (plus scalars such as the step count), so stepping any concatenation
@@ -97,3 +103,20 @@ def check_elementwise(optimizer_class: type, declared_elementwise: bool = False)
         "or pass elementwise=True if every update of an element depends only on that "
         "element's gradient and state."
     )
+
+
+def steps_in_parts(optim: torch.optim.Optimizer) -> bool:
+    """Whether ``optim`` may step its tensors a few at a time (the others'
+    gradients hidden) and end with the numbers one whole step gives: it is
+    exactly one of :data:`ELEMENTWISE_OPTIMIZERS` (a subclass may change
+    ``step``), with no step hooks of its own or global ones (they would run
+    once per part)."""
+    if type(optim) not in ELEMENTWISE_OPTIMIZERS:
+        return False
+    hooks = (
+        getattr(optim, "_optimizer_step_pre_hooks", {}),
+        getattr(optim, "_optimizer_step_post_hooks", {}),
+        getattr(optimizer_module, "_global_optimizer_pre_hooks", {}),
+        getattr(optimizer_module, "_global_optimizer_post_hooks", {}),
+    )
+    return not any(hooks)

@@ -35,6 +35,7 @@ from zerofn.zero.compressed_exchange import (
 )
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters, make_masters
+from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.params import hyperparameters
 from zerofn.zero.plan import ShardPlan, with_trainable
 from zerofn.zero.precision import resolve_master_dtype
@@ -247,7 +248,7 @@ class ZeroRank:
         if self.exchange is None:
             return None
         assert self.masters is not None  # a compressed exchange always keeps masters
-        return Compressed(self.exchange, self.masters.master)
+        return Compressed(self.exchange, self.masters.master, steps_in_parts(self.optim))
 
     def local_tensors(self) -> list[torch.Tensor]:
         """What the local optimizer steps, in its order."""
@@ -417,23 +418,47 @@ def local_step(
 ) -> Callable[[LocalStep], Any]:
     """The answer to the step program's :class:`~zerofn.zero.step.LocalStep`:
     hand the local optimizer this step's gradients, ``run(optim)`` (its
-    ``step``, with whatever closure or options the caller has), step the
-    carried copy as its owner does (``redundancy=2``), then finish the
-    masters (cast back, or left to the compressed exchange).
+    ``step``, with whatever closure or options the caller has) over the
+    tensors the request names, the others' gradients hidden; after the
+    step's last request, step the carried copy as its owner does
+    (``redundancy=2``) and finish the masters (cast back, or left to the
+    compressed exchange).
 
     Returns:
-        The answer, returning what ``run`` returned (the loss, with a closure).
+        The answer, returning what ``run`` returned (the loss, with a
+        closure; ``None`` for a request naming no tensor).
     """
 
-    def answer(_: LocalStep) -> Any:
+    def answer(request: LocalStep) -> Any:
         hand_grads(rank, params)
-        loss = run(rank.optim)
-        if rank.carried is not None:
-            step_carried(rank.carried, params)
-        finish_masters(rank.masters, compressed=rank.exchange is not None)
+        loss = None
+        if request.tensors is None:
+            loss = run(rank.optim)
+        elif request.tensors:
+            with _stepping_only(rank.local_tensors(), request.tensors):
+                loss = run(rank.optim)
+        if request.last:
+            if rank.carried is not None:
+                step_carried(rank.carried, params)
+            finish_masters(rank.masters, compressed=rank.exchange is not None)
         return loss
 
     return answer
+
+
+@contextmanager
+def _stepping_only(tensors: Sequence[torch.Tensor], chosen: Sequence[int]) -> Iterator[None]:
+    """The gradients of ``tensors`` other than ``chosen`` (indices) hidden
+    (``None``, so the optimizer skips them), and put back afterwards."""
+    keep = set(chosen)
+    hidden = {i: t.grad for i, t in enumerate(tensors) if i not in keep}
+    for i in hidden:
+        tensors[i].grad = None
+    try:
+        yield
+    finally:
+        for i, grad in hidden.items():
+            tensors[i].grad = grad
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -21,15 +21,16 @@ parameters (:mod:`zerofn.zero.compressed_exchange`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
-from zerofn.comm import Program, ProgramStep, answering
+from zerofn.comm import Program, answering
 from zerofn.zero.compressed_exchange import CompressedExchange, compressed_exchange_program
 from zerofn.zero.exchange import ExchangeVia, exchange_program
+from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.masters import Masters
 from zerofn.zero.shards import WholeTensorShards
 
@@ -42,27 +43,6 @@ __all__ = [
     "zero_step",
 ]
 
-R = TypeVar("R")
-
-
-@attrs.frozen
-class LocalStep:
-    """Step the local optimizer on this rank's shard, now.
-
-    Not a collective: the program's runner answers it itself (see
-    :func:`zerofn.comm.answering`), with whatever the local step returned
-    (the loss, when a closure was given).
-
-    Attributes:
-        rank: the rank whose shard to step (the simulated world runs many).
-    """
-
-    rank: int
-
-
-StepProgram = Generator[ProgramStep | LocalStep, Any, R]
-"""A program that asks for collectives and for local steps."""
-
 
 @attrs.frozen(eq=False)
 class Compressed:
@@ -72,10 +52,16 @@ class Compressed:
         exchange: the payload buffers (:mod:`zerofn.zero.compressed_exchange`).
         masters: the exact values the local optimizer steps, in its order;
             the local step must leave the parameters (the replica) alone.
+        in_parts: step the masters a few at a time, each part just before
+            the first piece that sends it is encoded, so that the update too
+            runs while earlier pieces are on the wire (only for an optimizer
+            whose parts give the numbers one whole step gives:
+            :func:`zerofn.zero.optimizers.steps_in_parts`).
     """
 
     exchange: CompressedExchange
     masters: Sequence[torch.Tensor]
+    in_parts: bool = False
 
 
 def finish_masters(masters: Masters | None, compressed: bool) -> None:
@@ -109,12 +95,21 @@ def zero_step(
 
     Returns:
         A program: one :class:`LocalStep`, then one exchange request per
-        buffer; it returns the local step's answer.
+        buffer; it returns the local step's answer. With a compressed
+        exchange ``in_parts``, the local steps come in parts between the
+        exchange's requests instead, and it returns ``None``.
 
     Raises:
         ValueError: (from the exchange) buffers that do not fit the plan.
     """
     shards.refresh(params)
+    if compressed is not None and compressed.in_parts:
+        # The local step moves only the masters: the replica is packed as it is.
+        shards.pack_own(params)
+        yield from compressed_exchange_program(
+            shards, params, compressed.masters, compressed.exchange, via, in_parts=True
+        )
+        return None
     loss = yield LocalStep(shards.rank)
     shards.pack_own(params)
     if compressed is None:
