@@ -50,8 +50,8 @@ From the parts of the run at 1 Gbit/s the section computes where each
 feature starts to pay (:func:`payoff_part`: a table, and a block quoted on
 each feature's page): a feature that trades arithmetic for bytes pays below
 the rate at which the bytes it saves take as long as its arithmetic,
-``R* = 8 x bytes / seconds`` (the int8 and int4 exchange, their codec beside
-the wire: ``8 x PyTorch's fp32 bytes / the codec alone``); one that only
+``R* = 8 x bytes / seconds`` (the int8 and int4 exchange, their update and
+codec beside the wire: ``8 x PyTorch's fp32 bytes / the codec alone``); one that only
 saves bytes (the overlapped step, blocking DiLoCo) at every rate.
 
 A figure: DiLoCo's compute utilization (a step with no communication / time
@@ -273,7 +273,7 @@ def zero_why(
 ) -> str:
     """Why a ZeRO set-up missed its target against PyTorch's step: its
     bytes' link time, its codec alone and the update alone (medians of the
-    same rounds), in turn and with the codec beside the wire."""
+    same rounds), in turn and with the update and the codec beside the wire."""
     codec, _ = ZERO_SETUPS[label]
     pt = statistics.median(times[PYTORCH])
     step = statistics.median(times[label])
@@ -296,12 +296,12 @@ def zero_why(
         )
     work = statistics.median(times[bench_compressed.CODEC_ALONE[codec]])
     serial = update + work + link
-    beside = update + max(work, link)
+    beside = max(update + work, link)
     return (
         f"{bytes_clause}, the {codec} codec alone {_ms(work)} and the update alone "
         f"{_ms(update)}, against PyTorch's {_ms(pt)} step: done in turn they allow "
-        f"{serial / pt:.2f}, with the codec beside the wire {beside / pt:.2f}; the {codec} step "
-        f"takes {_ms(step)}, {step / serial:.2f}x the parts in turn"
+        f"{serial / pt:.2f}, with the update and the codec beside the wire {beside / pt:.2f}; "
+        f"the {codec} step takes {_ms(step)}, {step / serial:.2f}x the parts in turn"
     )
 
 
@@ -427,19 +427,23 @@ def crossover_rate(nbytes: float, seconds: float) -> float:
 def compressed_step_model(
     update: float, codec: float, nbytes: float, bits_per_second: float
 ) -> float:
-    """A compressed ZeRO step with the codec beside the wire:
-    ``update + max(link time of its bytes, codec)``. PyTorch's step is
-    ``update + link time of its fp32 bytes`` (``codec = 0``)."""
-    return update + max(link_seconds(nbytes, bits_per_second), codec)
+    """A compressed ZeRO step with the update and the codec beside the wire:
+    ``max(link time of its bytes, update + codec)``."""
+    return max(link_seconds(nbytes, bits_per_second), update + codec)
+
+
+def pytorch_step_model(update: float, nbytes: float, bits_per_second: float) -> float:
+    """PyTorch's ZeRO step: the update, then its fp32 bytes on the link."""
+    return update + link_seconds(nbytes, bits_per_second)
 
 
 def compressed_pays_below(fp32_bytes: float, codec: float) -> float:
     """The rate below which a compressed exchange beats PyTorch's fp32 one.
 
-    With the codec beside the wire the compressed step costs
-    ``u + max(8 B_c / R, c)`` and PyTorch's ``u + 8 B_32 / R``; ``B_c <
+    With the update and the codec beside the wire the compressed step costs
+    ``max(8 B_c / R, u + c)`` and PyTorch's ``u + 8 B_32 / R``; ``B_c <
     B_32``, so the first is smaller exactly when ``c < 8 B_32 / R``:
-    ``R* = 8 B_32 / c`` (its own bytes' link time drops out).
+    ``R* = 8 B_32 / c`` (its own bytes' link time and the update drop out).
     """
     return crossover_rate(fp32_bytes, codec)
 

@@ -14,12 +14,15 @@ int4 codes and one ``float32`` scale per block):
 * Every rank decodes every part and adds it to its replica of that segment
   with the same arithmetic (:func:`add_difference`). Decoding is a function of
   the bytes alone, so the replicas stay bitwise identical on every rank.
-* The codec runs beside the wire: each segment travels in pieces of
-  :data:`PIECE_ELEMENTS` (a payload of its own each), and while piece ``k``
-  is on the wire the program encodes piece ``k + 1``, then decodes piece
-  ``k`` while piece ``k + 1`` travels (posted and collected requests,
-  :class:`~zerofn.comm.Post`). On a link slower than the codec a step costs
-  about the wire time of its bytes, not the wire time plus the codec's.
+* The update and the codec run beside the wire: each segment travels in
+  pieces of :data:`PIECE_ELEMENTS` (a payload of its own each), two pieces
+  in flight; while pieces ``k`` and ``k + 1`` are on the wire the program
+  steps (with ``in_parts``: the local tensors that piece ``k + 2`` is the
+  first to carry, :func:`update_parts`) and encodes piece ``k + 2``, and it
+  decodes piece ``k`` once it has arrived (posted and collected requests,
+  :class:`~zerofn.comm.Post`). On a link slower than the update and the
+  codec a step costs about the wire time of its bytes, not the wire time
+  plus theirs.
 
 Error feedback needs no state of its own: what one step's codes leave out,
 ``master - replica`` still holds, so the next difference carries it. After a

@@ -612,8 +612,7 @@ def two_nodes(rate: str, *, delay: str | None = None) -> Iterator[TwoNodes]:
     Yields:
         The two nodes; :meth:`TwoNodes.link_bytes` reads the pair's counters.
 
-    Raises:
-        As :func:`shaped_loopback`.
+    It raises what :func:`shaped_loopback` raises, for the same reasons.
     """
     shaping = plan_shaping(rate, delay)
     _require(delay is not None)
