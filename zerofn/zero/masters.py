@@ -4,7 +4,7 @@ A :class:`Masters` pairs each tensor the local optimizer would step (an owned
 parameter, or a view of this rank's part of a flat buffer) with a master
 copy in ``master_dtype``. The local optimizer steps the masters; these
 functions move gradients up into them and results back down. Gradients
-live on the masters from :func:`load_grads` until the step is over, so that
+live on the masters from :meth:`Masters.hand_grads` until the step is over, so that
 clipping and unscaling in between work in the wide dtype.
 """
 
