@@ -296,7 +296,7 @@ def zero_why(
         )
     work = statistics.median(times[bench_compressed.CODEC_ALONE[codec]])
     serial = update + work + link
-    beside = max(update + work, link)
+    beside = compressed_step_model(update, work, link_bytes, bits_per_second)
     return (
         f"{bytes_clause}, the {codec} codec alone {_ms(work)} and the update alone "
         f"{_ms(update)}, against PyTorch's {_ms(pt)} step: done in turn they allow "

@@ -27,7 +27,7 @@ creates any process group.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import attrs
 import torch
@@ -232,7 +232,10 @@ class AveragerState:
         return attrs.asdict(self)
 
 
-def _counter_from_dict(record: Any, whose: str, state_dict: Mapping[str, Any]) -> Any:
+C = TypeVar("C", "AveragerState", "LocalSGDState")
+
+
+def _counter_from_dict(record: type[C], whose: str, state_dict: Mapping[str, Any]) -> C:
     """``record`` (a one-counter record) from its ``state_dict()``.
 
     Raises:
@@ -248,8 +251,7 @@ def _counter_from_dict(record: Any, whose: str, state_dict: Mapping[str, Any]) -
 def averager_state_from_dict(state_dict: Mapping[str, Any]) -> AveragerState:
     """The :class:`AveragerState` saved by :meth:`AveragerState.state_dict`
     (errors as :func:`_counter_from_dict`'s)."""
-    state: AveragerState = _counter_from_dict(AveragerState, "an averager", state_dict)
-    return state
+    return _counter_from_dict(AveragerState, "an averager", state_dict)
 
 
 def take_averaging_step(
@@ -315,8 +317,7 @@ class LocalSGDState:
 def local_sgd_state_from_dict(state_dict: Mapping[str, Any]) -> LocalSGDState:
     """The :class:`LocalSGDState` saved by :meth:`LocalSGDState.state_dict`
     (errors as :func:`_counter_from_dict`'s)."""
-    state: LocalSGDState = _counter_from_dict(LocalSGDState, "a post-local SGD", state_dict)
-    return state
+    return _counter_from_dict(LocalSGDState, "a post-local SGD", state_dict)
 
 
 def take_bucket(

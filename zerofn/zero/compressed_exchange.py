@@ -367,8 +367,8 @@ def compressed_exchange_program(
             shards, index, params, difference, exchange, via, index == len(layouts) - 1, update
         )
     if in_parts:
-        stepped = {t for part in update.values() for t in part}
-        unsent = tuple(t for t in range(len(spans)) if t not in stepped)
+        # The tensors no buffer carries are in no part: they are stepped last.
+        unsent = tuple(t for t, span in enumerate(spans) if span is None)
         yield LocalStep(shards.rank, unsent, last=True)
 
 
