@@ -42,8 +42,8 @@ delay <= 1.05 and at delay 1 <= 1.10 a step with no communication. A missed
 target says why from parts of the same run: the link time of the bytes alone
 (bytes x 8 / rate), the codec alone, the update alone.
 
-No delay: this needs ``netem``, which some kernels lack
-(``unavailable_reason(delay=True)`` says so); only rates are measured. Where
+These measurements shape the rate alone (a link between nodes in one
+place); the loss-against-time figure below adds a WAN's delay. Where
 namespaces cannot be made at all, the section says why and measures nothing.
 
 From the parts of the run at 1 Gbit/s the section computes where each
@@ -60,8 +60,9 @@ H = 1 (DDP), 10, 50 and streaming, beside the DiLoCo papers' model (sync time
 = 2 N bytes (W - 1) / W / rate; utilization t / (t + sync / H) for blocking
 syncs). The full run measures DiLoCo alone at the rates other than 1 and 10
 Gbit/s, with fewer rounds; the quick run draws the model only. A second
-figure (:mod:`bench_loss_time`): the demo's model trained at 100 Mbit/s by DDP,
-ZeRO, ZeRO + PowerSGD and DiLoCo, held-out loss against training time.
+figure (:mod:`bench_loss_time`): the demo's model trained by DDP, ZeRO, ZeRO +
+PowerSGD and DiLoCo on two nodes joined by 100 Mbit/s with 20 ms each way
+(the links module's delay line), held-out loss against training time.
 
 Run ``python benchmarks/bench_links.py`` for this section alone (as root;
 ``--quick``: one short case at 1 Gbit/s with tiny models, for CI);
@@ -971,15 +972,13 @@ def _measure(
             out = run_local_world(_powersgd_rank, WORLD, *sizes.powersgd, alone)[0]
             out["aborted"] = said[0] if said else type(error).__name__
         return dict(out)
-    if name == "demo":
-        return bench_loss_time.measure(quick)
     if name == "diloco":
         width, depth, rounds, warmup = sizes.diloco
         if curve_only:
             rounds, warmup = sizes.curve
         args = (width, depth, rounds, warmup, bits_per_second, curve_only)
         return dict(run_local_world(_diloco_rank, WORLD, *args)[0])
-    raise ValueError(f"unknown measurement {name!r}; choose from {(*MEASUREMENTS, 'demo')}")
+    raise ValueError(f"unknown measurement {name!r}; choose from {MEASUREMENTS}")
 
 
 def child_main(argv: Sequence[str]) -> None:
@@ -1374,24 +1373,25 @@ PARTS: dict[str, Callable[[Mapping[str, Any], str, float], Part]] = {
 TITLE = "On shaped links (2 gloo ranks in a network namespace, CPU)"
 
 
-def _intro(rates: Sequence[str], netem: str | None) -> str:
-    no_delay = (
-        f"No delay is emulated: {netem}. Only rates are measured here; a WAN's round trip "
-        "(100 Mbit/s + 20 ms, say) waits for a kernel with netem."
-        if netem is not None
-        else "No delay is emulated in this section: only rates are measured."
+def _intro(rates: Sequence[str], no_delay: str | None) -> str:
+    wan = (
+        f"The loss-against-time figure adds a WAN's delay, which cannot be made here "
+        f"(`unavailable_reason(delay=True)` says: {no_delay}), so it was not run."
+        if no_delay is not None
+        else "The loss-against-time figure adds a WAN's delay: two nodes, each direction "
+        "held by the links module's delay line."
     )
     return (
         f"The two ranks run inside a network namespace whose loopback is shaped to "
         f"{' and '.join(rate_label(links.parse_rate(r)) for r in rates)} "
-        "(`zerofn_torch.runtime.links.shaped_loopback`, a `tbf` on `lo`, see [links](links.md)). "
-        "One "
+        "(`zerofn_torch.runtime.links.shaped_loopback`, a `tbf` on `lo`, see [links](links.md)), "
+        "with no added delay (nodes in one place). One "
         "`tbf` on the one loopback shapes both directions together: the link is half duplex, "
         "the two ranks share one rate, and the link time of a step's bytes is what both "
         "ranks send, x 8 / the rate. zerofn and PyTorch take turns in the same run; ratios "
         "are medians of per-round ratios [q1, q3]. The targets for the ZeRO step, "
         f"DDP + ZeRO and PowerSGD hold at {rate_label(links.parse_rate(TARGET_RATE))}; "
-        f"DiLoCo's at every rate (its delay is computed for the rate). {no_delay}"
+        f"DiLoCo's at every rate (its delay is computed for the rate). {wan}"
     )
 
 
@@ -1419,18 +1419,19 @@ def unavailable_section(reason: str, rates: Sequence[str]) -> Section:
 def section_from(
     results: Mapping[str, Mapping[str, Any]],
     seconds: Mapping[str, float],
-    netem: str | None = None,
     curve: Mapping[str, Mapping[str, Any]] | None = None,
     loss_time: Mapping[str, Any] | None = None,
+    no_delay: str | None = None,
 ) -> Section:
     """The section from every rate's child output (``rate -> measurement ->
-    raw``), each rate's wall time (the figure's extra rates' too), why links
-    cannot be delayed here (``unavailable_reason(delay=True)``; ``None``: they
-    can), and DiLoCo's measurement at each of the figure's rates (``curve``;
-    ``None``: the model alone), and the demo's runs at
-    :data:`bench_loss_time.RATE` (``loss_time``; ``None``: not run)."""
+    raw``), each rate's wall time (the figure's extra rates' too), DiLoCo's
+    measurement at each of the figure's rates (``curve``; ``None``: the model
+    alone), the demo's runs across :data:`bench_loss_time.RATE` and
+    :data:`bench_loss_time.DELAY` (``loss_time``; ``None``: not run), and why
+    links cannot be delayed here (``unavailable_reason(delay=True)``;
+    ``None``: they can)."""
     rates = list(results)
-    blocks = [_intro(rates, netem)]
+    blocks = [_intro(rates, no_delay)]
     headlines: list[Headline] = []
     panels: list[Panel] = []
     pays, quoted = payoff_part(results)
@@ -1445,9 +1446,11 @@ def section_from(
         blocks.append(body)
         panels.append(panel)
     if loss_time is not None:
-        body, panel = bench_loss_time.loss_time_part(
-            loss_time, rate_label(links.parse_rate(bench_loss_time.RATE))
+        link = (
+            f"{rate_label(links.parse_rate(loss_time['rate']))} "
+            f"+ {links.parse_delay(loss_time['delay']) / 1000:g} ms"
         )
+        body, panel = bench_loss_time.loss_time_part(loss_time, link)
         blocks.append(body)
         panels.append(panel)
     for rate, measured in results.items():
@@ -1485,8 +1488,9 @@ def bench_links(quick: bool) -> Section:
             started = time.perf_counter()
             curve[rate] = run_in_namespace(rate, quick, ("diloco",), curve=True)["diloco"]
             seconds[rate] = time.perf_counter() - started
-    loss_time = run_in_namespace(bench_loss_time.RATE, quick, ("demo",))["demo"]
-    return section_from(results, seconds, links.unavailable_reason(delay=True), curve, loss_time)
+    no_delay = links.unavailable_reason(delay=True)
+    loss_time = bench_loss_time.run_across_link(quick) if no_delay is None else None
+    return section_from(results, seconds, curve, loss_time, no_delay)
 
 
 BENCHES: dict[str, Callable[[bool], Section]] = {"links": bench_links}

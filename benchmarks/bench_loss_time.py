@@ -1,8 +1,10 @@
-"""Held-out loss against training time on a slow link: the demo's model
+"""Held-out loss against training time across a WAN: the demo's model
 (``examples/demo.py``, a byte-level transformer on the standard library's
 docstrings) trained by DDP, zerofn's ZeRO, ZeRO with PowerSGD and DiLoCo side
-by side on 2 gloo ranks inside a namespace whose loopback is shaped to
-:data:`RATE` (``bench_links`` makes it and runs :func:`measure` inside).
+by side on 2 gloo ranks, one on each of two nodes (network namespaces)
+joined by a link shaped to :data:`RATE` whose each direction is held for
+:data:`DELAY` (``zerofn_torch.runtime.links.two_nodes``; the delay is the
+links module's delay line, so no ``netem`` is needed).
 
 The runs take turns step by step (the demo's own loop), so each sees the same
 link and the same machine; a run's time is the sum of its steps' forward,
@@ -13,17 +15,26 @@ taken after.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from report import Curve, Panel, md_table
+from zerofn_torch.runtime import links
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(BENCH_DIR), "examples")
 RATE = "100mbit"
-"""A link between sites (DiLoCo's setting); without netem here, no delay."""
+"""Each direction's rate: a link between sites (DiLoCo's setting)."""
+DELAY = "20ms"
+"""Each direction's one-way delay: a 40 ms round trip between sites."""
+PORT = 29531
+"""Where rank 0 (node ``a``) meets rank 1, inside the two namespaces."""
 RUNS = "ddp,zero+powersgd,diloco"
 """The demo's runs (``--runs``; the demo adds their baselines: ``zero``)."""
 ARGS = {
@@ -39,20 +50,22 @@ def demo_args(quick: bool) -> list[str]:
     return ["--runs", RUNS, "--world-size", "2", "--data-mb", "1", *ARGS[quick]]
 
 
-def measure(quick: bool) -> dict[str, Any]:
-    """Inside the shaped namespace: train the demo's runs on 2 ranks; per run,
-    rank 0's held-out evaluations and each step's seconds."""
+def measure_rank(rank: int, quick: bool, init_method: str) -> dict[str, Any]:
+    """Inside node ``rank``'s namespace: train the demo's runs as one of 2
+    ranks; per run, this rank's held-out evaluations and each step's seconds."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import demo
     import demo_train
-    from zerofn_torch.runtime.launch import run_local_world
+    from zerofn_torch.runtime.launch import run_rank
 
     cfg, world_size, _ = demo.parse(demo_args(quick))
-    results = run_local_world(demo_train.train_rank, world_size, cfg, timeout_s=1800)
+    got_runs = run_rank(
+        demo_train.train_rank, rank, world_size, cfg, init_method=init_method, timeout_s=1800
+    )
     runs = {}
     for spec in cfg.runs:
-        got = results[0][spec.key]
+        got = got_runs[spec.key]
         runs[spec.key] = {
             "title": spec.title,
             "held_out": [list(point) for point in got.held_out],
@@ -65,7 +78,60 @@ def measure(quick: bool) -> dict[str, Any]:
         "steps": cfg.steps,
         "world_size": world_size,
         "eval_every": cfg.eval_every,
+        "rate": RATE,
+        "delay": DELAY,
     }
+
+
+def node_main(argv: Sequence[str]) -> None:
+    """A node's process: ``rank quick init_method out`` (rank 0 writes ``out``)."""
+    rank, quick, init_method, out = int(argv[0]), argv[1] == "1", argv[2], argv[3]
+    measured = measure_rank(rank, quick, init_method)
+    if rank == 0:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(measured, f)
+
+
+NODE = "import sys, bench_loss_time; bench_loss_time.node_main(sys.argv[1:])"
+
+
+def run_across_link(quick: bool) -> dict[str, Any]:
+    """Make :func:`~zerofn_torch.runtime.links.two_nodes` at :data:`RATE` and
+    :data:`DELAY`, run rank 0 in node ``a`` and rank 1 in node ``b``, and
+    return rank 0's measurement with the bytes that crossed the link.
+
+    Raises:
+        RuntimeError: a rank failed (the tail of its output says how).
+    """
+    with tempfile.TemporaryDirectory() as tmp, links.two_nodes(RATE, delay=DELAY) as pair:
+        out = os.path.join(tmp, "loss_time.json")
+        init_method = f"tcp://{pair.a.address}:{PORT}"
+        env_path = os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH", "")) if p)
+        start = pair.link_bytes()
+        ranks = []
+        for rank, node in enumerate(pair.nodes):
+            env = node.env(os.environ) | {"PYTHONPATH": env_path}
+            argv = [sys.executable, "-c", NODE, str(rank), str(int(quick)), init_method, out]
+            ranks.append(
+                subprocess.Popen(
+                    node.command(argv),
+                    env=env,
+                    cwd=BENCH_DIR,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        said = [rank.communicate(timeout=300 if quick else 1800)[0] for rank in ranks]
+        failed = [r for r, proc in enumerate(ranks) if proc.returncode != 0]
+        if failed or not os.path.exists(out):
+            tail = "\n".join(said[failed[0] if failed else 0].strip().splitlines()[-15:])
+            raise RuntimeError(f"the loss-against-time run across the link failed:\n{tail}")
+        crossed = pair.link_bytes().since(start)
+        with open(out, encoding="utf-8") as f:
+            measured: dict[str, Any] = json.load(f)
+    measured["link_bytes"] = crossed.total
+    return measured
 
 
 def curve_points(run: Mapping[str, Any]) -> tuple[list[float], list[float]]:
@@ -80,10 +146,11 @@ def curve_points(run: Mapping[str, Any]) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def loss_time_part(raw: Mapping[str, Any], rate_label: str) -> tuple[str, Panel]:
+def loss_time_part(raw: Mapping[str, Any], link_label: str) -> tuple[str, Panel]:
     """The table and the figure's panel: per run, seconds per step, the time
     to train every step, and its last held-out loss."""
     runs: Mapping[str, Any] = raw["runs"]
+    delay_ms = links.parse_delay(raw["delay"]) / 1000
     rows: list[list[object]] = []
     curves = []
     for key, run in runs.items():
@@ -98,11 +165,14 @@ def loss_time_part(raw: Mapping[str, Any], rate_label: str) -> tuple[str, Panel]
             ]
         )
     body = (
-        f"**Held-out loss against training time at {rate_label}** (the demo's model, "
+        f"**Held-out loss against training time at {link_label}** (the demo's model, "
         f"`examples/demo.py --runs {RUNS}`, {raw['steps']} steps on {raw['world_size']} "
-        "gloo ranks in the shaped namespace; the link's rate alone, no added delay). The runs "
-        "take turns step by step; a run's time is the sum of its steps (forward, backward "
-        "with what crosses the link in it, the optimizer step), evaluations aside.\n\n"
+        "gloo ranks, one on each of two nodes; each direction of the link between them "
+        f"shaped to the rate and held {delay_ms:g} ms one way, a {2 * delay_ms:g} ms round trip). "
+        "The runs take turns step by step; a run's time is the sum of its steps "
+        "(forward, backward with what crosses the link in it, the optimizer step), "
+        f"evaluations aside. {raw['link_bytes'] / 1e6:,.0f} MB crossed the link, both "
+        "directions, evaluations included.\n\n"
         + md_table(
             [
                 "run",
@@ -123,7 +193,7 @@ def loss_time_part(raw: Mapping[str, Any], rate_label: str) -> tuple[str, Panel]
             + "."
         )
     panel = Panel(
-        f"The demo's model at {rate_label}: held-out loss against training time",
+        f"The demo's model at {link_label}: held-out loss against training time",
         "training seconds (evaluations aside)",
         "held-out loss",
         curves,

@@ -278,7 +278,7 @@ def test_the_section_holds_each_target_at_the_rates_it_is_set_for() -> None:
     section = bench_links.section_from(
         {"1gbit": _results(), "10gbit": _results()},
         {"1gbit": 100.0, "10gbit": 60.0},
-        netem="this kernel has no netem qdisc",
+        no_delay="this kernel has no TUN devices",
     )
     at_1 = [h for h in section.headlines if h.benchmark.startswith("link 1 Gbit/s")]
     at_10 = [h for h in section.headlines if h.benchmark.startswith("link 10 Gbit/s")]
@@ -304,7 +304,9 @@ def test_the_section_holds_each_target_at_the_rates_it_is_set_for() -> None:
     assert all(not h.why for h in section.headlines if h.met is not False)
     assert "### 1 Gbit/s" in section.body and "### 10 Gbit/s" in section.body
     assert "half duplex" in section.body and "delay = ceil(B x 8 / R / t)" in section.body
-    assert "No delay is emulated: this kernel has no netem qdisc" in section.body
+    assert "cannot be made here (`unavailable_reason(delay=True)` says: this kernel has no TUN" in (
+        section.body
+    )
     headline_table(section.headlines)  # every row renders
 
 
@@ -562,9 +564,13 @@ def test_the_loss_time_part_says_who_reached_a_common_loss_first() -> None:
         "steps": 4,
         "world_size": 2,
         "eval_every": 2,
+        "rate": "100mbit",
+        "delay": "20ms",
+        "link_bytes": 3_000_000,
     }
     assert bench_loss_time.fastest_to(raw["runs"], 3.0) == [("diloco", 0.5), ("ddp", 4.0)]
-    body, panel = bench_loss_time.loss_time_part(raw, "100 Mbit/s")
+    body, panel = bench_loss_time.loss_time_part(raw, "100 Mbit/s + 20 ms")
+    assert "held 20 ms one way, a 40 ms round trip" in body and "3 MB crossed the link" in body
     assert "| diloco | 250 | 1.0 | 2.500 |" in body
     assert bench_loss_time.common_loss(raw["runs"]) == 3.1  # zero's best; all reached it
     assert "reached 3.100, the lowest every run reached (evaluations every 2 steps): " in body

@@ -1,7 +1,9 @@
 """Run a function on N local ranks: processes joined by a gloo group.
 
 For tests, examples, benchmarks and notebooks on one machine; training jobs
-are started with ``torchrun`` instead.
+are started with ``torchrun`` instead. :func:`run_rank` runs one rank of
+such a world where each rank's process is started apart (one per network
+namespace, say, as the link benchmarks do).
 
 Ranks are forked from a forkserver that has imported torch and zerofn once
 (where the platform has one; elsewhere they are spawned): a spawned rank
@@ -26,7 +28,7 @@ from torch.multiprocessing.spawn import start_processes
 from zerofn.comm import AllReduce, Program
 from zerofn_torch.runtime.driver import drive, finish_polled
 
-__all__ = ["run_local_world"]
+__all__ = ["run_local_world", "run_rank"]
 
 # Imported once by the forkserver, before it forks any rank; the module of the
 # first function run is added (a test module, an example), so its ranks skip
@@ -53,17 +55,33 @@ def _rank_main(
     args: tuple[Any, ...],
     may_exit: tuple[int, ...] = (),
 ) -> None:
+    result = _in_group(
+        fn, rank, world_size, f"file://{tmp}/store", timeout_s, threads, args, may_exit
+    )
+    torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+
+
+def _in_group(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_method: str,
+    timeout_s: float,
+    threads: int,
+    args: tuple[Any, ...],
+    may_exit: tuple[int, ...] = (),
+) -> Any:
     torch.manual_seed(0)
     torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{tmp}/store",
+        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
     try:
-        torch.save(fn(rank, world_size, *args), os.path.join(tmp, f"result{rank}.pt"))
+        result = fn(rank, world_size, *args)
         # Let every rank's outstanding collectives and their callbacks finish
         # before the group is torn down (tearing it down under them aborts);
         # a polled program (a delayed DiLoCo sync) first issues what it has left.
@@ -74,8 +92,44 @@ def _rank_main(
         # is not the one started here: it has no barrier of this launcher's to hold.
         if not may_exit and dist.get_world_size() == world_size:
             drive(_barrier(), dist.group.WORLD, "the world's last barrier").wait()
+        return result
     finally:
         dist.destroy_process_group()
+
+
+def run_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    *args: Any,
+    init_method: str,
+    timeout_s: float = 120.0,
+    threads: int = 1,
+) -> Any:
+    """Run ``fn(rank, world_size, *args)`` as one rank of a gloo world whose
+    ranks are started apart, each by its own call of this function.
+
+    What a rank of :func:`run_local_world` does, in this process: join the
+    group, run ``fn``, finish what the driver left polled, meet the others
+    at a last barrier, leave the group.
+
+    Args:
+        fn: the per-rank function.
+        rank: this process's rank.
+        world_size: number of ranks.
+        *args: passed to ``fn`` after the rank and world size.
+        init_method: where the ranks meet, e.g. ``"tcp://10.87.0.1:29500"``
+            (rank 0 listens there).
+        timeout_s: collective timeout, so a rank waiting on a dead peer fails.
+        threads: torch intra-op threads.
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        Exception: what ``fn`` raised, or a collective's failure.
+    """
+    return _in_group(fn, rank, world_size, init_method, timeout_s, threads, args)
 
 
 def _barrier() -> Program[None]:

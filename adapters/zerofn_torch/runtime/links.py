@@ -1,4 +1,4 @@
-"""Shaped links on one machine: network namespaces, ``tc`` and a veth pair.
+"""Shaped links on one machine: network namespaces, ``tc``, a veth pair, a delay line.
 
 For benchmarks and multi-node tests that must see what a byte costs on a real
 link. :func:`shaped_loopback` makes one network namespace whose loopback is
@@ -25,13 +25,14 @@ How the links are shaped (:func:`plan_shaping`):
   the loopback, every packet (data and acknowledgements, both directions)
   passes the one qdisc, so the link is half duplex; the veth pair has one
   qdisc per end, so each direction has the full rate.
-- delay (optional): ``netem`` as the root qdisc with the ``tbf`` as its
-  child (the layout netem's documentation gives), delaying each packet
-  once per qdisc it passes: a round trip on the loopback or across the
-  veth pair takes twice ``delay``. Kernels built without netem
-  (``CONFIG_NET_SCH_NETEM``) cannot delay; :func:`unavailable_reason`
-  with ``delay=True`` says so. (The machines this project's CI runs on
-  lack netem, so no test runs the delayed layout there.)
+- delay (optional, :func:`two_nodes` only): the nodes are joined by a
+  TUN device each instead of the veth pair, and a
+  :class:`~zerofn_torch.runtime.delay_line.DelayLine` (a thread of the
+  process that made the link) carries every packet from one to the other,
+  holding it for ``delay``: a round trip takes twice ``delay``. It works
+  on kernels built without ``netem`` (the machines this project's CI runs
+  on are), the same way on every machine; :func:`unavailable_reason` with
+  ``delay=True`` checks that a TUN device can be made.
 
 Processes inside a namespace must tell gloo which interface to use
 (``GLOO_SOCKET_IFNAME``): gloo otherwise resolves the hostname, which does
@@ -54,6 +55,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
+
+from zerofn_torch.runtime.delay_line import DelayLine, open_tun
 
 __all__ = [
     "LinkBytes",
@@ -81,6 +84,9 @@ NODE_ADDRESSES = ("10.87.0.1", "10.87.0.2")
 
 NODE_INTERFACES = ("veth-a", "veth-b")
 """Node ``a``'s and node ``b``'s end of the veth pair."""
+
+DELAYED_INTERFACES = ("tun-a", "tun-b")
+"""Node ``a``'s and node ``b``'s end of a delayed link (TUN devices)."""
 
 # The loopback's MTU is 64 KiB, and TCP hands the veth pair 64 KiB
 # segmentation-offload packets: the largest packet either qdisc sees.
@@ -171,15 +177,11 @@ class Shaping:
         bits_per_second: the token bucket's rate.
         burst_bytes: the bucket's size: bytes an idle link passes at once.
         limit_bytes: bytes the token bucket's queue holds before it drops.
-        delay_us: netem's delay per packet, or ``None`` for no netem.
-        netem_limit: packets netem holds (its queue spans the delay).
     """
 
     bits_per_second: int
     burst_bytes: int
     limit_bytes: int
-    delay_us: int | None = None
-    netem_limit: int = 1000
 
     def seconds(self, nbytes: int) -> float:
         """Seconds ``nbytes`` take at the rate (headers and burst not counted).
@@ -199,29 +201,19 @@ class Shaping:
             interface: the interface, inside the namespace the commands run in.
 
         Returns:
-            One ``tc qdisc add`` per qdisc, root first.
+            One ``tc qdisc add`` per qdisc, root first (one: the ``tbf``).
         """
-        tbf = [
-            "tbf",
-            "rate",
-            f"{self.bits_per_second}bit",
-            "burst",
-            str(self.burst_bytes),
-            "limit",
-            str(self.limit_bytes),
-        ]
-        add = ["tc", "qdisc", "add", "dev", interface]
-        if self.delay_us is None:
-            return [[*add, "root", "handle", "1:", *tbf]]
-        netem = ["netem", "delay", f"{self.delay_us}us", "limit", str(self.netem_limit)]
         return [
-            [*add, "root", "handle", "1:", *netem],
-            [*add, "parent", "1:1", "handle", "10:", *tbf],
+            [
+                *("tc", "qdisc", "add", "dev", interface, "root", "handle", "1:", "tbf"),
+                *("rate", f"{self.bits_per_second}bit", "burst", str(self.burst_bytes)),
+                *("limit", str(self.limit_bytes)),
+            ]
         ]
 
 
-def plan_shaping(rate: str, delay: str | None = None) -> Shaping:
-    """Choose the qdiscs' parameters for a link of ``rate`` (and ``delay``).
+def plan_shaping(rate: str) -> Shaping:
+    """Choose the token bucket's parameters for a link of ``rate``.
 
     - burst: the larger of two 64 KiB packets and 1 ms at the rate. It must
       hold the largest packet (the loopback's MTU and TCP's offload packets
@@ -235,29 +227,21 @@ def plan_shaping(rate: str, delay: str | None = None) -> Shaping:
       64 KiB packets queue without a drop (measured: a 10 ms queue lost 320
       packets and a fifth of the rate to 16 connections at 100 Mbit/s), and
       50 ms covers faster senders.
-    - netem's limit (packets in flight through the delay): four times the
-      1500-byte packets the delay holds at the rate, at least netem's
-      default 1000.
 
     Args:
         rate: see :func:`parse_rate`.
-        delay: see :func:`parse_delay`; ``None`` for no delay.
 
     Returns:
         The shaping, for :meth:`Shaping.tc_commands`.
 
     Raises:
-        ValueError: a malformed rate or delay.
+        ValueError: a malformed rate.
     """
     bits = parse_rate(rate)
     per_second = bits / 8
     burst = max(2 * _MAX_PACKET, math.ceil(per_second / 1000))
     limit = max(4 * 1024 * 1024, math.ceil(per_second * 0.050))
-    if delay is None:
-        return Shaping(bits, burst, limit)
-    micros = parse_delay(delay)
-    in_flight = math.ceil(per_second * micros / 1e6 / 1500)
-    return Shaping(bits, burst, limit, micros, max(1000, 4 * in_flight))
+    return Shaping(bits, burst, limit)
 
 
 # ----- running ip and tc -----------------------------------------------------------------
@@ -321,7 +305,7 @@ def _probe(name: str, delay: bool) -> str | None:
         return f"cannot create a network namespace: `ip netns add` says {error.said!r}"
     _run(["ip", "-n", name, "link", "set", "lo", "up"])
     steps = [("no veth pairs (CONFIG_VETH)", ["ip", "link", "add", "p0", "type", "veth"])]
-    for argv in plan_shaping("1gbit", "1ms" if delay else None).tc_commands("lo"):
+    for argv in plan_shaping("1gbit").tc_commands("lo"):
         kind = argv[argv.index("handle") + 2]
         steps.append((f"no {kind} qdisc (CONFIG_NET_SCH_{kind.upper()})", argv))
     for why, argv in steps:
@@ -329,6 +313,11 @@ def _probe(name: str, delay: bool) -> str | None:
             _run(_in(name, argv))
         except _CommandFailed as error:  # the same sentence whatever the probe's name
             return f"this kernel has {why}: `{' '.join(argv)}` says {error.said!r}"
+    if delay:
+        try:
+            os.close(open_tun(name, "probe"))
+        except OSError as error:
+            return f"a delayed link needs TUN devices (CONFIG_TUN, /dev/net/tun): {error}"
     return None
 
 
@@ -337,11 +326,11 @@ def unavailable_reason(*, delay: bool = False) -> str | None:
 
     Checks, in order and afresh on every call (nothing is cached): Linux,
     root, ``ip`` and ``tc`` on ``PATH``; then creates a probe namespace,
-    shapes its loopback, adds a veth pair inside it, and removes it (a few
-    milliseconds).
+    shapes its loopback, adds a veth pair (and with ``delay`` a TUN device)
+    inside it, and removes it (a few milliseconds).
 
     Args:
-        delay: also check that the kernel has netem (links with a delay).
+        delay: also make a TUN device (links with a delay).
 
     Returns:
         A sentence saying what is missing, or ``None``.
@@ -528,15 +517,18 @@ class Node:
 
 @attrs.frozen
 class TwoNodes:
-    """Two namespaces joined by a shaped veth pair.
+    """Two namespaces joined by a shaped link.
 
     Attributes:
-        a: the first node (address ``10.87.0.1`` on ``veth-a``).
-        b: the second node (address ``10.87.0.2`` on ``veth-b``).
+        a: the first node (address ``10.87.0.1`` on ``veth-a``, or ``tun-a``
+            with a delay).
+        b: the second node (address ``10.87.0.2`` on ``veth-b`` or ``tun-b``).
+        delay_us: each direction's one-way delay, or ``None`` (no delay line).
     """
 
     a: Node
     b: Node
+    delay_us: int | None = None
 
     @property
     def nodes(self) -> tuple[Node, Node]:
@@ -544,7 +536,7 @@ class TwoNodes:
         return (self.a, self.b)
 
     def link_bytes(self) -> LinkBytes:
-        """Read the bytes each end of the veth pair has sent so far.
+        """Read the bytes each end of the link has sent so far.
 
         Returns:
             The counters; subtract an earlier reading with :meth:`LinkBytes.since`.
@@ -559,9 +551,7 @@ class TwoNodes:
 
 
 @contextlib.contextmanager
-def shaped_loopback(
-    rate: str, *, delay: str | None = None, name: str | None = None
-) -> Iterator[Node]:
+def shaped_loopback(rate: str, *, name: str | None = None) -> Iterator[Node]:
     """A network namespace whose loopback is shaped to ``rate``.
 
     Processes run inside with :meth:`Node.command` and :meth:`Node.env`
@@ -570,22 +560,19 @@ def shaped_loopback(
 
     Args:
         rate: the loopback's rate, e.g. ``"1gbit"`` (see :func:`parse_rate`).
-        delay: netem's delay per packet, e.g. ``"20ms"`` (a round trip takes
-            twice that), or ``None``.
         name: the namespace's name (default ``zerofn-<pid>-<n>``, unique).
 
     Yields:
         The namespace, as a :class:`Node` on ``lo`` at ``127.0.0.1``.
 
     Raises:
-        ValueError: a malformed rate or delay (before anything is made).
-        LinkUnavailable: namespaces (or netem, with a delay) cannot be made
-            here; nothing was created.
+        ValueError: a malformed rate (before anything is made).
+        LinkUnavailable: namespaces cannot be made here; nothing was created.
         RuntimeError: ``ip`` or ``tc`` failed, or the namespace could not be
             removed.
     """
-    shaping = plan_shaping(rate, delay)
-    _require(delay is not None)
+    shaping = plan_shaping(rate)
+    _require(delay=False)
     with _namespaces() as made:
         ns = name if name is not None else _fresh_name()
         _add(made, ns)
@@ -595,45 +582,65 @@ def shaped_loopback(
 
 @contextlib.contextmanager
 def two_nodes(rate: str, *, delay: str | None = None) -> Iterator[TwoNodes]:
-    """Two namespaces joined by a veth pair, each end's egress shaped to ``rate``.
+    """Two namespaces joined by a link whose each direction is shaped to ``rate``.
 
-    Node ``a`` has ``10.87.0.1/30`` on ``veth-a``, node ``b`` ``10.87.0.2/30``
-    on ``veth-b``; the /30 is their only route, so traffic cannot leave
-    them. Each node's loopback is up and unshaped: traffic between
-    processes of one node (also to the node's own veth address, which the
-    kernel delivers over the loopback) does not cross the link. IPv6 is not
-    configured on the pair, so the counters see only what processes send
-    (and ARP).
+    Node ``a`` has ``10.87.0.1/30``, node ``b`` ``10.87.0.2/30``, on a veth
+    pair (``veth-a``, ``veth-b``), or with a delay on two TUN devices
+    (``tun-a``, ``tun-b``) joined by a delay line; the /30 is their only
+    route, so traffic cannot leave them. Each node's loopback is up and
+    unshaped: traffic between processes of one node (also to the node's
+    own address, which the kernel delivers over the loopback) does not
+    cross the link. IPv6 is not configured on the link, so the counters see
+    only what processes send (and ARP on the veth pair).
 
     Args:
         rate: each direction's rate (see :func:`parse_rate`).
-        delay: netem's delay on each end, e.g. ``"10ms"`` (one way), or ``None``.
+        delay: each direction's one-way delay, e.g. ``"20ms"`` (see
+            :func:`parse_delay`), or ``None``.
 
     Yields:
-        The two nodes; :meth:`TwoNodes.link_bytes` reads the pair's counters.
+        The two nodes; :meth:`TwoNodes.link_bytes` reads the link's counters.
 
-    It raises what :func:`shaped_loopback` raises, for the same reasons.
+    Raises:
+        ValueError: a malformed rate or delay (before anything is made).
+        LinkUnavailable: namespaces (or TUN devices, with a delay) cannot be
+            made here; nothing was created.
+        RuntimeError: ``ip`` or ``tc`` failed, a namespace could not be
+            removed, or the delay line stopped while the body ran.
     """
-    shaping = plan_shaping(rate, delay)
-    _require(delay is not None)
-    with _namespaces() as made:
+    shaping = plan_shaping(rate)
+    delay_us = None if delay is None else parse_delay(delay)
+    _require(delay=delay is not None)
+    with _namespaces() as made, contextlib.ExitStack() as ends:
         base = _fresh_name()
         names = (f"{base}-a", f"{base}-b")
         for ns in names:
             _add(made, ns)
-        # Created straight inside the namespaces: no interface ever exists
-        # outside them. Deleting either namespace deletes the pair.
-        _run(
-            [
-                *("ip", "link", "add", NODE_INTERFACES[0], "netns", names[0], "type", "veth"),
-                *("peer", "name", NODE_INTERFACES[1], "netns", names[1]),
-            ]
-        )
+        if delay_us is None:
+            interfaces = NODE_INTERFACES
+            # Created straight inside the namespaces: no interface ever exists
+            # outside them. Deleting either namespace deletes the pair.
+            _run(
+                [
+                    *("ip", "link", "add", interfaces[0], "netns", names[0], "type", "veth"),
+                    *("peer", "name", interfaces[1], "netns", names[1]),
+                ]
+            )
+        else:
+            interfaces = DELAYED_INTERFACES
+            fds = tuple(open_tun(ns, dev) for ns, dev in zip(names, interfaces, strict=True))
+            for fd in fds:  # closed after the line stops, before the namespaces go
+                ends.callback(os.close, fd)
         nodes = []
-        for ns, dev, address in zip(names, NODE_INTERFACES, NODE_ADDRESSES, strict=True):
+        for ns, dev, address in zip(names, interfaces, NODE_ADDRESSES, strict=True):
             _run(["ip", "-n", ns, "link", "set", dev, "addrgenmode", "none"])
             _run(["ip", "-n", ns, "addr", "add", f"{address}/{SUBNET_PREFIX_LENGTH}", "dev", dev])
             _shape(ns, dev, shaping)
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
             nodes.append(Node(ns, dev, address, shaping))
-        yield TwoNodes(nodes[0], nodes[1])
+        pair = TwoNodes(nodes[0], nodes[1], delay_us)
+        if delay_us is None:
+            yield pair
+        else:
+            with DelayLine((fds[0], fds[1]), delay_us / 1e6):
+                yield pair
