@@ -24,7 +24,7 @@ def test_packets_cross_whole_in_order_after_the_delay_both_ways() -> None:
     (line_a, node_a), (line_b, node_b) = _ends()
     delay = 0.030
     packets = [bytes([i]) * (100 + i) for i in range(20)]
-    with DelayLine((line_a.fileno(), line_b.fileno()), delay) as line:
+    with DelayLine((line_a.fileno(), line_b.fileno()), delay).carrying() as line:
         sent = time.monotonic()
         for packet in packets:
             node_a.send(packet)
@@ -44,10 +44,10 @@ def test_packets_cross_whole_in_order_after_the_delay_both_ways() -> None:
 def test_a_line_that_cannot_deliver_raises_when_left() -> None:
     (line_a, node_a), (line_b, node_b) = _ends()
     node_b.close()  # the far end is gone: delivering there fails
-    with pytest.raises(RuntimeError, match="stopped carrying packets"):  # noqa: SIM117
-        with DelayLine((line_a.fileno(), line_b.fileno()), 0.001):
-            node_a.send(b"lost")
-            time.sleep(0.1)
+    line = DelayLine((line_a.fileno(), line_b.fileno()), 0.001)
+    with pytest.raises(RuntimeError, match="stopped carrying packets"), line.carrying():
+        node_a.send(b"lost")
+        time.sleep(0.1)
     for sock in (line_a, node_a, line_b):
         sock.close()
 

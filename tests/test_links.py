@@ -103,6 +103,28 @@ print(elapsed)
 """
 
 
+def _echoed(pair: links.TwoNodes, client: str, port: int, arg: int) -> float:
+    """Run an echo server on node b and ``client`` on node a (``address port
+    arg``); the seconds the client prints."""
+    b = pair.b
+    server = subprocess.Popen(
+        b.command([sys.executable, "-c", _ECHO_SERVER, b.address, str(port)]),
+        env=b.env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "ready"
+        seconds = float(_python(pair.a, client, b.address, port, arg))
+        assert server.wait(timeout=10) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    return seconds
+
+
 def _python(node: links.Node, code: str, *args: object, timeout: float = 30.0) -> str:
     argv = node.command([sys.executable, "-c", code, *map(str, args)])
     done = subprocess.run(argv, env=node.env(), capture_output=True, text=True, timeout=timeout)
@@ -281,23 +303,9 @@ def test_two_nodes_reach_each_other_over_the_counted_link_and_nothing_else() -> 
             assert main and all(r.startswith("10.87.0.0/30 ") for r in main), routes
 
         start = pair.link_bytes()
-        server = subprocess.Popen(
-            b.command([sys.executable, "-c", _ECHO_SERVER, b.address, str(port)]),
-            env=b.env(),
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert server.stdout is not None
-            assert server.stdout.readline().strip() == "ready"
-            t0 = time.perf_counter()
-            elapsed = float(_python(a, _ECHO_CLIENT, b.address, port, nbytes))
-            assert time.perf_counter() - t0 < 20
-            assert server.wait(timeout=10) == 0
-        finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
+        t0 = time.perf_counter()
+        elapsed = _echoed(pair, _ECHO_CLIENT, port, nbytes)
+        assert time.perf_counter() - t0 < 20
         crossed = pair.link_bytes().since(start)
     # Each direction carried the payload plus headers, and was shaped.
     assert crossed.a_to_b >= nbytes
@@ -331,31 +339,14 @@ def test_a_delayed_link_holds_each_direction_for_the_delay_and_keeps_the_rate() 
     before = links.netns_names()
     nbytes, port, delay_s = 2_000_000, 5556, 0.010
     with two_nodes("100mbit", delay="10ms") as pair:
-        a, b = pair.nodes
-        assert (a.address, b.address) == links.NODE_ADDRESSES
+        assert (pair.a.address, pair.b.address) == links.NODE_ADDRESSES
         start = pair.link_bytes()
-        for code, args in ((_ROUND_TRIPS, (5,)), (_ECHO_CLIENT, (nbytes,))):
-            server = subprocess.Popen(
-                b.command([sys.executable, "-c", _ECHO_SERVER, b.address, str(port)]),
-                env=b.env(),
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            try:
-                assert server.stdout is not None
-                assert server.stdout.readline().strip() == "ready"
-                seconds = float(_python(a, code, b.address, port, *args))
-                assert server.wait(timeout=10) == 0
-            finally:
-                if server.poll() is None:
-                    server.kill()
-                    server.wait()
-            if code is _ROUND_TRIPS:
-                # Each direction waits the delay once; the line's own time and
-                # the processes' add a little (~0.3 ms measured on 2 cores).
-                assert 2 * delay_s <= seconds < 2 * delay_s + 0.010, seconds
-            else:
-                assert seconds >= 0.8 * pair.a.shaping.seconds(nbytes)
+        round_trip = _echoed(pair, _ROUND_TRIPS, port, 5)
+        # Each direction waits the delay once; the line's own time and the
+        # processes' add a little (~0.3 ms measured on 2 cores).
+        assert 2 * delay_s <= round_trip < 2 * delay_s + 0.010, round_trip
+        elapsed = _echoed(pair, _ECHO_CLIENT, port, nbytes)
+        assert elapsed >= 0.8 * pair.a.shaping.seconds(nbytes)
         crossed = pair.link_bytes().since(start)
     assert crossed.a_to_b >= nbytes and crossed.b_to_a >= nbytes
     assert crossed.total < 1.1 * 2 * nbytes

@@ -22,6 +22,7 @@ delay=...)`` makes the namespaces, the devices' addresses and their shaping.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -29,7 +30,7 @@ import select
 import struct
 import threading
 import time
-from types import TracebackType
+from collections.abc import Iterator
 
 __all__ = ["DelayLine", "open_tun"]
 
@@ -105,9 +106,8 @@ def open_tun(namespace: str, name: str) -> int:
 class DelayLine:
     """Carries packets between two TUN devices, each held ``delay_s`` on the way.
 
-    A context manager: entering starts the forwarding thread, leaving stops
-    it and raises what stopped it early, if anything did. It owns neither
-    descriptor (the caller closes them, after leaving).
+    :meth:`carrying` runs it for the length of a ``with`` block. It owns
+    neither descriptor (the caller closes them, after the block).
 
     Args:
         ends: the two devices' descriptors (from :func:`open_tun`).
@@ -124,51 +124,58 @@ class DelayLine:
             raise ValueError("a delay line joins two different devices; got one twice")
         self._ends = ends
         self._delay_s = delay_s
-        self._wake_read, self._wake_write = os.pipe()
-        self._failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="delay-line", daemon=True)
         self.packets = [0, 0]
         """Packets carried from ``ends[0]`` to ``ends[1]``, and back."""
 
-    def __enter__(self) -> DelayLine:
-        self._thread.start()
-        return self
+    @contextlib.contextmanager
+    def carrying(self) -> Iterator[DelayLine]:
+        """Carry packets until the block ends.
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        os.write(self._wake_write, b"x")
-        self._thread.join()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
-        if self._failed is not None and error is None:
-            raise RuntimeError(f"the delay line stopped carrying packets: {self._failed!r}") from (
-                self._failed
+        Yields:
+            This line.
+
+        Raises:
+            RuntimeError: the line stopped carrying while the block ran (a
+                device gone, say); raised when the block ends without an
+                error of its own.
+        """
+        wake_read, wake_write = os.pipe()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._forward(wake_read)
+            except BaseException as error:  # reported when the block ends
+                failed.append(error)
+
+        thread = threading.Thread(target=run, name="delay-line", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            os.write(wake_write, b"x")
+            thread.join()
+            os.close(wake_read)
+            os.close(wake_write)
+        if failed:
+            raise RuntimeError(f"the delay line stopped carrying packets: {failed[0]!r}") from (
+                failed[0]
             )
 
-    def _run(self) -> None:
-        try:
-            self._forward()
-        except BaseException as error:  # reported when the line is left
-            self._failed = error
-
-    def _forward(self) -> None:
+    def _forward(self, wake: int) -> None:
         # Packets in flight towards each end, oldest first: with one delay for
         # all, the order they arrive in is the order they become due in.
         held: tuple[collections.deque[tuple[float, bytes]], ...] = (
             collections.deque(),
             collections.deque(),
         )
-        watched = [*self._ends, self._wake_read]
+        watched = [*self._ends, wake]
         while True:
             due = [queue[0][0] for queue in held if queue]
             wait = max(0.0, min(due) - time.monotonic()) if due else None
             # select, not poll: its timeout has microseconds, poll's whole milliseconds.
             readable = select.select(watched, [], [], wait)[0]
-            if self._wake_read in readable:
+            if wake in readable:
                 return
             for side, fd in enumerate(self._ends):
                 if fd in readable:

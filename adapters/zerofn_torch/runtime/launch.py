@@ -45,19 +45,8 @@ def _start_method(fn: Callable[..., Any]) -> str:
     return "forkserver"
 
 
-def _rank_main(
-    rank: int,
-    fn: Callable[..., Any],
-    world_size: int,
-    tmp: str,
-    timeout_s: float,
-    threads: int,
-    args: tuple[Any, ...],
-    may_exit: tuple[int, ...] = (),
-) -> None:
-    result = _in_group(
-        fn, rank, world_size, f"file://{tmp}/store", timeout_s, threads, args, may_exit
-    )
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, *rest: Any) -> None:
+    result = _in_group(fn, rank, world_size, f"file://{tmp}/store", *rest)
     torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
 
 

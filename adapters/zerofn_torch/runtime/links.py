@@ -642,5 +642,5 @@ def two_nodes(rate: str, *, delay: str | None = None) -> Iterator[TwoNodes]:
         if delay_us is None:
             yield pair
         else:
-            with DelayLine((fds[0], fds[1]), delay_us / 1e6):
+            with DelayLine((fds[0], fds[1]), delay_us / 1e6).carrying():
                 yield pair
