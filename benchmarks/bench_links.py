@@ -151,7 +151,7 @@ class Sizes:
 
 SIZES = {
     False: Sizes(
-        zero=(10, 2), overlap=(1024, 4, 10), powersgd=(1024, 4, 12), diloco=(768, 4, 8, 1)
+        zero=(10, 2), overlap=(1024, 4, 10), powersgd=(1024, 4, 12), diloco=(768, 4, 24, 1)
     ),
     True: Sizes(zero=(2, 1), overlap=(256, 2, 2), powersgd=(256, 2, 2), diloco=(256, 2, 2, 1)),
 }
