@@ -33,7 +33,7 @@ ratios are medians of per-round ratios, with their quartiles):
    streaming with int8 (P = 2 fragments, H = 50 as the blocking run it is
    set beside, or more where the delay needs it) at a delay long enough for the link
    (:func:`streaming_delay`, from the fragment's bytes, the rate and the
-   inner step measured at the start of the run) and at delay 1.
+   fastest inner step measured at the start of the run) and at delay 1.
 
 The targets: at 1 Gbit/s, ZeRO exact / PyTorch <= 1.0, int8 <= 0.30,
 int4 <= 0.20, the overlapped iteration / PyTorch's <= 0.75, PowerSGD /
@@ -383,6 +383,14 @@ def diloco_why(
     codec = statistics.median(raw["codec"]) / WORLD
     exposed = max(0.0, link - delay * quiet)
     beyond = mine - quiet - (exposed + codec) / stride
+    blocking = blocking_name(raw["sync_every"])
+    same_h = ""
+    if blocking in times:  # the same syncs, each waited for whole: what hiding them saves
+        waited = statistics.median(per_step(times[blocking], steps[blocking])) - quiet
+        same_h = (
+            f"; blocking DiLoCo with the same H = {raw['sync_every']}, which hides nothing, "
+            f"took {_ms(waited)} more"
+        )
     return (
         f"a fragment's int8 sync puts {raw['fragment_link_bytes']:,} bytes on the link, "
         f"{_ms(link)} at {rate_label(bits_per_second)}, "
@@ -392,7 +400,7 @@ def diloco_why(
         f"replica's update) takes {_ms(codec)} a sync on the rank's one core, "
         f"{_ms(codec / stride)} per inner step ({codec / stride / quiet:.2f} of a step); the "
         f"run took {_ms(mine - quiet)} per inner step more than without communication, "
-        f"{_ms(beyond)} beyond the wait and the arithmetic"
+        f"{_ms(beyond)} beyond the wait and the arithmetic{same_h}"
     )
 
 
@@ -883,9 +891,11 @@ def _diloco_rank(
         start = time.perf_counter()
         quiet()
         samples.append((time.perf_counter() - start) / QUIET_STEPS)
-    # Both ranks must build the same configuration: the slower rank's step.
-    step = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    # Both ranks must build the same configuration. The fastest step of
+    # either rank gives the longest delay: one that still covers the link
+    # when the timed windows run faster than these samples.
+    step = torch.tensor([min(samples)], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MIN)
     sizes = [p.numel() for p in quiet_model.parameters()]
     link_bytes = fragment_link_bytes(sizes, FRAGMENTS, STREAM_COMPRESSION)
     delay = streaming_delay(link_bytes, bits_per_second, step.item())
@@ -1350,7 +1360,8 @@ def diloco_part(raw: Mapping[str, Any], rate: str, bits: float) -> Part:
             "the timed rounds from B, the bytes one fragment's int8 sync puts on the link "
             "(2 x the payload of every owner's slice, codes and block scales: the codes to "
             "the owner, the new anchor's codes back), the rate R and t, the inner step with "
-            "no communication (the slower rank's median of 3 windows):",
+            "no communication (the fastest of 5 windows on either rank, so that the delay still "
+            "covers the link when the timed windows run faster):",
             f"`{formula}`",
             *same,
             table,

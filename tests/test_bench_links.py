@@ -216,6 +216,12 @@ def test_diloco_why_sets_the_syncs_link_time_against_the_steps_it_hides_under() 
     # 1.60 ms more per step; 2.93 + 3.00 of it explained: -4.33 ms beyond.
     assert "the run took 1.60 ms per inner step more than without communication" in why
     assert "-4.33 ms beyond the wait and the arithmetic" in why
+    # Blocking with the same H (10): 3 steps' time per step, 40 ms over the quiet one.
+    assert why.endswith(
+        "; blocking DiLoCo with the same H = 10, which hides nothing, took 40 ms more"
+    )
+    alone = bench_links.diloco_why(bench_links.streaming_name(1), raw | {"sync_every": 20}, GBIT)
+    assert alone.endswith("beyond the wait and the arithmetic")
     covered = bench_links.diloco_why(raw["long"], raw, GBIT)
     assert "within the 2 inner steps of 20 ms it may take (0.00 ms left to wait" in covered
 
