@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["DelayLine", "open_tun"]
+__all__ = ["NETNS_DIR", "DelayLine", "open_tun"]
 
 # <linux/if_tun.h> and <sched.h>.
 _TUNSETIFF = 0x400454CA
