@@ -65,12 +65,13 @@ def _encoded(
     """Each owner's slice of ``gradient`` as a payload for it (the own slice's
     payload is left unwritten), and into ``residual`` what the codes leave out."""
     sends = _payloads(quantizer, fragment.lengths, gradient.device)
+    left_out = fragment.slices(residual)
     for owner, (part, payload) in enumerate(zip(fragment.slices(gradient), sends, strict=True)):
         carried = part
         if owner != rank:
             quantizer.encode(part, payload)
             carried = quantizer.decode(payload, part.numel())
-        residual[fragment.owned(owner)] = part - carried
+        torch.sub(part, carried, out=left_out[owner])
     return sends
 
 
@@ -110,7 +111,7 @@ def compressed_sync_program(
     lengths = fragment.lengths
     world_size = len(lengths)
     device = values.device
-    gradient = replica - values + residual
+    gradient = torch.sub(replica, values).add_(residual)
     # The own slice never leaves this rank: it is summed exact, not encoded.
     nothing = torch.empty(0, dtype=torch.uint8, device=device)
     sends = _encoded(fragment, rank, gradient, residual, quantizer)
@@ -120,17 +121,21 @@ def compressed_sync_program(
     receives = _payloads(quantizer, (lengths[rank],) * world_size, device)
     receives[rank] = nothing
     received = yield AllToAll(tuple(sends), tuple(receives), rank)
+    # One scratch buffer for every decode: a sync allocates per fragment, not per payload.
+    decoded = torch.empty(max(lengths), dtype=torch.float32, device=device)
     for k in range(1, world_size):
-        total += quantizer.decode(received[(rank - k) % world_size], lengths[rank])
+        total += quantizer.decode(
+            received[(rank - k) % world_size], lengths[rank], decoded[: lengths[rank]]
+        )
 
-    stepped = yield OuterStep(fragment.index, total / world_size)
+    stepped = yield OuterStep(fragment.index, total.div_(world_size))
     own = fragment.slices(replica)[rank]
     updates = _payloads(quantizer, lengths, device)
-    quantizer.encode(stepped - own, updates[rank])
+    quantizer.encode(torch.sub(stepped, own, out=decoded[: lengths[rank]]), updates[rank])
     yield GatherSegments(tuple(updates), rank, via, last=True)
     with torch.no_grad():
         for part, payload in zip(fragment.slices(replica), updates, strict=True):
-            part.add_(quantizer.decode(payload, part.numel()))
+            part.add_(quantizer.decode(payload, part.numel(), decoded[: part.numel()]))
     return replica
 
 
