@@ -628,9 +628,10 @@ def two_nodes(rate: str, *, delay: str | None = None) -> Iterator[TwoNodes]:
             )
         else:
             interfaces = DELAYED_INTERFACES
-            fds = tuple(open_tun(ns, dev) for ns, dev in zip(names, interfaces, strict=True))
-            for fd in fds:  # closed after the line stops, before the namespaces go
-                ends.callback(os.close, fd)
+            fds = []
+            for ns, dev in zip(names, interfaces, strict=True):
+                fds.append(open_tun(ns, dev))
+                ends.callback(os.close, fds[-1])  # after the line stops, before the namespaces go
         nodes = []
         for ns, dev, address in zip(names, interfaces, NODE_ADDRESSES, strict=True):
             _run(["ip", "-n", ns, "link", "set", dev, "addrgenmode", "none"])
