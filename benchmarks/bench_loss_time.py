@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,30 +109,49 @@ def run_across_link(quick: bool) -> dict[str, Any]:
         init_method = f"tcp://{pair.a.address}:{PORT}"
         env_path = os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH", "")) if p)
         start = pair.link_bytes()
+        logs = [os.path.join(tmp, f"rank{rank}.log") for rank in range(2)]
         ranks = []
         for rank, node in enumerate(pair.nodes):
             env = node.env(os.environ) | {"PYTHONPATH": env_path}
             argv = [sys.executable, "-c", NODE, str(rank), str(int(quick)), init_method, out]
-            ranks.append(
-                subprocess.Popen(
-                    node.command(argv),
-                    env=env,
-                    cwd=BENCH_DIR,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
+            with open(logs[rank], "w", encoding="utf-8") as log:
+                ranks.append(
+                    subprocess.Popen(
+                        node.command(argv), env=env, cwd=BENCH_DIR, stdout=log, stderr=log
+                    )
                 )
+        codes = _wait_all(ranks, 300 if quick else 1800)
+        if any(code != 0 for code in codes) or not os.path.exists(out):
+            failed = next((r for r, code in enumerate(codes) if code != 0), 0)
+            with open(logs[failed], encoding="utf-8") as f:
+                tail = "\n".join(f.read().strip().splitlines()[-15:])
+            raise RuntimeError(
+                f"the loss-against-time run across the link failed (exit codes {codes}; "
+                f"rank {failed} said):\n{tail}"
             )
-        said = [rank.communicate(timeout=300 if quick else 1800)[0] for rank in ranks]
-        failed = [r for r, proc in enumerate(ranks) if proc.returncode != 0]
-        if failed or not os.path.exists(out):
-            tail = "\n".join(said[failed[0] if failed else 0].strip().splitlines()[-15:])
-            raise RuntimeError(f"the loss-against-time run across the link failed:\n{tail}")
         crossed = pair.link_bytes().since(start)
         with open(out, encoding="utf-8") as f:
             measured: dict[str, Any] = json.load(f)
     measured["link_bytes"] = crossed.total
     return measured
+
+
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
+    """Wait for every process; once one fails or the time is up, kill the
+    others (a rank left waiting on a dead peer would hold its namespace's
+    link for the group's whole timeout). Returns their exit codes."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return [p.returncode for p in procs]
 
 
 def curve_points(run: Mapping[str, Any]) -> tuple[list[float], list[float]]:

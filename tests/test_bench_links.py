@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -583,3 +585,14 @@ def test_the_loss_time_part_says_who_reached_a_common_loss_first() -> None:
     assert "diloco 0.5 s, ddp 4.0 s, zero 8.0 s." in body
     assert [c.label for c in panel.curves] == ["ddp", "diloco", "zero"]
     assert panel.curves[1].x == (0.5, 1.0)
+
+
+def test_a_failed_rank_ends_the_other_instead_of_leaving_it_waiting() -> None:
+    failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = time.monotonic()
+    codes = bench_loss_time._wait_all([failing, waiting], timeout_s=60)
+    assert codes[0] == 3 and codes[1] < 0  # killed by a signal
+    assert time.monotonic() - started < 10
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert bench_loss_time._wait_all([late], timeout_s=0.5)[0] < 0  # out of time: killed
