@@ -61,16 +61,18 @@ def _encoded(
     gradient: torch.Tensor,
     residual: torch.Tensor,
     quantizer: BlockQuantizer,
+    decoded: torch.Tensor,
 ) -> list[torch.Tensor]:
     """Each owner's slice of ``gradient`` as a payload for it (the own slice's
-    payload is left unwritten), and into ``residual`` what the codes leave out."""
+    payload is left unwritten), and into ``residual`` what the codes leave out
+    (``decoded``: scratch for the codes read back, at least a slice long)."""
     sends = _payloads(quantizer, fragment.lengths, gradient.device)
     left_out = fragment.slices(residual)
     for owner, (part, payload) in enumerate(zip(fragment.slices(gradient), sends, strict=True)):
         carried = part
         if owner != rank:
             quantizer.encode(part, payload)
-            carried = quantizer.decode(payload, part.numel())
+            carried = quantizer.decode(payload, part.numel(), decoded[: part.numel()])
         torch.sub(part, carried, out=left_out[owner])
     return sends
 
@@ -112,17 +114,17 @@ def compressed_sync_program(
     world_size = len(lengths)
     device = values.device
     gradient = torch.sub(replica, values).add_(residual)
+    # One scratch buffer for every decode: a sync allocates per fragment, not per payload.
+    decoded = torch.empty(max(lengths), dtype=torch.float32, device=device)
+    sends = _encoded(fragment, rank, gradient, residual, quantizer, decoded)
     # The own slice never leaves this rank: it is summed exact, not encoded.
     nothing = torch.empty(0, dtype=torch.uint8, device=device)
-    sends = _encoded(fragment, rank, gradient, residual, quantizer)
     sends[rank] = nothing
 
     total = fragment.slices(gradient)[rank].clone()
     receives = _payloads(quantizer, (lengths[rank],) * world_size, device)
     receives[rank] = nothing
     received = yield AllToAll(tuple(sends), tuple(receives), rank)
-    # One scratch buffer for every decode: a sync allocates per fragment, not per payload.
-    decoded = torch.empty(max(lengths), dtype=torch.float32, device=device)
     for k in range(1, world_size):
         total += quantizer.decode(
             received[(rank - k) % world_size], lengths[rank], decoded[: lengths[rank]]
