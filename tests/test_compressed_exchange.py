@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _draws import draws
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -52,6 +52,7 @@ def block_scales(q: BlockQuantizer, payload: torch.Tensor, numel: int) -> torch.
     seed=st.integers(0, 2**16),
     spread=st.floats(1e-6, 1e4),
 )
+@example(q=BlockQuantizer(8, 2), numel=585, seed=258, spread=213.0)  # an error of 0.5000079 steps
 def test_round_trip_error_is_within_half_a_step_per_block(
     q: BlockQuantizer, numel: int, seed: int, spread: float
 ) -> None:
@@ -61,7 +62,12 @@ def test_round_trip_error_is_within_half_a_step_per_block(
     q.encode(values, payload)
     decoded = q.decode(payload, numel)
     scales = block_scales(q, payload, numel)
-    assert ((values - decoded).abs() <= scales / 2 * (1 + 1e-6)).all()
+    # Half a step, plus float32's own roundings: encoding's x * (1 / scale)
+    # (two, 2**-24 each, relative to x) and decoding's code * scale (one,
+    # relative to the decoded value, at most |x| + scale / 2). Near code 127
+    # these reach 1e-5 of a half step, so no bound relative to the step alone holds.
+    rounding = (values.abs() + scales) * 2.0**-22
+    assert ((values - decoded).abs() <= scales / 2 + rounding).all()
     # Scales are the blocks' largest magnitudes over the largest code.
     if numel:
         first = values[: q.block].abs().max() / q.qmax
