@@ -34,7 +34,7 @@ from zerofn.overlap.state import (
     observe_bucket,
     owned_params_per_rank,
 )
-from zerofn.overlap.step import owned_gradients, reduce_to_owners
+from zerofn.overlap.step import reduce_to_owners, shards_of_bucket
 
 __all__ = [
     "OverlapConfig",
@@ -204,7 +204,7 @@ def gradients_to_step(
     """The gradients of ``bucket`` this rank steps under ``order`` (given
     while the hook was in ``state``), by global parameter index: all of
     ``params``' ``grads`` when the order says ``everywhere``, else those of
-    the shards this rank owns (:func:`~zerofn.overlap.step.owned_gradients`).
+    the shards this rank owns under the fixed bucket plan.
 
     Raises:
         ValueError: an order for owned shards before the bucket plan is fixed.
@@ -214,4 +214,9 @@ def gradients_to_step(
     plan = state.overlap.plan
     if plan is None:
         raise ValueError("an order to step owned shards before the bucket plan is fixed")
-    return owned_gradients(plan, config.rank, bucket, params, grads)
+    return {
+        params[k]: grads[k]
+        for shard in shards_of_bucket(plan, bucket)
+        if shard.rank == config.rank
+        for k in range(shard.offset, shard.offset + shard.count)
+    }

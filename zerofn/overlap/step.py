@@ -7,7 +7,8 @@ one rank. Per bucket:
 1. :func:`reduce_to_owners` averages the bucket's gradients onto each shard's
    owner (one :class:`~zerofn.comm.Reduce` per shard) instead of all-reducing
    them: an owner needs its shard's average, nobody else needs it;
-2. :func:`owned_gradients` picks the gradients this rank steps;
+2. the hook steps the gradients of the shards this rank owns
+   (:func:`zerofn.overlap.hook.gradients_to_step`);
 3. after the owners' local step, :func:`broadcast_from_owners` sends each
    shard's updated parameters from its owner to every rank (one
    :class:`~zerofn.comm.Broadcast` per shard), or, with a compressed
@@ -35,7 +36,6 @@ from zerofn.overlap.state import shard_element_range
 __all__ = [
     "broadcast_differences_from_owners",
     "broadcast_from_owners",
-    "owned_gradients",
     "reduce_to_owners",
     "shards_of_bucket",
 ]
@@ -70,33 +70,6 @@ def reduce_to_owners(
         # Reduced in place onto the owner (handed over).
         yield Reduce(part, dst=shard.rank, last=k == len(shards) - 1)
     return grad
-
-
-def owned_gradients(
-    plan: BucketPlan,
-    rank: int,
-    bucket: int,
-    params: Sequence[int],
-    grads: Sequence[torch.Tensor],
-) -> dict[int, torch.Tensor]:
-    """The gradients of bucket ``bucket`` that ``rank`` steps.
-
-    Args:
-        plan: the fixed bucket plan.
-        rank: this rank.
-        bucket: the DDP bucket's index.
-        params: global indices of the bucket's parameters, in bucket order.
-        grads: their averaged gradients (valid at least on the owned shards).
-
-    Returns:
-        Global parameter index -> gradient, for the shards ``rank`` owns.
-    """
-    owned: dict[int, torch.Tensor] = {}
-    for shard in shards_of_bucket(plan, bucket):
-        if shard.rank == rank:
-            for k in range(shard.offset, shard.offset + shard.count):
-                owned[params[k]] = grads[k]
-    return owned
 
 
 def broadcast_from_owners(

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
@@ -94,14 +93,6 @@ def _by_bucket(
 ) -> _ReadOnlyDict:
     found = {i: part(b) for i, b in state.buckets if b is not None}
     return _ReadOnlyDict({i: t for i, t in found.items() if t is not None})
-
-
-def _random_state(global_state: PowerSGDGlobalState) -> np.random.RandomState:
-    seeds = global_state.seeds
-    rng = np.random.RandomState()
-    keys = seeds.keys.to(torch.int64).numpy().astype(np.uint32)
-    rng.set_state(("MT19937", keys, seeds.pos, seeds.has_gauss, seeds.cached_gaussian))
-    return rng
 
 
 class PowerSGDState:
@@ -294,7 +285,7 @@ _PYTORCH_NAMES: dict[str, tuple[str, Callable[[PowerSGDState], Any]]] = {
     **{name: _config(name) for name in attrs.fields_dict(PowerSGDConfig) if name in _PYTORCH_SLOTS},
     "rng": (
         "a numpy RandomState positioned where the seed stream stands (a copy)",
-        lambda self: _random_state(self.hook_state.global_state),
+        lambda self: self.hook_state.global_state.seeds.to_numpy(),
     ),
     "error_dict": (
         "bucket index -> the bucket's error feedback, flat over the whole bucket "

@@ -48,7 +48,8 @@ class SeedStream:
         keys_tensor = torch.from_numpy(np.array(keys, dtype=np.uint32, copy=True))
         return cls(keys_tensor, int(pos), int(has_gauss), float(cached))
 
-    def _to_numpy(self) -> np.random.RandomState:
+    def to_numpy(self) -> np.random.RandomState:
+        """A new ``numpy.random.RandomState`` at this position."""
         generator = np.random.RandomState()
         keys = self.keys.numpy().astype(np.uint32)
         generator.set_state(("MT19937", keys, self.pos, self.has_gauss, self.cached_gaussian))
@@ -57,6 +58,6 @@ class SeedStream:
 
 def draw_seed(stream: SeedStream) -> tuple[int, SeedStream]:
     """The next seed PyTorch's PowerSGD would draw, and the stream after it."""
-    generator = stream._to_numpy()
+    generator = stream.to_numpy()
     seed = int(generator.randint(_SEED_BOUND))
     return seed, SeedStream._from_numpy(generator)
