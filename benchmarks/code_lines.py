@@ -98,6 +98,7 @@ FEATURES: tuple[Feature, ...] = (
             "zerofn/zero/compressed_exchange.py",
             "zerofn/zero/redundancy.py",
             "zerofn/zero/regroup.py",
+            "zerofn/zero/loss_scale.py",
             "adapters/zerofn_torch/zero/loss_scaling.py",
         ),
         theirs=("distributed/optim/zero_redundancy_optimizer.py", _HOOKS + "ddp_zero_hook.py"),

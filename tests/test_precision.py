@@ -13,16 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerofn.testing.world import run_programs
-from zerofn.zero.precision import (
+from zerofn.zero.loss_scale import (
     LossScaleConfig,
     LossScaleState,
+    init_loss_scale,
+    update_loss_scale,
+)
+from zerofn.zero.precision import (
     clip_coefficient,
     global_norm_program,
-    init_loss_scale,
     local_norm_power,
     nonfinite_program,
     resolve_master_dtype,
-    update_loss_scale,
 )
 
 

@@ -15,7 +15,8 @@
 - :mod:`~zerofn.zero.masters`, :mod:`~zerofn.zero.compressed_exchange`: the
   exact copies a rank steps, and sending their quantized differences;
 - :mod:`~zerofn.zero.chunks`: stepping a flat shard in cache-sized views;
-- :mod:`~zerofn.zero.precision`: master weights, clipping, loss scaling;
+- :mod:`~zerofn.zero.precision`: master weights, clipping;
+- :mod:`~zerofn.zero.loss_scale`: fp16's loss-scale schedule;
 - :mod:`~zerofn.zero.shard_state`, :mod:`~zerofn.zero.sharded_checkpoint`,
   :mod:`~zerofn.zero.checkpoint_manifest`: optimizer state across ranks and
   on disk;
