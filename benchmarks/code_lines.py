@@ -37,6 +37,12 @@ have, and each side's whole implementation of it:
 Shared runtime (``adapters/zerofn_torch/runtime``, ``zerofn/comm.py``) is
 left out of every feature, as PyTorch's c10d and DDP's reducer are.
 
+A second table says what the counted lines hold that PyTorch's do not
+(:data:`BEYOND`): behaviour woven through shared modules, named by file or by
+top-level definition, and the import statements and ``__all__`` lists beyond
+PyTorch's (one idea a module makes more modules). Each name must exist and no
+line may be in two rows, or the count fails.
+
 Run ``python benchmarks/code_lines.py`` to print the table (``--write``: and
 write it into ``docs/design.md``'s block ``code-lines``, as every ``make bench``
 does).
@@ -143,6 +149,130 @@ FEATURES: tuple[Feature, ...] = (
 )
 """Every feature counted, in the table's order."""
 
+
+@attrs.frozen
+class Beyond:
+    """Behaviour zerofn has and PyTorch's counted modules have not, inside
+    the files of one :class:`Feature`.
+
+    Attributes:
+        name: the row's words.
+        feature: the name of the :class:`Feature` whose files hold it.
+        files: files (under the repository root) that hold only it.
+        definitions: ``"path:name"`` of top-level functions, classes and
+            assignments that hold only it.
+    """
+
+    name: str
+    feature: str
+    files: tuple[str, ...] = ()
+    definitions: tuple[str, ...] = ()
+
+
+_ZERO, _POWERSGD = FEATURES[0].name, FEATURES[2].name
+_PARTITION, _SHARD_STATE = "zerofn/zero/partition.py:", "zerofn/zero/shard_state.py:"
+_PSGD_STATE = "zerofn/hooks/powersgd/state.py:"
+_PSGD_ADAPTER = "adapters/zerofn_torch/hooks/powersgd.py:"
+
+BEYOND: tuple[Beyond, ...] = (
+    Beyond(
+        "the flat partition (tensors cut at the ranks' seams, stepped in chunks)",
+        _ZERO,
+        files=("zerofn/zero/chunks.py",),
+        definitions=(
+            _PARTITION + "Piece",
+            _PARTITION + "FlatPartition",
+            _PARTITION + "flat_partition",
+            "zerofn/zero/shards.py:FlatShards",
+            _SHARD_STATE + "_consolidate_flat",
+            _SHARD_STATE + "_shard_flat",
+            _SHARD_STATE + "_is_elementwise",
+            "zerofn/zero/optimizers.py:ELEMENTWISE_OPTIMIZERS",
+            "zerofn/zero/optimizers.py:check_elementwise",
+            "zerofn/zero/optimizers.py:steps_in_parts",
+        ),
+    ),
+    Beyond(
+        "the balanced and manual partitions",
+        _ZERO,
+        definitions=(
+            _PARTITION + "manual_partition",
+            _PARTITION + "_largest_first",
+            _PARTITION + "_lpt_owners",
+            _PARTITION + "_improve",
+            _PARTITION + "_best_swap",
+            _PARTITION + "balanced_partition",
+            "zerofn/zero/arguments.py:manual_indices",
+        ),
+    ),
+    Beyond(
+        "master weights and gradient clipping",
+        _ZERO,
+        files=(
+            "zerofn/zero/masters.py",
+            "zerofn/zero/precision.py",
+            "adapters/zerofn_torch/zero/gradients.py",
+        ),
+        definitions=(
+            "zerofn/zero/step.py:finish_masters",
+            "zerofn/zero/rank_state.py:_load_masters",
+        ),
+    ),
+    Beyond(
+        "the compressed exchange's overlapped path",
+        _ZERO,
+        definitions=(
+            "zerofn/overlap/step.py:broadcast_differences_from_owners",
+            "zerofn/overlap/orders.py:SendCompressed",
+            "zerofn/zero/hook_driven.py:send_compressed",
+        ),
+    ),
+    Beyond(
+        "memory accounting per rank",
+        _ZERO,
+        definitions=(
+            "zerofn/zero/rank.py:memory_bytes",
+            "zerofn/zero/rank.py:_nbytes",
+            "zerofn/zero/rank.py:_carried_bytes",
+        ),
+    ),
+    Beyond(
+        "state kept per parameter across DDP's bucket rebuilds",
+        _POWERSGD,
+        files=("zerofn/hooks/powersgd/keys.py",),
+        definitions=(
+            _PSGD_STATE + "UNCLAIMED",
+            _PSGD_STATE + "memories",
+            _PSGD_STATE + "_check_shape",
+            _PSGD_STATE + "claim",
+            _PSGD_STATE + "with_parameter_keys",
+            _PSGD_STATE + "claim_parameters",
+            _PSGD_STATE + "_parameter_count",
+            _PSGD_STATE + "_square_for",
+            _PSGD_STATE + "_without",
+            _PSGD_STATE + "_unclaimed",
+        ),
+    ),
+    Beyond(
+        "versioned weights-only state dicts (PyTorch's pickling stays in its count)",
+        _POWERSGD,
+        files=("zerofn/hooks/powersgd/checkpoint.py",),
+    ),
+    Beyond(
+        "PyTorch's attribute names as read-only views of the records",
+        _POWERSGD,
+        definitions=(
+            _PSGD_ADAPTER + "_ReadOnlyDict",
+            _PSGD_ADAPTER + "_View",
+            _PSGD_ADAPTER + "_by_bucket",
+            _PSGD_ADAPTER + "_config",
+            _PSGD_ADAPTER + "_PYTORCH_SLOTS",
+            _PSGD_ADAPTER + "_PYTORCH_NAMES",
+        ),
+    ),
+)
+"""What zerofn's counted lines hold beyond PyTorch's, in the second table's order."""
+
 _NOT_CODE = frozenset(
     {
         tokenize.COMMENT,
@@ -179,11 +309,47 @@ def count_code_lines(source: str) -> int:
     A token spanning several lines (a multi-line string that is no docstring)
     makes each of them a code line.
     """
+    return len(code_line_numbers(source))
+
+
+def code_line_numbers(source: str) -> set[int]:
+    """The numbers (1-based) of ``source``'s code lines."""
     lines: set[int] = set()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type not in _NOT_CODE:
             lines.update(range(token.start[0], token.end[0] + 1))
-    return len(lines - docstring_lines(ast.parse(source)))
+    return lines - docstring_lines(ast.parse(source))
+
+
+def top_level_spans(tree: ast.Module) -> dict[str, range]:
+    """Each top-level function, class and assigned name of ``tree``, with the
+    lines it spans (decorators included)."""
+    spans: dict[str, range] = {}
+    for node in tree.body:
+        names: list[str] = []
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        decorators = getattr(node, "decorator_list", [])
+        start = min([d.lineno for d in decorators] + [node.lineno])
+        for name in names:
+            spans[name] = range(start, (node.end_lineno or node.lineno) + 1)
+    return spans
+
+
+def import_lines(tree: ast.Module) -> set[int]:
+    """The lines of ``tree``'s top-level imports and its ``__all__`` list."""
+    lines: set[int] = set()
+    for node in tree.body:
+        exported = isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        )
+        if isinstance(node, ast.Import | ast.ImportFrom) or exported:
+            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return lines
 
 
 def resolve(base: str, patterns: tuple[str, ...], minus: tuple[str, ...] = ()) -> list[str]:
@@ -226,15 +392,97 @@ def counts() -> list[tuple[str, int, int]]:
     ]
 
 
+def _parsed(base: str, path: str) -> tuple[set[int], ast.Module]:
+    with open(os.path.join(base, path), encoding="utf-8") as f:
+        source = f.read()
+    return code_line_numbers(source), ast.parse(source)
+
+
+def beyond_counts() -> list[tuple[str, str, int]]:
+    """Each row of :data:`BEYOND`: its words, its feature and its code lines.
+
+    Raises:
+        LookupError: a row names a file outside its feature's count, or a
+            definition its file does not have, or two rows claim one line.
+    """
+    counted = {f.name: set(resolve(ROOT, f.ours, f.ours_minus)) for f in FEATURES}
+    claimed: set[tuple[str, int]] = set()
+    rows = []
+    for row in BEYOND:
+        lines: set[tuple[str, int]] = set()
+        for path in row.files:
+            if path not in counted[row.feature]:
+                raise LookupError(f"{path!r} is not counted in {row.feature!r}")
+            code, tree = _parsed(ROOT, path)  # its imports are the imports row's
+            lines.update((path, n) for n in code - import_lines(tree))
+        for definition in row.definitions:
+            path, name = definition.split(":")
+            if path not in counted[row.feature]:
+                raise LookupError(f"{path!r} is not counted in {row.feature!r}")
+            code, tree = _parsed(ROOT, path)
+            span = top_level_spans(tree).get(name)
+            if span is None:
+                raise LookupError(f"{path} has no top-level {name!r}")
+            lines.update((path, n) for n in code.intersection(span))
+        if lines & claimed:
+            raise LookupError(f"{row.name!r} claims lines another row claims")
+        claimed |= lines
+        rows.append((row.name, row.feature, len(lines)))
+    return rows
+
+
+def imports_counts() -> tuple[tuple[int, int], tuple[int, int]]:
+    """Code lines of imports and ``__all__`` lists, and the files counted:
+    ``((zerofn's lines, files), (PyTorch's lines, files))`` over every feature."""
+    sides = []
+    for base, paths in (
+        (ROOT, {p for f in FEATURES for p in resolve(ROOT, f.ours, f.ours_minus)}),
+        (TORCH, {p for f in FEATURES for p in resolve(TORCH, f.theirs)}),
+    ):
+        total = 0
+        for path in paths:
+            code, tree = _parsed(base, path)
+            total += len(code & import_lines(tree))
+        sides.append((total, len(paths)))
+    return sides[0], sides[1]
+
+
+def beyond_table(total_ours: int, total_theirs: int) -> str:
+    """The second table: what zerofn's count holds beyond PyTorch's, and the
+    ratio without it."""
+    found = beyond_counts()
+    (ours, our_files), (theirs, their_files) = imports_counts()
+    found.append(
+        (
+            f"imports and `__all__` lists beyond PyTorch's ({ours} lines in {our_files} "
+            f"files against {theirs} in {their_files})",
+            "all",
+            ours - theirs,
+        )
+    )
+    beyond = sum(n for _, _, n in found)
+    rows: list[list[object]] = [list(row) for row in found]
+    rows.append(["total", "", beyond])
+    left = total_ours - beyond
+    return (
+        md_table(["what zerofn's count holds beyond PyTorch's", "feature", "code lines"], rows)
+        + f"\n\n_Without them: {left} code lines against {total_theirs}, "
+        f"{left / total_theirs:.2f}x._"
+    )
+
+
 def table() -> str:
-    """The Markdown table ``make bench`` writes into ``docs/design.md``:
-    feature, zerofn's code lines, PyTorch's, and their ratio, with a total."""
+    """The Markdown tables ``make bench`` writes into ``docs/design.md``:
+    feature, zerofn's code lines, PyTorch's, and their ratio, with a total;
+    then :func:`beyond_table`."""
     found = counts()
     found.append(("total", sum(c[1] for c in found), sum(c[2] for c in found)))
     rows = [[name, ours, theirs, f"{ours / theirs:.2f}x"] for name, ours, theirs in found]
     version = torch.__version__.split("+")[0]
-    return f"_Counted by `benchmarks/code_lines.py` against torch {version}._\n\n" + md_table(
-        ["feature", "zerofn code lines", "PyTorch code lines", "ratio"], rows
+    main = md_table(["feature", "zerofn code lines", "PyTorch code lines", "ratio"], rows)
+    return (
+        f"_Counted by `benchmarks/code_lines.py` against torch {version}._\n\n{main}\n\n"
+        + beyond_table(found[-1][1], found[-1][2])
     )
 
 

@@ -7,6 +7,7 @@ prints now (so a change that moves the counts must regenerate the block).
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
@@ -58,6 +59,54 @@ def test_the_counter_counts_only_lines_with_code() -> None:
 def test_an_empty_file_and_a_docstring_alone_have_no_code_lines() -> None:
     assert code_lines.count_code_lines("") == 0
     assert code_lines.count_code_lines('"""Only a docstring."""\n# and a comment\n') == 0
+
+
+def test_top_level_spans_and_import_lines_of_a_source() -> None:
+    tree = ast.parse(SOURCE)
+    spans = code_lines.top_level_spans(tree)
+    assert set(spans) == {"f", "C"}
+    assert spans["f"] == range(8, 19) and spans["C"] == range(21, 29)
+    assert code_lines.import_lines(tree) == {5}
+    exports = ast.parse('import a\n__all__ = [\n    "x",\n]\ny = 1\n')
+    assert code_lines.import_lines(exports) == {1, 2, 3, 4}
+
+
+def test_every_beyond_row_names_what_exists_and_claims_its_own_lines() -> None:
+    rows = code_lines.beyond_counts()
+    assert [name for name, _, _ in rows] == [row.name for row in code_lines.BEYOND]
+    assert all(n > 0 for _, _, n in rows)
+    (ours, our_files), (theirs, their_files) = code_lines.imports_counts()
+    assert 0 < theirs < ours and 0 < their_files < our_files
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        code_lines.Beyond(
+            "a missing name",
+            "PowerSGD",
+            definitions=("zerofn/hooks/powersgd/state.py:no_such_function",),
+        ),
+        code_lines.Beyond("a file of another feature", "PowerSGD", files=("zerofn/join.py",)),
+    ],
+)
+def test_a_beyond_row_naming_what_is_not_there_fails_the_count(
+    monkeypatch: pytest.MonkeyPatch, row: code_lines.Beyond
+) -> None:
+    monkeypatch.setattr(code_lines, "BEYOND", (row,))
+    with pytest.raises(LookupError):
+        code_lines.beyond_counts()
+
+
+def test_two_beyond_rows_claiming_one_line_fail_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = "zerofn/hooks/powersgd/keys.py"
+    rows = (
+        code_lines.Beyond("the file", "PowerSGD", files=(path,)),
+        code_lines.Beyond("a function in it", "PowerSGD", definitions=(path + ":tracked",)),
+    )
+    monkeypatch.setattr(code_lines, "BEYOND", rows)
+    with pytest.raises(LookupError, match="claims lines"):
+        code_lines.beyond_counts()
 
 
 def test_every_feature_has_files_on_both_sides_and_they_exist() -> None:
