@@ -39,9 +39,10 @@ left out of every feature, as PyTorch's c10d and DDP's reducer are.
 
 A second table says what the counted lines hold that PyTorch's do not
 (:data:`BEYOND`): behaviour woven through shared modules, named by file or by
-top-level definition, and the import statements and ``__all__`` lists beyond
-PyTorch's (one idea a module makes more modules). Each name must exist and no
-line may be in two rows, or the count fails.
+top-level definition; each name must exist and no line may be in two rows, or
+the count fails. A third takes those rows out of each feature, with the
+import statements and ``__all__`` lists beyond PyTorch's (one idea a module
+makes more modules), and sets what is left against PyTorch's count.
 
 Run ``python benchmarks/code_lines.py`` to print the table (``--write``: and
 write it into ``docs/design.md``'s block ``code-lines``, as every ``make bench``
@@ -169,7 +170,7 @@ class Beyond:
     definitions: tuple[str, ...] = ()
 
 
-_ZERO, _POWERSGD = FEATURES[0].name, FEATURES[2].name
+_ZERO, _HOOK_ROW, _POWERSGD = (f.name for f in FEATURES[:3])
 _PARTITION, _SHARD_STATE = "zerofn/zero/partition.py:", "zerofn/zero/shard_state.py:"
 _PSGD_STATE = "zerofn/hooks/powersgd/state.py:"
 _PSGD_ADAPTER = "adapters/zerofn_torch/hooks/powersgd.py:"
@@ -234,6 +235,36 @@ BEYOND: tuple[Beyond, ...] = (
             "zerofn/zero/rank.py:memory_bytes",
             "zerofn/zero/rank.py:_nbytes",
             "zerofn/zero/rank.py:_carried_bytes",
+        ),
+    ),
+    Beyond(
+        "error feedback around any hook",
+        _HOOK_ROW,
+        definitions=tuple(
+            "zerofn/hooks/error_feedback.py:" + name
+            for name in (
+                "ErrorFeedbackState",
+                "error_feedback",
+                "remembered_error",
+                "decode_alone",
+                "run_alone",
+                "_fulfil_alone",
+            )
+        ),
+    ),
+    Beyond(
+        "codecs that draw shared random numbers (random-k's)",
+        _HOOK_ROW,
+        definitions=tuple(
+            "zerofn/hooks/gather.py:" + name
+            for name in (
+                "_non_negative_int",
+                "SharedStream",
+                "StreamState",
+                "next_iteration",
+                "SharedRandomCodec",
+                "shared_random_hook",
+            )
         ),
     ),
     Beyond(
@@ -431,58 +462,63 @@ def beyond_counts() -> list[tuple[str, str, int]]:
     return rows
 
 
-def imports_counts() -> tuple[tuple[int, int], tuple[int, int]]:
-    """Code lines of imports and ``__all__`` lists, and the files counted:
-    ``((zerofn's lines, files), (PyTorch's lines, files))`` over every feature."""
+def import_counts(feature: Feature) -> tuple[int, int]:
+    """Code lines of imports and ``__all__`` lists in ``feature``'s files:
+    ``(zerofn's, PyTorch's)``."""
     sides = []
     for base, paths in (
-        (ROOT, {p for f in FEATURES for p in resolve(ROOT, f.ours, f.ours_minus)}),
-        (TORCH, {p for f in FEATURES for p in resolve(TORCH, f.theirs)}),
+        (ROOT, resolve(ROOT, feature.ours, feature.ours_minus)),
+        (TORCH, resolve(TORCH, feature.theirs)),
     ):
         total = 0
         for path in paths:
             code, tree = _parsed(base, path)
             total += len(code & import_lines(tree))
-        sides.append((total, len(paths)))
+        sides.append(total)
     return sides[0], sides[1]
 
 
-def beyond_table(total_ours: int, total_theirs: int) -> str:
-    """The second table: what zerofn's count holds beyond PyTorch's, and the
-    ratio without it."""
-    found = beyond_counts()
-    (ours, our_files), (theirs, their_files) = imports_counts()
-    found.append(
-        (
-            f"imports and `__all__` lists beyond PyTorch's ({ours} lines in {our_files} "
-            f"files against {theirs} in {their_files})",
-            "all",
-            ours - theirs,
-        )
-    )
-    beyond = sum(n for _, _, n in found)
-    rows: list[list[object]] = [list(row) for row in found]
-    rows.append(["total", "", beyond])
-    left = total_ours - beyond
+def beyond_tables(found: list[tuple[str, int, int]]) -> str:
+    """The second and third tables: each row of :data:`BEYOND`, then per
+    feature what is left of zerofn's count without them and without the
+    imports beyond PyTorch's, against PyTorch's count.
+
+    Args:
+        found: :func:`counts`' rows.
+    """
+    behaviour = beyond_counts()
+    rows: list[list[object]] = [[name, feature, n] for name, feature, n in behaviour]
+    rows.append(["total", "", sum(n for _, _, n in behaviour)])
+    per_feature: list[list[object]] = []
+    sums = [0, 0, 0, 0, 0]
+    for feature, (name, ours, theirs) in zip(FEATURES, found, strict=True):
+        beyond = sum(n for _, row_feature, n in behaviour if row_feature == name)
+        our_imports, their_imports = import_counts(feature)
+        extra = max(our_imports - their_imports, 0)
+        left = ours - beyond - extra
+        per_feature.append([name, ours, beyond, extra, left, theirs, f"{left / theirs:.2f}x"])
+        sums = [a + b for a, b in zip(sums, (ours, beyond, extra, left, theirs), strict=True)]
+    per_feature.append(["total", *sums, f"{sums[3] / sums[4]:.2f}x"])
+    header = ["feature", "zerofn", "behaviour beyond", "imports beyond", "left", "PyTorch"]
     return (
         md_table(["what zerofn's count holds beyond PyTorch's", "feature", "code lines"], rows)
-        + f"\n\n_Without them: {left} code lines against {total_theirs}, "
-        f"{left / total_theirs:.2f}x._"
+        + "\n\n"
+        + md_table([*header, "ratio left"], per_feature)
     )
 
 
 def table() -> str:
     """The Markdown tables ``make bench`` writes into ``docs/design.md``:
     feature, zerofn's code lines, PyTorch's, and their ratio, with a total;
-    then :func:`beyond_table`."""
+    then :func:`beyond_tables`."""
     found = counts()
-    found.append(("total", sum(c[1] for c in found), sum(c[2] for c in found)))
-    rows = [[name, ours, theirs, f"{ours / theirs:.2f}x"] for name, ours, theirs in found]
+    total = ("total", sum(c[1] for c in found), sum(c[2] for c in found))
+    rows = [[name, ours, theirs, f"{ours / theirs:.2f}x"] for name, ours, theirs in [*found, total]]
     version = torch.__version__.split("+")[0]
     main = md_table(["feature", "zerofn code lines", "PyTorch code lines", "ratio"], rows)
     return (
         f"_Counted by `benchmarks/code_lines.py` against torch {version}._\n\n{main}\n\n"
-        + beyond_table(found[-1][1], found[-1][2])
+        + beyond_tables(found)
     )
 
 
