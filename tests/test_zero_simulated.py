@@ -27,8 +27,7 @@ from zerofn.overlap.state import OverlapState, owned_params_per_rank
 from zerofn.testing import strategies as zst
 from zerofn.testing.overlap import simulate_overlapped_step
 from zerofn.testing.zero import simulate_zero_steps
-from zerofn.zero.exchange import exchange_program, flat_grad, group_slots
-from zerofn.zero.partition import FlatPartition
+from zerofn.zero.exchange import exchange_program
 from zerofn.zero.plan import ShardPlan, plan_shards
 
 SETTINGS = settings(max_examples=draws(200), deadline=None)
@@ -174,18 +173,6 @@ def test_exchange_program_refuses_a_buffer_of_the_wrong_size() -> None:
         next(exchange_program(plan.layouts, [torch.zeros(6)], 0))
     with pytest.raises(ValueError, match="1 layouts but 0 buffers"):
         next(exchange_program(plan.layouts, [], 0))
-
-
-def test_flat_grad_lays_out_slices_and_zero_fills_missing_grads() -> None:
-    plan = plan_shards([[5, 4]], ["cpu"] * 2, [True, True], 2, "flat")
-    partition = plan.partition
-    assert isinstance(partition, FlatPartition)
-    # Rank 1 holds element 4 of parameter 0, then all of parameter 1.
-    (slots,) = group_slots(plan.layouts[0], partition, 1)
-    grads: list[torch.Tensor | None] = [torch.arange(5.0), None]
-    flat = flat_grad(slots, grads, None)
-    assert flat is not None and flat.tolist() == [4.0, 0.0, 0.0, 0.0, 0.0]
-    assert flat_grad(slots, [None, None], None) is None
 
 
 # ----- the overlapped step (zero_step_hook, obeyed on simulated ranks) --------------

@@ -28,7 +28,6 @@ from zerofn.zero.partition import FlatPartition
 __all__ = [
     "ExchangeVia",
     "exchange_program",
-    "flat_grad",
     "group_slots",
     "pack",
     "segment_views",
@@ -114,35 +113,3 @@ def group_slots(
         wanted = set(pieces)
         per_group.append(tuple(s for s in slots if s.piece in wanted))
     return tuple(per_group)
-
-
-def flat_grad(
-    slots: Sequence[Slot], grads: Sequence[torch.Tensor | None], out: torch.Tensor | None
-) -> torch.Tensor | None:
-    """One param group's gradient as one flat tensor: the slices of ``grads``
-    (global, by parameter index) that ``slots`` cover, laid out as in the
-    buffer.
-
-    Args:
-        slots: the group's contiguous slots (see :func:`group_slots`).
-        grads: every parameter's gradient, or ``None``.
-        out: last step's flat gradient to write into (handed over), or ``None``.
-
-    Returns:
-        The flat gradient (``out`` when given); ``None`` if no covered
-        parameter has a gradient. A parameter without one contributes zeros.
-    """
-    covered = [grads[s.piece.param] for s in slots]
-    if not slots or all(g is None for g in covered):
-        return None
-    base = slots[0].offset
-    length = slots[-1].stop - base
-    some = next(g for g in covered if g is not None)
-    flat = out if out is not None else torch.zeros(length, dtype=some.dtype, device=some.device)
-    for slot, grad in zip(slots, covered, strict=True):
-        target = flat[slot.offset - base : slot.stop - base]
-        if grad is None:
-            target.zero_()
-        else:
-            target.copy_(slot_view(grad, slot))
-    return flat
