@@ -161,7 +161,7 @@ class Beyond:
         feature: the name of the :class:`Feature` whose files hold it.
         files: files (under the repository root) that hold only it.
         definitions: ``"path:name"`` of top-level functions, classes and
-            assignments that hold only it.
+            assignments, or ``"path:Class.method"`` of methods, that hold only it.
     """
 
     name: str
@@ -171,9 +171,14 @@ class Beyond:
 
 
 _ZERO, _HOOK_ROW, _POWERSGD = (f.name for f in FEATURES[:3])
-_PARTITION, _SHARD_STATE = "zerofn/zero/partition.py:", "zerofn/zero/shard_state.py:"
-_PSGD_STATE = "zerofn/hooks/powersgd/state.py:"
-_PSGD_ADAPTER = "adapters/zerofn_torch/hooks/powersgd.py:"
+_OPTIMIZER = "adapters/zerofn_torch/zero/optimizer.py"
+_PSGD_ADAPTER = "adapters/zerofn_torch/hooks/powersgd.py"
+
+
+def _in(path: str, *names: str) -> tuple[str, ...]:
+    """``names`` of the file ``path``, as :attr:`Beyond.definitions` lists them."""
+    return tuple(f"{path}:{name}" for name in names)
+
 
 BEYOND: tuple[Beyond, ...] = (
     Beyond(
@@ -181,33 +186,37 @@ BEYOND: tuple[Beyond, ...] = (
         _ZERO,
         files=("zerofn/zero/chunks.py",),
         definitions=(
-            _PARTITION + "Piece",
-            _PARTITION + "FlatPartition",
-            _PARTITION + "flat_partition",
-            "zerofn/zero/shards.py:FlatShards",
-            _SHARD_STATE + "_consolidate_flat",
-            _SHARD_STATE + "_shard_flat",
-            _SHARD_STATE + "_is_elementwise",
-            "zerofn/zero/optimizers.py:ELEMENTWISE_OPTIMIZERS",
-            "zerofn/zero/optimizers.py:check_elementwise",
-            "zerofn/zero/optimizers.py:steps_in_parts",
+            *_in("zerofn/zero/partition.py", "Piece", "FlatPartition", "flat_partition"),
+            *_in("zerofn/zero/shards.py", "FlatShards"),
+            *_in(
+                "zerofn/zero/shard_state.py", "_consolidate_flat", "_shard_flat", "_is_elementwise"
+            ),
+            *_in(
+                "zerofn/zero/optimizers.py",
+                "ELEMENTWISE_OPTIMIZERS",
+                "check_elementwise",
+                "steps_in_parts",
+            ),
         ),
     ),
     Beyond(
         "the balanced and manual partitions",
         _ZERO,
         definitions=(
-            _PARTITION + "manual_partition",
-            _PARTITION + "_largest_first",
-            _PARTITION + "_lpt_owners",
-            _PARTITION + "_improve",
-            _PARTITION + "_best_swap",
-            _PARTITION + "balanced_partition",
-            "zerofn/zero/arguments.py:manual_indices",
+            *_in(
+                "zerofn/zero/partition.py",
+                "manual_partition",
+                "_largest_first",
+                "_lpt_owners",
+                "_improve",
+                "_best_swap",
+                "balanced_partition",
+            ),
+            *_in("zerofn/zero/arguments.py", "manual_indices"),
         ),
     ),
     Beyond(
-        "master weights and gradient clipping",
+        "master weights, gradient clipping and unscaling",
         _ZERO,
         files=(
             "zerofn/zero/masters.py",
@@ -215,56 +224,68 @@ BEYOND: tuple[Beyond, ...] = (
             "adapters/zerofn_torch/zero/gradients.py",
         ),
         definitions=(
-            "zerofn/zero/step.py:finish_masters",
-            "zerofn/zero/rank_state.py:_load_masters",
+            *_in("zerofn/zero/step.py", "finish_masters"),
+            *_in("zerofn/zero/rank_state.py", "_load_masters"),
+            *_in(
+                _OPTIMIZER,
+                "ZeroRedundancyOptimizer.clip_grad_norm_",
+                "ZeroRedundancyOptimizer.unscale_gradients_",
+                "ZeroRedundancyOptimizer.discard_step",
+            ),
         ),
     ),
     Beyond(
         "the compressed exchange's overlapped path",
         _ZERO,
         definitions=(
-            "zerofn/overlap/step.py:broadcast_differences_from_owners",
-            "zerofn/overlap/orders.py:SendCompressed",
-            "zerofn/zero/hook_driven.py:send_compressed",
+            *_in("zerofn/overlap/step.py", "broadcast_differences_from_owners"),
+            *_in("zerofn/overlap/orders.py", "SendCompressed"),
+            *_in("zerofn/zero/hook_driven.py", "send_compressed"),
+            *_in(_OPTIMIZER, "ZeroRedundancyOptimizer._send_compressed"),
+        ),
+    ),
+    Beyond(
+        "going on in another world (zerofn_torch.elastic's side of the optimizer)",
+        _ZERO,
+        definitions=_in(
+            _OPTIMIZER,
+            "ZeroRedundancyOptimizer.exchange_interrupted",
+            "ZeroRedundancyOptimizer.regroups",
+            "ZeroRedundancyOptimizer.regroup",
         ),
     ),
     Beyond(
         "memory accounting per rank",
         _ZERO,
         definitions=(
-            "zerofn/zero/rank.py:memory_bytes",
-            "zerofn/zero/rank.py:_nbytes",
-            "zerofn/zero/rank.py:_carried_bytes",
+            *_in("zerofn/zero/rank.py", "memory_bytes", "_nbytes", "_carried_bytes"),
+            *_in(_OPTIMIZER, "ZeroRedundancyOptimizer.memory_bytes"),
         ),
     ),
     Beyond(
         "error feedback around any hook",
         _HOOK_ROW,
-        definitions=tuple(
-            "zerofn/hooks/error_feedback.py:" + name
-            for name in (
-                "ErrorFeedbackState",
-                "error_feedback",
-                "remembered_error",
-                "decode_alone",
-                "run_alone",
-                "_fulfil_alone",
-            )
+        definitions=_in(
+            "zerofn/hooks/error_feedback.py",
+            "ErrorFeedbackState",
+            "error_feedback",
+            "remembered_error",
+            "decode_alone",
+            "run_alone",
+            "_fulfil_alone",
         ),
     ),
     Beyond(
         "codecs that draw shared random numbers (random-k's)",
         _HOOK_ROW,
-        definitions=tuple(
-            "zerofn/hooks/gather.py:" + name
-            for name in (
-                "_non_negative_int",
-                "SharedStream",
-                "StreamState",
-                "next_iteration",
-                "SharedRandomCodec",
-                "shared_random_hook",
-            )
+        definitions=_in(
+            "zerofn/hooks/gather.py",
+            "_non_negative_int",
+            "SharedStream",
+            "StreamState",
+            "next_iteration",
+            "SharedRandomCodec",
+            "shared_random_hook",
         ),
     ),
     Beyond(
@@ -272,33 +293,52 @@ BEYOND: tuple[Beyond, ...] = (
         _POWERSGD,
         files=("zerofn/hooks/powersgd/keys.py",),
         definitions=(
-            _PSGD_STATE + "UNCLAIMED",
-            _PSGD_STATE + "memories",
-            _PSGD_STATE + "_check_shape",
-            _PSGD_STATE + "claim",
-            _PSGD_STATE + "with_parameter_keys",
-            _PSGD_STATE + "claim_parameters",
-            _PSGD_STATE + "_parameter_count",
-            _PSGD_STATE + "_square_for",
-            _PSGD_STATE + "_without",
-            _PSGD_STATE + "_unclaimed",
+            *_in(
+                "zerofn/hooks/powersgd/state.py",
+                "UNCLAIMED",
+                "memories",
+                "_check_shape",
+                "claim",
+                "with_parameter_keys",
+                "claim_parameters",
+                "_parameter_count",
+                "_square_for",
+                "_without",
+                "_unclaimed",
+            ),
+            # Factors kept per parameter key, and the random starts of an
+            # iteration on other buckets drawn by the layout before it.
+            *_in(
+                "zerofn/hooks/powersgd/layerwise.py",
+                "_keyed",
+                "_grouped",
+                "_draw_ahead",
+                "_differs_from_reference",
+            ),
+            # A square kept for parameters that come back in another order.
+            *_in(
+                "zerofn/hooks/powersgd/batched.py", "_square_order", "_permuted", "_restored_order"
+            ),
+            *_in(_PSGD_ADAPTER, "PowerSGDState.track_parameters"),
         ),
     ),
     Beyond(
         "versioned weights-only state dicts (PyTorch's pickling stays in its count)",
         _POWERSGD,
         files=("zerofn/hooks/powersgd/checkpoint.py",),
+        definitions=_in(_PSGD_ADAPTER, "PowerSGDState.state_dict", "PowerSGDState.load_state_dict"),
     ),
     Beyond(
         "PyTorch's attribute names as read-only views of the records",
         _POWERSGD,
-        definitions=(
-            _PSGD_ADAPTER + "_ReadOnlyDict",
-            _PSGD_ADAPTER + "_View",
-            _PSGD_ADAPTER + "_by_bucket",
-            _PSGD_ADAPTER + "_config",
-            _PSGD_ADAPTER + "_PYTORCH_SLOTS",
-            _PSGD_ADAPTER + "_PYTORCH_NAMES",
+        definitions=_in(
+            _PSGD_ADAPTER,
+            "_ReadOnlyDict",
+            "_View",
+            "_by_bucket",
+            "_config",
+            "_PYTORCH_SLOTS",
+            "_PYTORCH_NAMES",
         ),
     ),
 )
@@ -353,8 +393,8 @@ def code_line_numbers(source: str) -> set[int]:
 
 
 def top_level_spans(tree: ast.Module) -> dict[str, range]:
-    """Each top-level function, class and assigned name of ``tree``, with the
-    lines it spans (decorators included)."""
+    """Each top-level function, class and assigned name of ``tree``, and each
+    method as ``"Class.method"``, with the lines it spans (decorators included)."""
     spans: dict[str, range] = {}
     for node in tree.body:
         names: list[str] = []
@@ -364,11 +404,19 @@ def top_level_spans(tree: ast.Module) -> dict[str, range]:
             names = [t.id for t in node.targets if isinstance(t, ast.Name)]
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names = [node.target.id]
-        decorators = getattr(node, "decorator_list", [])
-        start = min([d.lineno for d in decorators] + [node.lineno])
         for name in names:
-            spans[name] = range(start, (node.end_lineno or node.lineno) + 1)
+            spans[name] = _span(node)
+        if isinstance(node, ast.ClassDef):
+            for member in node.body:
+                if isinstance(member, ast.FunctionDef | ast.AsyncFunctionDef):
+                    spans[f"{node.name}.{member.name}"] = _span(member)
     return spans
+
+
+def _span(node: ast.stmt) -> range:
+    decorators = getattr(node, "decorator_list", [])
+    start = min([d.lineno for d in decorators] + [node.lineno])
+    return range(start, (node.end_lineno or node.lineno) + 1)
 
 
 def import_lines(tree: ast.Module) -> set[int]:

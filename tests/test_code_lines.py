@@ -64,8 +64,9 @@ def test_an_empty_file_and_a_docstring_alone_have_no_code_lines() -> None:
 def test_top_level_spans_and_import_lines_of_a_source() -> None:
     tree = ast.parse(SOURCE)
     spans = code_lines.top_level_spans(tree)
-    assert set(spans) == {"f", "C"}
+    assert set(spans) == {"f", "C", "C.g"}
     assert spans["f"] == range(8, 19) and spans["C"] == range(21, 29)
+    assert spans["C.g"] == range(27, 29)
     assert code_lines.import_lines(tree) == {5}
     exports = ast.parse('import a\n__all__ = [\n    "x",\n]\ny = 1\n')
     assert code_lines.import_lines(exports) == {1, 2, 3, 4}
