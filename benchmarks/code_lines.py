@@ -291,10 +291,13 @@ BEYOND: tuple[Beyond, ...] = (
     Beyond(
         "state kept per parameter across DDP's bucket rebuilds",
         _POWERSGD,
-        files=("zerofn/hooks/powersgd/keys.py",),
         definitions=(
             *_in(
                 "zerofn/hooks/powersgd/state.py",
+                "KeyFinder",
+                "tracked",
+                "bucket_keys",
+                "finish_key_iteration",
                 "UNCLAIMED",
                 "memories",
                 "_check_shape",

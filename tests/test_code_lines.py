@@ -101,10 +101,10 @@ def test_a_beyond_row_naming_what_is_not_there_fails_the_count(
 
 
 def test_two_beyond_rows_claiming_one_line_fail_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    path = "zerofn/hooks/powersgd/keys.py"
+    path = "zerofn/hooks/powersgd/config.py"
     rows = (
         code_lines.Beyond("the file", "PowerSGD", files=(path,)),
-        code_lines.Beyond("a function in it", "PowerSGD", definitions=(path + ":tracked",)),
+        code_lines.Beyond("a function in it", "PowerSGD", definitions=(path + ":PowerSGDConfig",)),
     )
     monkeypatch.setattr(code_lines, "BEYOND", rows)
     with pytest.raises(LookupError, match="claims lines"):

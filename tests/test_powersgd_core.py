@@ -36,7 +36,7 @@ from zerofn.hooks.powersgd import (
     PowerSGDGlobalState,
     PowerSGDHook,
 )
-from zerofn.hooks.powersgd.keys import KeyFinder, tracked
+from zerofn.hooks.powersgd.state import KeyFinder, tracked
 from zerofn.testing import strategies as zst
 from zerofn.testing.world import run_programs, simulate_iteration
 
@@ -645,7 +645,7 @@ def test_restored_state_compresses_provisional_buckets_with_its_memories(
 
 
 def test_keys_are_looked_up_when_tracked_and_learned_from_the_provisional_buckets() -> None:
-    from zerofn.hooks.powersgd.keys import KeyFinder, bucket_keys, finish_iteration, tracked
+    from zerofn.hooks.powersgd.state import bucket_keys, finish_key_iteration
 
     finder, keys = bucket_keys(tracked([10, 11, 12, 13]), [13, 11], None)
     assert keys == (3, 1)
@@ -656,7 +656,7 @@ def test_keys_are_looked_up_when_tracked_and_learned_from_the_provisional_bucket
     assert keys is None
     finder, keys = bucket_keys(finder, [10, 11], None)
     assert keys is None
-    finder = finish_iteration(finder)
+    finder = finish_key_iteration(finder)
     assert bucket_keys(finder, [10, 11, 12, 13], None)[1] == (0, 1, 2, 3)
     assert finder.from_end == {}
     # Count known (a restored layout): keys at once.

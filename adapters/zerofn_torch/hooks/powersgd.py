@@ -45,7 +45,7 @@ from zerofn.hooks.powersgd import (
     PowerSGDHook,
     PowerSGDHookState,
 )
-from zerofn.hooks.powersgd.keys import tracked
+from zerofn.hooks.powersgd.state import tracked
 from zerofn_torch.runtime.hook_cells import HookCell
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
@@ -157,8 +157,9 @@ class PowerSGDState:
         """Key the state by these parameters' positions (e.g. ``model.parameters()``).
 
         Optional: without it, the keys are learned from DDP's first iteration
-        (see :mod:`zerofn.hooks.powersgd.keys`); give them when the state is attached to a DDP
-        model that has already run, or whose parameters mix dtypes.
+        (see :class:`zerofn.hooks.powersgd.state.KeyFinder`); give them when
+        the state is attached to a DDP model that has already run, or whose
+        parameters mix dtypes.
 
         Args:
             parameters: the model's parameters, in the model's order.

@@ -11,13 +11,12 @@ start*), so the approximation tracks the gradients' dominant subspace.
 The package is a composition of small modules, one idea each:
 
 * :mod:`~zerofn.hooks.powersgd.config`: :class:`PowerSGDConfig`, validated once;
-* :mod:`~zerofn.hooks.powersgd.seeds`: :class:`SeedStream`, PyTorch's seed sequence;
-* :mod:`~zerofn.hooks.powersgd.layout`: which matrices are compressed, grouped by shape;
-* :mod:`~zerofn.hooks.powersgd.codec`: the low-rank codec (orthogonalisation, ``P``/``Q``);
-* :mod:`~zerofn.hooks.powersgd.state`: state keyed by parameter, :func:`claim`,
-  :func:`claim_parameters`;
-* :mod:`~zerofn.hooks.powersgd.keys`: which parameter is which (its index in the model),
-  learned in the global state;
+* :mod:`~zerofn.hooks.powersgd.codec`: which matrices are compressed, grouped by
+  shape, and the low-rank arithmetic (orthogonalisation, ``P``/``Q``);
+* :mod:`~zerofn.hooks.powersgd.state`: state keyed by parameter (which parameter
+  is which, learned in the global state), :func:`claim`, :func:`claim_parameters`,
+  and :class:`SeedStream`, PyTorch's seed sequence;
+* :mod:`~zerofn.hooks.powersgd.common`: the hook shell both hooks share;
 * :mod:`~zerofn.hooks.powersgd.layerwise` and :mod:`~zerofn.hooks.powersgd.batched`: the hooks,
   with :mod:`zerofn.hooks.error_feedback`'s per-parameter primitives;
 * :mod:`~zerofn.hooks.powersgd.checkpoint`: versioned, weights-only state dicts.
@@ -33,20 +32,20 @@ from zerofn.hooks.powersgd.checkpoint import (
     to_state_dict,
     upgrade_v1,
 )
-from zerofn.hooks.powersgd.codec import orthogonalize, random_factors
-from zerofn.hooks.powersgd.common import BucketResult, PowerSGDHook
-from zerofn.hooks.powersgd.config import PowerSGDConfig
-from zerofn.hooks.powersgd.layerwise import layerwise
-from zerofn.hooks.powersgd.layout import (
+from zerofn.hooks.powersgd.codec import (
     BucketLayout,
     MatrixPlan,
     ShapeGroup,
     bucket_layout,
     matrix_view,
+    orthogonalize,
+    random_factors,
     should_compress,
     square_side,
 )
-from zerofn.hooks.powersgd.seeds import SeedStream, draw_seed
+from zerofn.hooks.powersgd.common import BucketResult, PowerSGDHook
+from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.layerwise import layerwise
 from zerofn.hooks.powersgd.state import (
     UNCLAIMED,
     Key,
@@ -54,10 +53,12 @@ from zerofn.hooks.powersgd.state import (
     PowerSGDBucketState,
     PowerSGDGlobalState,
     PowerSGDHookState,
+    SeedStream,
     SquareMemory,
     claim,
     claim_parameters,
     compression_stats,
+    draw_seed,
     end_iteration,
     fits_bucket,
     init_global_state,

@@ -26,6 +26,7 @@ from zerofn.comm import AllReduce, Program
 from zerofn.hooks.error_feedback import compensate, split_residual
 from zerofn.hooks.hook import BucketInfo
 from zerofn.hooks.powersgd import codec
+from zerofn.hooks.powersgd.codec import square_side
 from zerofn.hooks.powersgd.common import (
     BucketCall,
     BucketResult,
@@ -35,7 +36,6 @@ from zerofn.hooks.powersgd.common import (
     powersgd_hook,
 )
 from zerofn.hooks.powersgd.config import PowerSGDConfig
-from zerofn.hooks.powersgd.layout import square_side
 from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,

@@ -22,9 +22,8 @@ import attrs
 import torch
 
 from zerofn.hooks.hook import HookState
+from zerofn.hooks.powersgd.codec import matrix_view
 from zerofn.hooks.powersgd.config import PowerSGDConfig
-from zerofn.hooks.powersgd.layout import matrix_view
-from zerofn.hooks.powersgd.seeds import SeedStream
 from zerofn.hooks.powersgd.state import (
     UNCLAIMED,
     BucketKeys,
@@ -32,6 +31,7 @@ from zerofn.hooks.powersgd.state import (
     PowerSGDBucketState,
     PowerSGDGlobalState,
     PowerSGDHookState,
+    SeedStream,
     SquareMemory,
     claim,
     memories,

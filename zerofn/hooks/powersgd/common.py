@@ -13,13 +13,13 @@ import torch
 from zerofn.comm import AllReduce, Program
 from zerofn.hooks.hook import BucketInfo, CommHook
 from zerofn.hooks.powersgd.config import PowerSGDConfig
-from zerofn.hooks.powersgd.seeds import draw_seed
 from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,
     PowerSGDBucketState,
     PowerSGDGlobalState,
     default_keys,
+    draw_seed,
     end_iteration,
     fits_bucket,
     init_global_state,

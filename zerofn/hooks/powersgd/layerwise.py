@@ -23,6 +23,7 @@ from zerofn.comm import AllReduce, Program
 from zerofn.hooks.error_feedback import compensate, split_residual
 from zerofn.hooks.hook import BucketInfo
 from zerofn.hooks.powersgd import codec
+from zerofn.hooks.powersgd.codec import BucketLayout, bucket_layout
 from zerofn.hooks.powersgd.common import (
     BucketCall,
     BucketResult,
@@ -33,7 +34,6 @@ from zerofn.hooks.powersgd.common import (
     powersgd_hook,
 )
 from zerofn.hooks.powersgd.config import PowerSGDConfig
-from zerofn.hooks.powersgd.layout import BucketLayout, bucket_layout
 from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,
