@@ -488,20 +488,26 @@ def beyond_counts() -> list[tuple[str, str, int]]:
             definition its file does not have, or two rows claim one line.
     """
     counted = {f.name: set(resolve(ROOT, f.ours, f.ours_minus)) for f in FEATURES}
+    parsed: dict[str, tuple[set[int], ast.Module]] = {}
+
+    def read(path: str, feature: str) -> tuple[set[int], ast.Module]:
+        # Many rows name definitions of one file: each file is parsed once.
+        if path not in counted[feature]:
+            raise LookupError(f"{path!r} is not counted in {feature!r}")
+        if path not in parsed:
+            parsed[path] = _parsed(ROOT, path)
+        return parsed[path]
+
     claimed: set[tuple[str, int]] = set()
     rows = []
     for row in BEYOND:
         lines: set[tuple[str, int]] = set()
         for path in row.files:
-            if path not in counted[row.feature]:
-                raise LookupError(f"{path!r} is not counted in {row.feature!r}")
-            code, tree = _parsed(ROOT, path)  # its imports are the imports row's
+            code, tree = read(path, row.feature)  # its imports are the imports row's
             lines.update((path, n) for n in code - import_lines(tree))
         for definition in row.definitions:
             path, name = definition.split(":")
-            if path not in counted[row.feature]:
-                raise LookupError(f"{path!r} is not counted in {row.feature!r}")
-            code, tree = _parsed(ROOT, path)
+            code, tree = read(path, row.feature)
             span = top_level_spans(tree).get(name)
             if span is None:
                 raise LookupError(f"{path} has no top-level {name!r}")
