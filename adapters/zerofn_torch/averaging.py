@@ -40,7 +40,7 @@ from zerofn.averaging import (
 )
 from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.runtime.driver import drive
-from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer
+from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, innermost
 
 __all__ = [
     "DiLoCoOptimizer",
@@ -315,12 +315,29 @@ class PostLocalSGDOptimizer(WrappedOptimizer):
     PyTorch's ``PostLocalSGDOptimizer``; any ``ModelAverager`` works, PyTorch's
     included.
 
+    Over a ``ZeroRedundancyOptimizer`` with master copies, the averaged
+    values reach the masters at its next step (it notices the averaging's
+    writes to the parameters it owns).
+
     Args:
         optim: the local optimizer.
         averager: decides when and where to average.
+
+    Raises:
+        ValueError: ``optim`` is a ``ZeroRedundancyOptimizer`` with
+            ``redundancy=2``: in the local phase each rank steps from its own
+            gradients, so a carrier could not step its copy as the owner does.
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
+        zero_rank = getattr(innermost(optim), "zero_rank", None)
+        if zero_rank is not None and zero_rank.carried is not None:
+            raise ValueError(
+                "PostLocalSGDOptimizer over a ZeroRedundancyOptimizer with redundancy=2: in "
+                "the local phase each rank's gradients are its own, so a carrier cannot step "
+                "its copy of another rank's shard as that rank does. Build the "
+                "ZeroRedundancyOptimizer with redundancy=1, or average with DDP's all-reduce"
+            )
         # Deliberately no Optimizer.__init__: the wrapped optimizer owns the
         # parameters and state; this class shares its param groups.
         self.optim = optim

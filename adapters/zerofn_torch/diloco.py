@@ -55,7 +55,11 @@ from zerofn.diloco.sync import SyncProgram, run_sync, sync_program
 from zerofn_torch.hooks.default import noop_hook
 from zerofn_torch.runtime.driver import PolledProgram, drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
-from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer
+from zerofn_torch.runtime.wrapped_optimizer import (
+    WrappedOptimizer,
+    innermost,
+    parameters_written,
+)
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -103,6 +107,20 @@ def _refuse_all_reducing_ddp(params: list[torch.Tensor], group: Any) -> None:
                 "the model in DDP, or run DDP over a group of ranks inside each worker and pass "
                 "the group across workers as process_group"
             )
+
+
+_NO_JOIN = (
+    "DiLoCoOptimizer does not run under Join: a rank that runs out of inputs early would "
+    "never reach the syncs the others wait in. Give every rank the same number of inner "
+    "steps (drop or repeat batches), or train without DiLoCo under Join"
+)
+
+
+def _stepped_in_backward(optim: torch.optim.Optimizer) -> bool:
+    """Whether DDP's backward steps ``optim`` (a ZeRO optimizer built with
+    ``overlap_with_ddp=True``), so that its ``step`` does nothing."""
+    zero_rank = getattr(innermost(optim), "zero_rank", None)
+    return bool(getattr(zero_rank, "stepped_by_hook", False))
 
 
 class DiLoCoOptimizer(WrappedOptimizer):
@@ -183,6 +201,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         factory = outer_optimizer if outer_optimizer is not None else default_outer_optimizer
         self.outer = check_outer_optimizer(factory(self._anchors), self._anchors)
         drive(agree_program(params), group, "DiLoCo: starting from rank 0's parameters").wait()
+        parameters_written(optim)
         start = [read_fragment(f, params) for f in plan.fragments]
         for anchor, f, values in zip(self._anchors, plan.fragments, start, strict=True):
             anchor.copy_(values[f.owned(rank)])
@@ -238,8 +257,12 @@ class DiLoCoOptimizer(WrappedOptimizer):
             zerofn.errors.CollectiveError: a sync whose result is due now
                 failed (a peer died or hung), on every live rank.
         """
+        self._check_inner()
         self._poll()
-        loss = self.optim.step() if closure is None else self.optim.step(closure)
+        if _stepped_in_backward(self.optim):
+            loss = None  # DDP's backward took the inner step, through the overlap hook
+        else:
+            loss = self.optim.step() if closure is None else self.optim.step(closure)
         after, actions = take_inner_step(self.config, self._state)
         if actions.start is not None:
             self._start(actions.start, after.step)
@@ -247,6 +270,45 @@ class DiLoCoOptimizer(WrappedOptimizer):
             self._apply(actions.apply)
         self._state = after
         return loss
+
+    def _check_inner(self) -> None:
+        """Refuse to step an inner optimizer DiLoCo cannot sync as it is now.
+
+        Raises:
+            ValueError: a param group was added to the inner optimizer after
+                it was wrapped, or the inner optimizer is in a ``Join``.
+        """
+        count = sum(len(g["params"]) for g in self.optim.param_groups)
+        if count != len(self._params):
+            raise ValueError(
+                f"the inner optimizer holds {count} parameters, DiLoCoOptimizer was built over "
+                f"{len(self._params)}: a param group added to the inner optimizer after wrapping "
+                "it would never be synced. Add every group before building DiLoCoOptimizer"
+            )
+        config = getattr(innermost(self.optim), "_join_config", None)
+        if config is not None and config.enable:
+            raise ValueError(_NO_JOIN)
+
+    # ----- uneven inputs ------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refused: a rank that ran out of inputs would not reach the syncs.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(_NO_JOIN)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The parameters' device (for ``Join``, which refuses DiLoCo)."""
+        device: torch.device = self._params[0].device
+        return device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group across workers (for ``Join``, which refuses DiLoCo)."""
+        return self.process_group
 
     # ----- the sync in flight ------------------------------------------------------------
 
@@ -313,6 +375,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         fragment = self._plan.fragments[flight.fragment]
         local = read_fragment(fragment, self._params)
         write_fragment(fragment, self._params, merge(local, self._result, self.config.mixing))
+        parameters_written(self.optim)
         self._result = None
 
     # ----- memory and checkpoints --------------------------------------------------------
@@ -356,18 +419,31 @@ class DiLoCoOptimizer(WrappedOptimizer):
 
     def consolidated_state_dict(self) -> dict[str, Any]:
         """Like :meth:`state_dict`, with the DiLoCo state joined over the
-        outer group (whole anchor and outer-state tensors, the mean
-        residual), so it loads on an outer group of any size; the inner
-        optimizer's state is this rank's. Collective: call on every rank.
+        outer group (:meth:`outer_state_dict`), so it loads on an outer group
+        of any size; the inner optimizer's state is this rank's. Collective:
+        call on every rank.
 
         Raises:
             zerofn.errors.CollectiveError: the sync in flight, or the
                 gathering, failed.
         """
         saved = self.optim.state_dict()
-        every = all_gather_objects(self._own(), self.process_group, "DiLoCo: consolidating")
-        saved["diloco"] = consolidate(self._plan, every)
+        saved["diloco"] = self.outer_state_dict()
         return saved
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        """DiLoCo's own state alone (schedule, anchor, outer optimizer, the
+        compressed sync's replica and residual), joined over the outer group:
+        the same on every rank of it, and loadable on an outer group of any
+        size with :meth:`load_outer_state_dict`. Collective: call on every
+        rank. ``save_sharded`` keeps it beside a ZeRO inner optimizer's shards.
+
+        Raises:
+            zerofn.errors.CollectiveError: the sync in flight, or the
+                gathering, failed.
+        """
+        every = all_gather_objects(self._own(), self.process_group, "DiLoCo: consolidating")
+        return consolidate(self._plan, every)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` (same rank and world size) or
@@ -387,19 +463,35 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 "the state dict has no 'diloco' entry: load one saved by "
                 "DiLoCoOptimizer.state_dict() or consolidated_state_dict()"
             )
+        inner = {k: v for k, v in state_dict.items() if k != "diloco"}
+        self._load(state_dict["diloco"], lambda: self.optim.load_state_dict(inner))
+
+    def load_outer_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Resume DiLoCo's own state from :meth:`outer_state_dict` (or the
+        ``"diloco"`` entry of :meth:`state_dict`, same rank and world size);
+        the inner optimizer is left as it is. Nothing changes when refused.
+
+        Raises:
+            ValueError: a state that does not fit this optimizer.
+            zerofn.errors.CollectiveError: the sync in flight failed.
+        """
+        self._load(saved, lambda: None)
+
+    def _load(self, saved: Mapping[str, Any], load_inner: Callable[[], None]) -> None:
+        """Check ``saved`` (DiLoCo's part), then ``load_inner()``, then set
+        DiLoCo's tensors; the outer optimizer is restored if the inner load
+        raises."""
         self.drain()
-        saved = state_dict["diloco"]
         compressed = self.config.compression is not None
         if saved.get("world_size", 0) is None:
             saved = shard(self._plan, saved, self._rank)
         check_layout(self._plan, saved, self._rank, compressed)
         state = state_from_dict(self.config, saved["state"])
         self._check_tensors(saved, state)
-        inner = {k: v for k, v in state_dict.items() if k != "diloco"}
         before = copy.deepcopy(self.outer.state_dict())
         self.outer.load_state_dict(saved["outer"])
         try:
-            self.optim.load_state_dict(inner)
+            load_inner()
         except Exception:
             self.outer.load_state_dict(before)
             raise

@@ -74,12 +74,24 @@ class Masters:
         for master in self.master:
             master.grad = None
 
-    def reseed(self, indices: Sequence[int] | None = None) -> None:
-        """Copy the low tensors up into the masters (all, or ``indices``)."""
+    def reseed(
+        self, indices: Sequence[int] | None = None, *, keep_consistent: bool = False
+    ) -> None:
+        """Copy the low tensors up into the masters (all, or ``indices``).
+
+        Args:
+            indices: the masters to reseed (``None``: all).
+            keep_consistent: keep each master element that casts to its low
+                element exactly (it holds that value, more precisely).
+        """
         chosen = range(len(self.master)) if indices is None else indices
         with torch.no_grad():
             for i in chosen:
-                self.master[i].copy_(self.low[i])
+                master, low = self.master[i], self.low[i]
+                if keep_consistent:
+                    master.copy_(torch.where(master.to(low.dtype) == low, master, low))
+                else:
+                    master.copy_(low)
 
     def extended(self, other: Masters) -> Masters:
         """These masters followed by ``other``'s (a param group was added)."""

@@ -87,8 +87,13 @@ def norm_of_powers(total: float, norm_type: float) -> float:
 
 
 def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """This rank's share of a global norm, as a one-element float32 tensor:
-    ``sum |g|^p`` over ``grads`` (``max |g|`` for ``inf``), computed in float32.
+    """This rank's share of a global norm, as a one-element float64 tensor:
+    ``sum |g|^p`` over ``grads`` (``max |g|`` for ``inf``).
+
+    Computed as ``torch.nn.utils.clip_grad_norm_`` computes its total: each
+    tensor's norm in float32, then the norm of those norms, raised to ``p``
+    in float64 (exact for ``p = 2``), so the norm of one rank's share is
+    PyTorch's bit for bit and the ranks' shares add without a rounding.
 
     Raises:
         ValueError: ``norm_type`` is not positive.
@@ -98,16 +103,18 @@ def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.T
     # Accumulated where the gradients live and moved once: one sync, not one
     # per tensor, on an accelerator.
     device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in grads:
-        if g.numel() == 0:  # an empty shard adds nothing (and has no max)
-            continue
-        wide = g.detach().to(torch.float32)
-        if math.isinf(norm_type):
-            total = torch.maximum(total, wide.abs().amax().reshape(1))
-        else:
-            total += torch.linalg.vector_norm(wide, norm_type).pow(norm_type)
-    return total.cpu()
+    # An empty shard adds nothing (and has no max).
+    norms = [
+        torch.linalg.vector_norm(g.detach().to(torch.float32), norm_type)
+        for g in grads
+        if g.numel()
+    ]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float64)
+    total = torch.linalg.vector_norm(torch.stack(norms).to(device), norm_type)
+    if math.isinf(norm_type):
+        return total.reshape(1).to(torch.float64).cpu()
+    return total.reshape(1).to(torch.float64).pow(norm_type).cpu()
 
 
 def global_norm_program(

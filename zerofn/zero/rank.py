@@ -400,17 +400,30 @@ def hand_grads(rank: ZeroRank, params: Sequence[torch.Tensor], unscale: float = 
 
 
 def step_grads(rank: ZeroRank, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradients this rank's step reads, for the elements it owns: the
-    masters' (handed over now if not yet), or views into the parameters' ``.grad``."""
+    """The gradients this rank's step reads, for the elements it owns, in
+    the parameters' global order (a norm over them adds as PyTorch's does):
+    the masters' (handed over now if not yet), or views into the
+    parameters' ``.grad``."""
     if rank.masters is not None:
         hand_grads(rank, params)
-        return rank.masters.grads()
+        sources = rank.shards.local_sources(params)
+        placed_grads = [
+            (source, master.grad)
+            for source, master in zip(sources, rank.masters.master, strict=True)
+            if source is not None and master.grad is not None
+        ]
+        return [grad for _, grad in sorted(placed_grads, key=lambda pair: pair[0][:2])]
     views = []
-    for piece in rank.plan.partition.pieces_of(rank.options.rank):
+    pieces = sorted(rank.plan.partition.pieces_of(rank.options.rank), key=_position)
+    for piece in pieces:
         grad = params[piece.param].grad
         if grad is not None and piece.numel:
             views.append(grad.reshape(-1)[piece.start : piece.stop])
     return views
+
+
+def _position(piece: Any) -> tuple[int, int]:
+    return piece.param, piece.start
 
 
 def local_step(

@@ -13,12 +13,14 @@ import torch
 
 from zerofn.zero.masters import with_masters, without_masters
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
+from zerofn.zero.partition import Piece
 from zerofn.zero.rank import ZeroRank, flat_params, sync_hyperparameters
 from zerofn.zero.shard_state import consolidate, shard
 
 __all__ = [
     "cpu_copy",
     "full_state_dict",
+    "held_pieces",
     "joined_state",
     "load_global_state",
     "local_state_cpu",
@@ -37,6 +39,17 @@ def cpu_copy(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(cpu_copy(v) for v in value)
     return value
+
+
+def held_pieces(rank: ZeroRank) -> tuple[Piece, ...]:
+    """The parameter elements whose optimizer state ``rank`` holds: those it
+    owns, then (``redundancy=2``) the whole parameters of the shard it
+    carries. A load restores all of them."""
+    owned = rank.plan.partition.pieces_of(rank.options.rank)
+    if rank.carried is None:
+        return owned
+    params = rank.plan.partition.sizes
+    return owned + tuple(Piece(i, 0, params[i]) for i in rank.carried.indices)
 
 
 def local_state_dict(rank: ZeroRank) -> StateDict:

@@ -37,6 +37,7 @@ from zerofn.zero.checkpoint_manifest import (
 from zerofn.zero.checkpoint_run import is_temporary, newest, to_prune
 from zerofn.zero.params import global_groups
 from zerofn.zero.partition import Piece
+from zerofn.zero.rank_state import held_pieces
 from zerofn.zero.sharded_checkpoint import (
     Copy,
     cover,
@@ -47,8 +48,10 @@ from zerofn.zero.sharded_checkpoint import (
 from zerofn_torch.checkpoint import files as files
 from zerofn_torch.checkpoint.background import SaveHandle, in_flight, save_group, settle_in_flight
 from zerofn_torch.checkpoint.save import GROUPS, SIZES, group_sizes, save, shapes, snapshot
+from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.runtime.collective_errors import guarded
 from zerofn_torch.runtime.object_collectives import all_gather_objects
+from zerofn_torch.runtime.wrapped_optimizer import innermost
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]
@@ -56,11 +59,34 @@ __all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]
 _Plans = dict[Piece, dict[str, list[Copy]]]
 
 
+_DILOCO = "zerofn_diloco"
+"""The ``extra`` key a ``DiLoCoOptimizer``'s own state is saved under."""
+
+
+def _zero_of(optimizer: Any) -> ZeroRedundancyOptimizer:
+    """The ZeRO optimizer whose shards a sharded checkpoint holds: ``optimizer``
+    itself, or the one a ``DiLoCoOptimizer`` wraps.
+
+    Raises:
+        TypeError: anything else, naming what to save instead.
+    """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    inner = innermost(optimizer)
+    if isinstance(optimizer, DiLoCoOptimizer) and isinstance(inner, ZeroRedundancyOptimizer):
+        return inner
+    raise TypeError(
+        f"save_sharded and load_sharded keep the shards of a ZeroRedundancyOptimizer (or of "
+        f"a DiLoCoOptimizer over one), not a {type(optimizer).__name__}: save an unsharded "
+        "optimizer with torch.save(optimizer.state_dict(), path)"
+    )
+
+
 # ----- the public API --------------------------------------------------------------
 
 
 def save_sharded(
-    optimizer: ZeroRedundancyOptimizer,
+    optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer,
     checkpoint_id: str | os.PathLike[str],
     *,
     extra: Mapping[str, Any] | None = None,
@@ -79,7 +105,11 @@ def save_sharded(
     short (a rank killed) leaves it exactly as it was.
 
     Args:
-        optimizer: the optimizer whose state to save.
+        optimizer: the optimizer whose state to save; for a
+            ``DiLoCoOptimizer`` over a ``ZeroRedundancyOptimizer``, the inner
+            shards and DiLoCo's own state joined over its outer group
+            (:meth:`~zerofn_torch.averaging.DiLoCoOptimizer.outer_state_dict`),
+            both loadable at another world size.
         checkpoint_id: the checkpoint directory (its parent is created if
             missing). An existing one may hold only an earlier checkpoint.
         extra: more state to save in the same checkpoint, the same on every
@@ -109,6 +139,10 @@ def save_sharded(
     """
     if keep_last is not None:
         to_prune({}, keep_last, current="")  # checks it before anything is written
+    zero = _zero_of(optimizer)
+    if zero is not optimizer:  # DiLoCo: its own state travels beside the inner shards
+        extra = {**(extra or {}), _DILOCO: [optimizer.outer_state_dict()]}  # type: ignore[union-attr]
+        optimizer = zero
     target = os.path.abspath(os.fspath(checkpoint_id))
     group = optimizer.process_group
     settle_in_flight(group)
@@ -161,7 +195,8 @@ def _needed_keys(plans: _Plans, metadata: Any) -> set[str]:
 
 
 def _plans(optimizer: ZeroRedundancyOptimizer, metadata: Any) -> _Plans:
-    """For each piece this rank owns: which saved pieces rebuild it.
+    """For each piece whose state this rank holds (owned, and with
+    ``redundancy=2`` carried): which saved pieces rebuild it.
 
     Raises:
         ValueError: the checkpoint lacks some of it.
@@ -169,10 +204,9 @@ def _plans(optimizer: ZeroRedundancyOptimizer, metadata: Any) -> _Plans:
     if SIZES not in metadata.state_dict_metadata:
         raise ValueError("it is not a zerofn optimizer checkpoint (no group sizes in it)")
     saved = [p for k in metadata.state_dict_metadata if (p := parse_key(k)) is not None]
-    partition = optimizer.shard_plan.partition
     return {
         piece: cover(saved, piece.param, piece.start, piece.stop)
-        for piece in partition.pieces_of(optimizer.rank)
+        for piece in held_pieces(optimizer.zero_rank)
     }
 
 
@@ -279,7 +313,7 @@ def _global_state(
 
 
 def load_sharded(
-    optimizer: ZeroRedundancyOptimizer, checkpoint_id: str | os.PathLike[str]
+    optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer, checkpoint_id: str | os.PathLike[str]
 ) -> dict[str, Any]:
     """Load this rank's part of a checkpoint written by :func:`save_sharded`,
     whatever world size or partition mode wrote it, and return its ``extra``.
@@ -290,7 +324,8 @@ def load_sharded(
     ranks exchange what they found, and refuse together if any found a defect.
 
     Args:
-        optimizer: the optimizer to load into.
+        optimizer: the optimizer to load into (a ``DiLoCoOptimizer`` over a
+            ``ZeroRedundancyOptimizer`` loads both, as saved).
         checkpoint_id: the checkpoint directory.
 
     Returns:
@@ -306,6 +341,18 @@ def load_sharded(
         zerofn.errors.CollectiveError: if the ranks could not agree.
     """
     path = os.fspath(checkpoint_id)
+    zero = _zero_of(optimizer)
+    if zero is not optimizer:  # DiLoCo: the inner shards, then its own state
+        extra = load_sharded(zero, checkpoint_id)
+        if _DILOCO not in extra:
+            raise CheckpointError(
+                f"checkpoint {path!r} holds no DiLoCo state: it was saved from the "
+                "ZeroRedundancyOptimizer alone (its shards are loaded); load it with "
+                "load_sharded(diloco.optim, path)"
+            )
+        (outer,) = extra.pop(_DILOCO)
+        optimizer.load_outer_state_dict(outer)  # type: ignore[union-attr]
+        return extra
     settle_in_flight(optimizer.process_group)
     try:
         problems, metadata, plans = _verify(optimizer, path)

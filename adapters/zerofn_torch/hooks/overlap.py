@@ -64,6 +64,39 @@ def _is_averaging_hook(hook: DDPHook) -> bool:
     return hook in (allreduce_hook, torch_default_hooks.allreduce_hook)
 
 
+def _check_covered(ddp: torch.nn.parallel.DistributedDataParallel, params: list[Any]) -> None:
+    """Refuse a ZeRO optimizer that leaves some of DDP's trainable parameters out.
+
+    Raises:
+        ValueError: naming the first parameters left out.
+    """
+    mine = {id(p) for p in params}
+    missing = [n for n, p in ddp.module.named_parameters() if p.requires_grad and id(p) not in mine]
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ValueError(
+            f"the ZeroRedundancyOptimizer holds {len(params)} parameters and leaves {len(missing)} "
+            f"of the DDP model's trainable ones out ({shown}): the overlapped step steps every "
+            "bucket DDP reduces. Build it over ddp.parameters() (one param group), or freeze "
+            "those parameters before wrapping the model in DDP"
+        )
+
+
+def _check_scaler(loss_scaler: object) -> None:
+    """Refuse a loss scaler the hook cannot drive from inside backward.
+
+    Raises:
+        TypeError: anything but a :class:`zerofn_torch.LossScaler`.
+    """
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise TypeError(
+            f"loss_scaler must be a zerofn_torch.LossScaler, got {type(loss_scaler).__name__}: "
+            "the overlapped step unscales and skips inside backward, which torch.amp.GradScaler "
+            "cannot be told of. LossScaler keeps GradScaler's interface and state dict keys "
+            "(either loads the other's) and works with fp32, bf16 and fp16 parameters"
+        )
+
+
 class _OverlapRunner:
     """The stateful shell behind one overlapped hook registration: it runs
     the core's :func:`zerofn.overlap.hook.zero_step_hook` in a
@@ -82,8 +115,10 @@ class _OverlapRunner:
     ) -> None:
         if max_grad_norm is not None:
             clip_coefficient(0.0, max_grad_norm)  # refuse a bad one now, not mid-backward
-        self.binding = zero.bind_overlap_hook()
         params = [p for group in zero.param_groups for p in group["params"]]
+        _check_covered(ddp, params)
+        _check_scaler(loss_scaler)
+        self.binding = zero.bind_overlap_hook()
         self.config = OverlapConfig(
             sizes=tuple(p.numel() for p in params),
             world_size=zero.world_size,

@@ -25,6 +25,12 @@ from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
 from zerofn.zero.hook_driven import OverlapBinding
+from zerofn.zero.outside_writes import (
+    owned_parameters,
+    parameter_versions,
+    rederive_from_parameters,
+    written_since,
+)
 from zerofn.zero.params import StateDict, normalize_params
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import (
@@ -186,6 +192,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._consolidated: StateDict | None = None
         self._exchange_interrupted = False
         self._regroups = 0
+        self._versions = self._read_versions()
 
     # ----- what the shell holds -----------------------------------------------
 
@@ -243,6 +250,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "run forward and backward before step() instead"
             )
         Join.notify_join_context(self)
+        if written_since(self._versions, self._all_params):
+            rederive_from_parameters(self._zero, self._all_params, keep_consistent=True)
         self._zero = zero = self._retrained(self._zero)
         params = self._all_params
 
@@ -259,7 +268,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._exchange_interrupted = True  # the local step was taken, the exchange not
             raise
         self._exchange_interrupted = False
+        self._versions = self._read_versions()
         return loss
+
+    def refresh_from_parameters(self) -> None:
+        """Take the parameters' current values as the truth: re-derive the
+        master copies, the compressed exchange's exact values, a flat
+        shard's segment and the carried copy (``redundancy=2``) from them.
+
+        Whatever sets parameter values from outside the step calls this on
+        every rank afterwards: :class:`~zerofn_torch.averaging.DiLoCoOptimizer`'s
+        sync, :class:`~zerofn_torch.averaging.PostLocalSGDOptimizer`'s averaging,
+        and a training loop that loads a model's state dict or writes a
+        parameter through ``.data``. Optimizer state (moments, step counts)
+        is kept. Local: no collective.
+
+        :meth:`step` also notices tracked in-place writes to the parameters
+        this rank owns or carries (``param.copy_`` under ``torch.no_grad()``,
+        ``average_parameters``, ``model.load_state_dict``) and re-derives
+        from them itself, keeping each master element that already rounds to
+        its parameter (so a model state loaded after the optimizer's keeps
+        the loaded masters). A write through ``.data`` is not tracked.
+        """
+        rederive_from_parameters(self._zero, self._all_params)
+        self._versions = self._read_versions()
+
+    def _read_versions(self) -> dict[int, int]:
+        return parameter_versions(self._all_params, owned_parameters(self._zero))
 
     def _retrained(self, zero: ZeroRank) -> ZeroRank:
         """``zero`` re-placed if the parameters requiring grad changed."""
@@ -411,13 +446,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Args:
             state_dict: the full state, global parameter indices.
 
+        With ``overlap_with_ddp=True`` it loads before the first iteration
+        too: until DDP fixes its buckets every rank holds every parameter's
+        state, and keeps its own share once they are fixed.
+
         Raises:
             ValueError: if ``state_dict`` belongs to another model; then
                 nothing is changed.
-            RuntimeError: with ``overlap_with_ddp=True``, before DDP fixed its
-                buckets.
         """
-        hook_driven.check_overlap_initialized(self._zero)
         validate_global(self._zero.plan.partition, state_dict)
         load_global_state(self._zero, self.param_groups, state_dict)
 
