@@ -111,10 +111,9 @@ def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.T
     ]
     if not norms:
         return torch.zeros(1, dtype=torch.float64)
-    total = torch.linalg.vector_norm(torch.stack(norms).to(device), norm_type)
-    if math.isinf(norm_type):
-        return total.reshape(1).to(torch.float64).cpu()
-    return total.reshape(1).to(torch.float64).pow(norm_type).cpu()
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms).to(device), norm_type)
+    wide = total.reshape(1).to(torch.float64)
+    return (wide if math.isinf(norm_type) else wide.pow(norm_type)).cpu()
 
 
 def global_norm_program(

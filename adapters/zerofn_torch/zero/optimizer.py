@@ -392,6 +392,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if zero is None:  # Optimizer.__init__ adding the first groups
             super().add_param_group(param_group)
             return
+        (param_group,) = normalize_params([param_group])  # a generator is read once
         check_added_group(zero.plan.mode, zero.stepped_by_hook, self._all_params, param_group)
         if zero.carried is not None:
             raise RuntimeError(
