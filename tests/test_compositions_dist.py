@@ -193,17 +193,17 @@ def carried_states(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     load_sharded(loaded, folder)
     carried = loaded.zero_rank.carried
     assert carried is not None
-    mine = {
-        i: loaded.optim.state[p]
-        for i, p in zip(
-            loaded.zero_rank.plan.partition.params_of(rank), loaded.optim.param_groups[0]["params"]
-        )
-    }  # noqa: E501
-    copies = {i: carried.optim.state[t] for i, t in zip(carried.indices, carried.tensors())}
+    owned = loaded.zero_rank.plan.partition.params_of(rank)
+    local = loaded.optim.param_groups[0]["params"]
+    mine = {i: loaded.optim.state[p] for i, p in zip(owned, local, strict=True)}
+    copies = {
+        i: carried.optim.state[t] for i, t in zip(carried.indices, carried.tensors(), strict=True)
+    }
     every = all_gather_objects((mine, copies), dist.group.WORLD, "test: carried states")
     owner = every[carried.owner][0]
     same = all(
-        all(torch.equal(copies[i][k], owner[i][k]) for k in owner[i]) and owner[i]
+        owner[i].keys() == copies[i].keys()
+        and all(torch.equal(copies[i][k], owner[i][k]) for k in owner[i])
         for i in carried.indices
     )
     with pytest.raises(ValueError) as refused:
@@ -259,14 +259,14 @@ def resumed_overlap(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     ddp_p = DDP(partial)
     some = ZeroRedundancyOptimizer(
         partial[0].parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1
-    )  # noqa: E501
+    )
     with pytest.raises(ValueError) as uncovered:
         hook_with_zero_step(allreduce_hook, ddp_p, some)
     results["uncovered"] = str(uncovered.value)
     ddp_s = DDP(make_model())
     zero_s = ZeroRedundancyOptimizer(
         ddp_s.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1
-    )  # noqa: E501
+    )
     with pytest.raises(TypeError) as scaler:
         hook_with_zero_step(allreduce_hook, ddp_s, zero_s, loss_scaler=torch.amp.GradScaler("cpu"))
     results["scaler"] = str(scaler.value)
