@@ -329,6 +329,12 @@ class PostLocalSGDOptimizer(WrappedOptimizer):
             gradients, so a carrier could not step its copy as the owner does.
     """
 
+    join_refusal = (
+        "PostLocalSGDOptimizer does not run under Join: a rank that runs out of inputs early "
+        "would never reach the averagings the others wait in. Give every rank the same number "
+        "of steps (drop or repeat batches), or train without post-local SGD under Join"
+    )
+
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
         zero_rank = getattr(innermost(optim), "zero_rank", None)
         if zero_rank is not None and zero_rank.carried is not None:
@@ -352,6 +358,18 @@ class PostLocalSGDOptimizer(WrappedOptimizer):
         state_dict = self.optim.state_dict()
         state_dict["step"] = self.averager.step
         return state_dict
+
+    def wrapper_state_dict(self) -> dict[str, Any]:
+        """The averager's ``"step"`` alone (the local optimizer's state aside)."""
+        return {"step": self.averager.step}
+
+    def load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the averager's step from :meth:`wrapper_state_dict`.
+
+        Raises:
+            ValueError, TypeError: a negative or non-int step.
+        """
+        self.averager.step = AveragerState(state["step"]).step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the local optimizer's state and the averager's step.

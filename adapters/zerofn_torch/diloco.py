@@ -161,6 +161,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
         zerofn.errors.CollectiveError: the starting broadcast failed.
     """
 
+    join_refusal = _NO_JOIN
+
     def __init__(
         self,
         optim: torch.optim.Optimizer,
@@ -288,27 +290,6 @@ class DiLoCoOptimizer(WrappedOptimizer):
         config = getattr(innermost(self.optim), "_join_config", None)
         if config is not None and config.enable:
             raise ValueError(_NO_JOIN)
-
-    # ----- uneven inputs ------------------------------------------------------------------
-
-    def join_hook(self, **kwargs: Any) -> Any:
-        """Refused: a rank that ran out of inputs would not reach the syncs.
-
-        Raises:
-            ValueError: always.
-        """
-        raise ValueError(_NO_JOIN)
-
-    @property
-    def join_device(self) -> torch.device:
-        """The parameters' device (for ``Join``, which refuses DiLoCo)."""
-        device: torch.device = self._params[0].device
-        return device
-
-    @property
-    def join_process_group(self) -> Any:
-        """The group across workers (for ``Join``, which refuses DiLoCo)."""
-        return self.process_group
 
     # ----- the sync in flight ------------------------------------------------------------
 
@@ -465,6 +446,14 @@ class DiLoCoOptimizer(WrappedOptimizer):
             )
         inner = {k: v for k, v in state_dict.items() if k != "diloco"}
         self._load(state_dict["diloco"], lambda: self.optim.load_state_dict(inner))
+
+    def wrapper_state_dict(self) -> dict[str, Any]:
+        """:meth:`outer_state_dict` (collective: call on every rank)."""
+        return self.outer_state_dict()
+
+    def load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+        """:meth:`load_outer_state_dict`."""
+        self.load_outer_state_dict(state)
 
     def load_outer_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Resume DiLoCo's own state from :meth:`outer_state_dict` (or the

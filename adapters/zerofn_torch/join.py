@@ -187,7 +187,16 @@ class Join:
                 failed (a peer died or hung past the group's timeout): Join's
                 count of running ranks, or a join hook's (DDP's included).
         """
-        if not self._enable or exc_type is not None:
+        try:
+            self._finish(exc_type is not None)
+        finally:
+            # Out of the context, the joinables announce nothing and refuse
+            # nothing (their configs say "not in a join context").
+            for joinable in self._joinables:
+                joinable._join_config = DISABLED
+
+    def _finish(self, failed: bool) -> None:
+        if not self._enable or failed:
             # An exception in the body propagates as it is; waiting for an
             # announcement then could block until the group's timeout.
             return

@@ -87,13 +87,12 @@ def norm_of_powers(total: float, norm_type: float) -> float:
 
 
 def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """This rank's share of a global norm, as a one-element float64 tensor:
+    """This rank's share of a global norm, as a one-element float32 tensor:
     ``sum |g|^p`` over ``grads`` (``max |g|`` for ``inf``).
 
     Computed as ``torch.nn.utils.clip_grad_norm_`` computes its total: each
-    tensor's norm in float32, then the norm of those norms, raised to ``p``
-    in float64 (exact for ``p = 2``), so the norm of one rank's share is
-    PyTorch's bit for bit and the ranks' shares add without a rounding.
+    tensor's norm in float32, then the norm of those norms (raised to ``p``
+    here; the root of one rank's share rounds back to PyTorch's total).
 
     Raises:
         ValueError: ``norm_type`` is not positive.
@@ -101,19 +100,16 @@ def local_norm_power(grads: Sequence[torch.Tensor], norm_type: float) -> torch.T
     if not norm_type > 0:
         raise ValueError(f"norm_type must be positive (2.0, 1.0, inf), got {norm_type}")
     # Accumulated where the gradients live and moved once: one sync, not one
-    # per tensor, on an accelerator.
-    device = grads[0].device if grads else torch.device("cpu")
-    # An empty shard adds nothing (and has no max).
+    # per tensor, on an accelerator. An empty shard adds nothing (and has no max).
     norms = [
         torch.linalg.vector_norm(g.detach().to(torch.float32), norm_type)
         for g in grads
         if g.numel()
     ]
     if not norms:
-        return torch.zeros(1, dtype=torch.float64)
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms).to(device), norm_type)
-    wide = total.reshape(1).to(torch.float64)
-    return (wide if math.isinf(norm_type) else wide.pow(norm_type)).cpu()
+        return torch.zeros(1, dtype=torch.float32)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type).reshape(1)
+    return (total if math.isinf(norm_type) else total.pow(norm_type)).cpu()
 
 
 def global_norm_program(

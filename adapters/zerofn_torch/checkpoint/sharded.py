@@ -48,10 +48,9 @@ from zerofn.zero.sharded_checkpoint import (
 from zerofn_torch.checkpoint import files as files
 from zerofn_torch.checkpoint.background import SaveHandle, in_flight, save_group, settle_in_flight
 from zerofn_torch.checkpoint.save import GROUPS, SIZES, group_sizes, save, shapes, snapshot
-from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.runtime.collective_errors import guarded
 from zerofn_torch.runtime.object_collectives import all_gather_objects
-from zerofn_torch.runtime.wrapped_optimizer import innermost
+from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]
@@ -59,34 +58,41 @@ __all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]
 _Plans = dict[Piece, dict[str, list[Copy]]]
 
 
-_DILOCO = "zerofn_diloco"
-"""The ``extra`` key a ``DiLoCoOptimizer``'s own state is saved under."""
+_WRAPPERS = "zerofn_wrappers"
+"""The ``extra`` key the state of the optimizers around a ZeRO optimizer
+(DiLoCo's outer state, post-local SGD's averager step) is saved under."""
 
 
-def _zero_of(optimizer: Any) -> ZeroRedundancyOptimizer:
-    """The ZeRO optimizer whose shards a sharded checkpoint holds: ``optimizer``
-    itself, or the one a ``DiLoCoOptimizer`` wraps.
+def _chain(optimizer: Any) -> tuple[list[WrappedOptimizer], ZeroRedundancyOptimizer]:
+    """The wrappers around the ZeRO optimizer whose shards a sharded
+    checkpoint holds (outermost first), and that optimizer.
 
     Raises:
-        TypeError: anything else, naming what to save instead.
+        TypeError: no ZeRO optimizer at the bottom, naming what to save instead.
     """
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer
-    inner = innermost(optimizer)
-    if isinstance(optimizer, DiLoCoOptimizer) and isinstance(inner, ZeroRedundancyOptimizer):
-        return inner
-    raise TypeError(
-        f"save_sharded and load_sharded keep the shards of a ZeroRedundancyOptimizer (or of "
-        f"a DiLoCoOptimizer over one), not a {type(optimizer).__name__}: save an unsharded "
-        "optimizer with torch.save(optimizer.state_dict(), path)"
-    )
+    wrappers = []
+    inner = optimizer
+    while isinstance(inner, WrappedOptimizer):
+        wrappers.append(inner)
+        inner = inner.optim
+    if not isinstance(inner, ZeroRedundancyOptimizer):
+        raise TypeError(
+            "save_sharded and load_sharded keep the shards of a ZeroRedundancyOptimizer (or of "
+            f"optimizers wrapping one), not of a {type(inner).__name__}: save an unsharded "
+            "optimizer with torch.save(optimizer.state_dict(), path)"
+        )
+    return wrappers, inner
+
+
+def _kinds(wrappers: list[WrappedOptimizer]) -> list[str]:
+    return [type(w).__name__ for w in wrappers]
 
 
 # ----- the public API --------------------------------------------------------------
 
 
 def save_sharded(
-    optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer,
+    optimizer: ZeroRedundancyOptimizer | WrappedOptimizer,
     checkpoint_id: str | os.PathLike[str],
     *,
     extra: Mapping[str, Any] | None = None,
@@ -105,11 +111,12 @@ def save_sharded(
     short (a rank killed) leaves it exactly as it was.
 
     Args:
-        optimizer: the optimizer whose state to save; for a
-            ``DiLoCoOptimizer`` over a ``ZeroRedundancyOptimizer``, the inner
-            shards and DiLoCo's own state joined over its outer group
-            (:meth:`~zerofn_torch.averaging.DiLoCoOptimizer.outer_state_dict`),
-            both loadable at another world size.
+        optimizer: the optimizer whose state to save: a
+            ``ZeroRedundancyOptimizer``, or optimizers wrapping one
+            (``DiLoCoOptimizer``, ``PostLocalSGDOptimizer``), whose own state
+            travels beside the shards (DiLoCo's joined over its outer group,
+            :meth:`~zerofn_torch.averaging.DiLoCoOptimizer.outer_state_dict`,
+            so it too loads at another world size).
         checkpoint_id: the checkpoint directory (its parent is created if
             missing). An existing one may hold only an earlier checkpoint.
         extra: more state to save in the same checkpoint, the same on every
@@ -128,6 +135,7 @@ def save_sharded(
         The save's handle (already finished when ``blocking``).
 
     Raises:
+        TypeError: ``optimizer`` is no ZeRO optimizer, nor wraps one.
         ValueError: on every rank, for a bad ``keep_last`` or ``extra`` key,
             or a ``checkpoint_id`` holding files that are not a checkpoint's;
             nothing was written.
@@ -139,10 +147,10 @@ def save_sharded(
     """
     if keep_last is not None:
         to_prune({}, keep_last, current="")  # checks it before anything is written
-    zero = _zero_of(optimizer)
-    if zero is not optimizer:  # DiLoCo: its own state travels beside the inner shards
-        extra = {**(extra or {}), _DILOCO: [optimizer.outer_state_dict()]}  # type: ignore[union-attr]
-        optimizer = zero
+    wrappers, optimizer = _chain(optimizer)
+    if wrappers:  # their own state travels beside the shards (DiLoCo's is collective)
+        states = [w.wrapper_state_dict() for w in wrappers]
+        extra = {**(extra or {}), _WRAPPERS: [_kinds(wrappers), states]}
     target = os.path.abspath(os.fspath(checkpoint_id))
     group = optimizer.process_group
     settle_in_flight(group)
@@ -313,8 +321,8 @@ def _global_state(
 
 
 def load_sharded(
-    optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer, checkpoint_id: str | os.PathLike[str]
-) -> dict[str, Any]:
+    optimizer: ZeroRedundancyOptimizer | WrappedOptimizer, checkpoint_id: str | os.PathLike[str]
+) -> dict[str, Any]:  # fmt: skip
     """Load this rank's part of a checkpoint written by :func:`save_sharded`,
     whatever world size or partition mode wrote it, and return its ``extra``.
 
@@ -324,8 +332,8 @@ def load_sharded(
     ranks exchange what they found, and refuse together if any found a defect.
 
     Args:
-        optimizer: the optimizer to load into (a ``DiLoCoOptimizer`` over a
-            ``ZeroRedundancyOptimizer`` loads both, as saved).
+        optimizer: the optimizer to load into (wrappers around the ZeRO
+            optimizer, as saved, load their own state too).
         checkpoint_id: the checkpoint directory.
 
     Returns:
@@ -333,6 +341,7 @@ def load_sharded(
         CPU); empty if none.
 
     Raises:
+        TypeError: ``optimizer`` is no ZeRO optimizer, nor wraps one.
         zerofn.errors.CheckpointError: on every rank, with the same message
             naming each defective file, its defect and the rank(s) that found
             it: no manifest, a corrupt manifest, a missing, extra, truncated
@@ -341,18 +350,20 @@ def load_sharded(
         zerofn.errors.CollectiveError: if the ranks could not agree.
     """
     path = os.fspath(checkpoint_id)
-    zero = _zero_of(optimizer)
-    if zero is not optimizer:  # DiLoCo: the inner shards, then its own state
+    wrappers, zero = _chain(optimizer)
+    if wrappers:  # the shards, then the wrappers' own state
         extra = load_sharded(zero, checkpoint_id)
-        if _DILOCO not in extra:
+        kinds, states = extra.pop(_WRAPPERS, [[], []])
+        if kinds != _kinds(wrappers):
             raise CheckpointError(
-                f"checkpoint {path!r} holds no DiLoCo state: it was saved from the "
-                "ZeroRedundancyOptimizer alone (its shards are loaded); load it with "
-                "load_sharded(diloco.optim, path)"
+                f"checkpoint {path!r} was saved from {' > '.join([*kinds, 'ZeRO']) or 'ZeRO'}, "
+                f"not {' > '.join([*_kinds(wrappers), 'ZeRO'])}: its shards are loaded into the "
+                "ZeroRedundancyOptimizer; load the rest as it was saved"
             )
-        (outer,) = extra.pop(_DILOCO)
-        optimizer.load_outer_state_dict(outer)  # type: ignore[union-attr]
+        for wrapper, state in zip(wrappers, states, strict=True):
+            wrapper.load_wrapper_state_dict(state)
         return extra
+    optimizer = zero
     settle_in_flight(optimizer.process_group)
     try:
         problems, metadata, plans = _verify(optimizer, path)

@@ -77,8 +77,9 @@ def _check_covered(ddp: torch.nn.parallel.DistributedDataParallel, params: list[
         raise ValueError(
             f"the ZeroRedundancyOptimizer holds {len(params)} parameters and leaves {len(missing)} "
             f"of the DDP model's trainable ones out ({shown}): the overlapped step steps every "
-            "bucket DDP reduces. Build it over ddp.parameters() (one param group), or freeze "
-            "those parameters before wrapping the model in DDP"
+            "bucket DDP reduces. Build it over ddp.parameters() (one param group: add_param_group "
+            "is refused with overlap_with_ddp=True), or freeze those parameters before wrapping "
+            "the model in DDP"
         )
 
 

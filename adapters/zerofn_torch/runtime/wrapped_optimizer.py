@@ -17,6 +17,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
     call ``Optimizer.__init__`` (the wrapped optimizer owns the parameters)."""
 
     optim: torch.optim.Optimizer
+    join_refusal: str = (
+        "this optimizer communicates at its own step, which a rank that ran out of inputs "
+        "would not reach; give every rank the same number of steps instead of Join"
+    )
+    """Why ``Join`` refuses the wrapper (its own collectives cannot be shadowed)."""
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -27,6 +32,43 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's default hyperparameters."""
         return self.optim.defaults
+
+    def wrapper_state_dict(self) -> dict[str, Any]:
+        """This wrapper's own state, without the wrapped optimizer's (what a
+        sharded checkpoint keeps beside a ZeRO optimizer's shards)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state of its own to save")
+
+    def load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`wrapper_state_dict`'s state."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state of its own to load")
+
+    # Join asks a joinable for its group first: refusing there refuses the
+    # whole context at its construction, before anything runs.
+    @property
+    def join_process_group(self) -> Any:
+        """Refused: see :attr:`join_refusal`.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.join_refusal)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Refused: see :attr:`join_refusal`.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.join_refusal)
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refused: see :attr:`join_refusal`.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(self.join_refusal)
 
 
 def innermost(optim: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -337,10 +337,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Raises:
             ValueError: ``max_norm`` negative, ``norm_type`` not positive.
-            RuntimeError: with ``overlap_with_ddp=True``; a non-finite norm
-                with ``error_if_nonfinite``.
+            RuntimeError: with ``overlap_with_ddp=True``; inside ``Join``
+                (a joined rank's shard would be left out of the norm); a
+                non-finite norm with ``error_if_nonfinite``.
             zerofn.errors.CollectiveError: the all-reduce failed.
         """
+        self._refuse_inside_join("clip_grad_norm_", "global norm")
         return clip_grad_norm(
             self._zero, self._all_params, self.process_group,
             max_norm, norm_type, error_if_nonfinite,
@@ -360,11 +362,28 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             the step everywhere with :meth:`discard_step`.
 
         Raises:
-            RuntimeError: with ``overlap_with_ddp=True``, or if the gradients
-                were already read for this step (clipped or unscaled).
+            RuntimeError: with ``overlap_with_ddp=True``; inside ``Join``; or
+                if the gradients were already read for this step (clipped or
+                unscaled).
             zerofn.errors.CollectiveError: the all-reduce failed.
         """
+        self._refuse_inside_join("unscale_gradients_ (a loss scaler's unscale_)", "inf/nan check")
         return unscale_gradients(self._zero, self._all_params, self.process_group, factor)
+
+    def _refuse_inside_join(self, what: str, question: str) -> None:
+        """Refuse a collective over every rank's shard inside ``Join``.
+
+        Raises:
+            RuntimeError: in a join context.
+        """
+        if self._join_config.enable:
+            raise RuntimeError(
+                f"{what} inside Join: its {question} is one all-reduce over every rank's "
+                "shard, and a rank that ran out of inputs neither takes part nor holds "
+                "gradients for its shard, so the answer would leave that shard out. Give "
+                "every rank the same number of steps, or leave the clipping or loss scaling "
+                "out of the Join context"
+            )
 
     def discard_step(self) -> None:
         """Skip this step: forget the gradients loaded for it (into the
