@@ -329,3 +329,50 @@ def run_pairs(
         if failed:
             groups = Groups.make(world_size)
     return out
+
+
+BEGIN = "<!-- compositions:begin -->"
+END = "<!-- compositions:end -->"
+
+
+def table(outcomes: dict[str, str]) -> str:
+    """The generated block of ``docs/compositions.md``: every pair of
+    features as a matrix (``ok``, or ``R<n>`` for the n-th refusal), then
+    each refusal's message, as the stack raised it."""
+    refusals: list[str] = []
+    cell: dict[frozenset[str], str] = {}
+    for a, b in pairs():
+        outcome = outcomes["+".join((a, b))]
+        if outcome == "works":
+            cell[frozenset((a, b))] = "ok"
+            continue
+        refusals.append(f"{a} + {b}: {outcome.removeprefix('refused: ')}")
+        cell[frozenset((a, b))] = f"R{len(refusals)}"
+    for exclusive in EXCLUSIVE:
+        cell[exclusive] = "-"
+    header = "| | " + " | ".join(f"`{n}`" for n in NAMES) + " |"
+    lines = [
+        BEGIN,
+        "_Written by `tests/test_compositions.py` (`make test-slow`) from the runs it checks: "
+        f"{len(pairs())} pairs of {len(NAMES)} features, 4 gloo ranks._",
+        "",
+        "| feature | how it is asked for |",
+        "| --- | --- |",
+        *(f"| `{f.name}` | {f.option} |" for f in FEATURES),
+        "",
+        header,
+        "| --- " * (len(NAMES) + 1) + "|",
+    ]
+    for a in NAMES:
+        row = ["" if a == b else cell[frozenset((a, b))] for b in NAMES]
+        lines.append(f"| `{a}` | " + " | ".join(row) + " |")
+    lines += ["", *(f"{i}. {text.replace('|', '/')}" for i, text in enumerate(refusals, 1))]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def names_both(pair: tuple[str, str], message: str) -> bool:
+    """Whether a refusal's message names both features of ``pair``."""
+    by_name = {f.name: f for f in FEATURES}
+    lower = message.lower()
+    return all(any(w.lower() in lower for w in by_name[n].words) for n in pair)

@@ -116,15 +116,23 @@ def compressed_world(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         out[("bytes", name)] = sum(seen.payload_bytes.values())
     out["planned_bytes"] = exchange_bytes(squeezed.zero_rank.options.quantizer, squeezed.shard_plan)  # type: ignore[arg-type]
 
-    # Clipping and a joined rank (its step sends only what it owes).
+    # Clipping, then a joined rank (its step sends only what it owes); inside
+    # Join clipping is refused (a joined rank's shard would leave the norm).
     model = make_model()
     opt = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.SGD, exchange_compression="int8", lr=0.1, momentum=0.9
     )
+    set_grads(model, grads_at(model, 0))
+    opt.clip_grad_norm_(0.5)
+    opt.step()
     with Join([opt]):
-        for step in range(2 + rank):
+        for step in range(1, 3 + rank):
             set_grads(model, grads_at(model, step))
-            opt.clip_grad_norm_(0.5)
+            if step == 1:
+                try:
+                    opt.clip_grad_norm_(0.5)
+                except RuntimeError as e:
+                    out["clip_inside_join"] = str(e)
             opt.step()
     out["identical_after_join"] = gathered_equal(model)
 
@@ -222,6 +230,7 @@ def test_every_rank_holds_the_same_parameters(results: dict[str, Any]) -> None:
     flags = {k: v for k, v in results.items() if k[0] == "identical"}
     assert flags and all(flags.values()), flags
     assert results["identical_after_join"]
+    assert "inside Join" in results["clip_inside_join"]
 
 
 def test_the_overlapped_step_compresses_too(results: dict[str, Any]) -> None:
