@@ -69,7 +69,10 @@ class _ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
-        self.zero.step()
+        # The joined rank answered the others' announcement with Join's count:
+        # its shadow step announces nothing (either Join, PyTorch's included).
+        if not self.zero.zero_rank.stepped_by_hook:
+            self.zero._step_and_exchange(None)
 
 
 # PyTorch's Joinable base makes this both a PyTorch and a zerofn Joinable (the
@@ -250,6 +253,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "run forward and backward before step() instead"
             )
         Join.notify_join_context(self)
+        return self._step_and_exchange(closure, **kwargs)
+
+    def _step_and_exchange(self, closure: Callable[[], float] | None, **kwargs: Any) -> Any:
+        """:meth:`step` past its checks and its announcement to a join context."""
         if written_since(self._versions, self._all_params):
             rederive_from_parameters(self._zero, self._all_params, keep_consistent=True)
         self._zero = zero = self._retrained(self._zero)
