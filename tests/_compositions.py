@@ -6,9 +6,11 @@ A configuration is a set of :data:`FEATURES` names. :func:`run_configuration`
 builds it the way the docs show each feature (DDP, its hook, the ZeRO
 optimizer, its wrappers, a scheduler and a loss scaler), trains a few steps
 with the feature's actions (a group added, parameters written from outside,
-a checkpoint round trip, uneven inputs under ``Join``) and checks what needs
-no reference after every step: the replicas that should agree do, bit for
-bit, and every value is finite. It answers ``"works"``, or the refusal the
+a checkpoint round trip, uneven inputs under ``Join``) and checks after every
+step what needs no reference: the replicas that should agree do, bit for
+bit, and every value is finite; and, where PyTorch's own ZeRO optimizer can
+run the same configuration (:data:`REFERENCED`), that the parameters equal
+its parameters bit for bit. It answers ``"works"``, or the refusal the
 stack raised before anything moved; a failure or a refusal after training
 began raises.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import LossScaler, ZeroRedundancyOptimizer
 from zerofn_torch.averaging import DiLoCoOptimizer, PeriodicModelAverager, PostLocalSGDOptimizer
@@ -83,6 +86,12 @@ FEATURES: tuple[Feature, ...] = (
 )
 NAMES = tuple(f.name for f in FEATURES)
 
+
+REFERENCED = frozenset(
+    {"balanced", "flat", "bucket_view", "add_group", "outside_write", "consolidated", "sharded"}
+)
+"""Features whose configurations PyTorch's own ZeRO optimizer can run beside
+zerofn's (exact, fp32): there the parameters must equal PyTorch's bit for bit."""
 
 EXCLUSIVE = (frozenset({"balanced", "flat"}),)
 """Features that are values of one option: no configuration holds two."""
@@ -191,19 +200,49 @@ def _build(features: frozenset[str], groups: Groups, rank: int) -> dict[str, Any
         join = Join([ddp, opt]) if on("join") else None
     except (ValueError, TypeError, RuntimeError) as e:
         raise Refused(str(e)) from e
-    return {
+    built = {
         "model": model, "ddp": ddp, "zero": zero, "opt": opt, "scaler": scaler,
         "scheduler": scheduler, "join": join, "groups": groups, "rank": rank, "inner": inner,
     }  # fmt: skip
+    if features <= REFERENCED:  # PyTorch's ZeRO beside it, on the same gradients
+        theirs = _model(torch.float32)
+        built["reference"] = (theirs, DDP(theirs, process_group=inner))
+        built["reference_opt"] = TorchZero(
+            list(theirs[0].parameters()) if on("add_group") else list(theirs.parameters()),
+            torch.optim.Adam,
+            process_group=inner,
+            lr=LR,
+        )
+    return built
+
+
+def _loss(ddp: DDP, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(8, 6, generator=g).to(next(ddp.parameters()).dtype)
+    return ddp(x).float().square().mean()
 
 
 def _backward(built: dict[str, Any], step: int) -> None:
-    ddp, rank = built["ddp"], built["rank"]
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(8, 6, generator=g).to(next(ddp.parameters()).dtype)
-    loss = ddp(x).float().square().mean()
+    loss = _loss(built["ddp"], step, built["rank"])
     scaler = built["scaler"]
     (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def _reference_step(built: dict[str, Any], features: frozenset[str], step: int) -> None:
+    """PyTorch's ZeRO takes the same step, with the same actions."""
+    theirs, ddp = built["reference"]
+    opt = built["reference_opt"]
+    opt.zero_grad()
+    _loss(ddp, step, built["rank"]).backward()
+    opt.step()
+    if "add_group" in features and step == 1:
+        opt.add_param_group({"params": list(theirs[2].parameters())})
+    if "outside_write" in features and step == 2:
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.mul_(0.5)
+    if not torch.equal(_flat(built["model"]), _flat(theirs)):
+        raise AssertionError(f"after step {step}: the parameters differ from PyTorch's ZeRO")
 
 
 def _step(built: dict[str, Any], features: frozenset[str]) -> None:
@@ -288,6 +327,8 @@ def run_configuration(features: Iterable[str], groups: Groups, rank: int, folder
                 _backward(built, step)
                 _step(built, chosen)
                 _actions(built, chosen, step, folder)
+                if "reference" in built:
+                    _reference_step(built, chosen, step)
                 if join is None:
                     _check(built, chosen, step)
     except Refused as e:
@@ -337,14 +378,14 @@ END = "<!-- compositions:end -->"
 
 def table(outcomes: dict[str, str]) -> str:
     """The generated block of ``docs/compositions.md``: every pair of
-    features as a matrix (``ok``, or ``R<n>`` for the n-th refusal), then
-    each refusal's message, as the stack raised it."""
+    features as a matrix (``=``, ``ok``, or ``R<n>`` for the n-th refusal),
+    then each refusal's message, as the stack raised it."""
     refusals: list[str] = []
     cell: dict[frozenset[str], str] = {}
     for a, b in pairs():
         outcome = outcomes["+".join((a, b))]
         if outcome == "works":
-            cell[frozenset((a, b))] = "ok"
+            cell[frozenset((a, b))] = "=" if {a, b} <= REFERENCED else "ok"
             continue
         refusals.append(f"{a} + {b}: {outcome.removeprefix('refused: ')}")
         cell[frozenset((a, b))] = f"R{len(refusals)}"
@@ -354,7 +395,10 @@ def table(outcomes: dict[str, str]) -> str:
     lines = [
         BEGIN,
         "_Written by `tests/test_compositions.py` (`make test-slow`) from the runs it checks: "
-        f"{len(pairs())} pairs of {len(NAMES)} features, 4 gloo ranks._",
+        f"{len(pairs())} pairs of {len(NAMES)} features, 4 gloo ranks. `=`: works, and equals "
+        "PyTorch's ZeRO optimizer run beside it bit for bit after every step; `ok`: works (the "
+        "replicas that must agree do after every step); `R<n>`: refused, reason n below; `-`: "
+        "two values of one option._",
         "",
         "| feature | how it is asked for |",
         "| --- | --- |",
