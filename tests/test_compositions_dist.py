@@ -106,6 +106,12 @@ def diloco_refusals(rank: int) -> dict[str, str]:
         opt.step()
     assert torch.equal(flat(model), before)  # refused before the inner step
     refused["added"] = str(added.value)
+    carried_zero = ZeroRedundancyOptimizer(
+        make_model().parameters(), torch.optim.Adam, process_group=inner, lr=LR, redundancy=2
+    )
+    with pytest.raises(ValueError) as carried:
+        DiLoCoOptimizer(carried_zero, sync_every=2, process_group=outer)
+    refused["carried"] = str(carried.value)
     with pytest.raises(TypeError) as plain:
         save_sharded(torch.optim.SGD(model.parameters(), lr=0.1), "unused")
     refused["plain"] = str(plain.value)
@@ -171,6 +177,7 @@ def test_diloco_refuses_join_and_a_group_added_behind_its_back(
         assert "Join" in result["refused"]["join"]
         assert "never be synced" in result["refused"]["added"]
         assert "ZeroRedundancyOptimizer" in result["refused"]["plain"]
+        assert "redundancy=2" in result["refused"]["carried"]
 
 
 def test_a_diloco_sharded_checkpoint_resumes_exactly(four: list[dict[str, Any]]) -> None:
@@ -241,7 +248,7 @@ def resumed_overlap(rank: int, world_size: int, folder: str) -> dict[str, Any]:
             full = plain.state_dict() if rank == 0 else None
             (full,) = all_gather_objects(full, dist.group.WORLD, "test: state")[:1]
             model_state = copy.deepcopy(plain_model.state_dict())
-            save_sharded(plain, folder)
+            save_sharded(plain, folder, extra={"model": model_state})
     results: dict[str, Any] = {}
     for how in ("consolidated", "sharded"):
         model = make_model(seed=1)
@@ -274,8 +281,31 @@ def resumed_overlap(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return results
 
 
+def resumed_on_one_rank(rank: int, world_size: int, folder: str) -> bool:
+    """The 2-rank checkpoint resumed on 1 rank, overlapped and not: the same parameters."""
+    finals = []
+    for overlap in (False, True):
+        model = make_model(seed=1)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=LR
+        )
+        model.load_state_dict(load_sharded(zero, folder)["model"])
+        ddp = DDP(model)
+        if overlap:
+            ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+        for step in range(5, 9):
+            zero.zero_grad()
+            backward(ddp, step, rank)
+            if not overlap:
+                zero.step()
+        finals.append(flat(model))
+    return torch.equal(finals[0], finals[1])
+
+
 def test_an_overlapped_optimizer_resumes_before_its_first_iteration(tmp_path: Any) -> None:
-    for result in run_world(resumed_overlap, 2, str(tmp_path / "ckpt")):
+    folder = str(tmp_path / "ckpt")
+    for result in run_world(resumed_overlap, 2, folder):
         assert result["consolidated"] and result["sharded"]
         assert "leaves 2" in result["uncovered"]
         assert "LossScaler" in result["scaler"]
+    assert run_world(resumed_on_one_rank, 1, folder) == [True]  # at another world size

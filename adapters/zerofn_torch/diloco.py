@@ -116,6 +116,22 @@ _NO_JOIN = (
 )
 
 
+def _refuse_carried_inner(optim: torch.optim.Optimizer) -> None:
+    """Refuse an inner ZeRO optimizer with ``redundancy=2``.
+
+    Raises:
+        ValueError: its carried copies would promise a survival DiLoCo cannot keep.
+    """
+    zero_rank = getattr(innermost(optim), "zero_rank", None)
+    if zero_rank is not None and zero_rank.carried is not None:
+        raise ValueError(
+            "DiLoCoOptimizer over a ZeroRedundancyOptimizer with redundancy=2: "
+            "zerofn_torch.elastic.recover regroups the ZeRO optimizer's group but not DiLoCo's "
+            "syncs, so a lost rank would still end the job. Build the ZeroRedundancyOptimizer "
+            "with redundancy=1 and restart a DiLoCo job from its last checkpoint"
+        )
+
+
 def _stepped_in_backward(optim: torch.optim.Optimizer) -> bool:
     """Whether DDP's backward steps ``optim`` (a ZeRO optimizer built with
     ``overlap_with_ddp=True``), so that its ``step`` does nothing."""
@@ -156,8 +172,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
             :class:`~zerofn.diloco.config.DiLoCoConfig`), more fragments than
             parameter elements, a rank outside ``process_group``, an outer
             optimizer that is not element-wise or not over the given
-            tensors, or parameters under a DDP model that averages gradients
-            across workers.
+            tensors, parameters under a DDP model that averages gradients
+            across workers, or a ZeRO inner optimizer with ``redundancy=2``.
         zerofn.errors.CollectiveError: the starting broadcast failed.
     """
 
@@ -188,6 +204,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         params = [p for g in optim.param_groups for p in g["params"]]
         plan = plan_fragments([p.numel() for p in params], fragments, dist.get_world_size(group))
         _refuse_all_reducing_ddp(params, group)
+        _refuse_carried_inner(optim)
         self.optim = optim
         self.param_groups = optim.param_groups
         self.process_group = group

@@ -184,6 +184,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.world_size: int = options.world_size
         self.rank: int = options.rank
         self.parameters_as_bucket_view = options.bucket_view
+        if overlap_with_ddp and parameters_as_bucket_view:
+            logger.warning(
+                "parameters_as_bucket_view=True does nothing with overlap_with_ddp=True: the "
+                "overlap hook holds no exchange buffers for the parameters to be views of"
+            )
         if overlap_with_ddp:
             # Until DDP's buckets are final this rank steps every parameter.
             partition = [[] for _ in range(self.world_size)]
