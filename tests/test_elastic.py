@@ -41,6 +41,8 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.links import Node, netns_names, two_nodes, unavailable_reason
 from zerofn_torch.runtime.traffic import collective_traffic
 
+from zerofn.errors import CollectiveError
+
 
 def reference_before(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     """The first phase: ``steps`` steps on 3 ranks, then the state consolidated."""
@@ -138,7 +140,7 @@ def _recover_without_redundancy(rank: int, world_size: int) -> None:
         recover(zero, RuntimeError("a peer died"))
 
 
-def test_a_failure_with_every_rank_alive_is_raised_again() -> None:
+def test_a_failure_with_every_rank_alive_is_raised_again_unless_a_collective_failed() -> None:
     run_local_world(_recover_with_everyone_alive, 2)
 
 
@@ -149,6 +151,12 @@ def _recover_with_everyone_alive(rank: int, world_size: int) -> None:
     with pytest.raises(RuntimeError, match="a bug of the user's"):
         recover(zero, error, deadline_s=2.0)
     assert zero.world_size == 2 and zero.regroups == 0
+    # A failed collective with every rank answering (a slow or paused rank
+    # came back in time) is transient: the same world goes on, on a new group.
+    transient = CollectiveError("an all-reduce", "a step", "the world", "timed out")
+    survivors = recover(zero, transient, deadline_s=2.0)
+    assert survivors.lost == () and survivors.world_size == 2 and not survivors.finished_step
+    assert zero.world_size == 2 and zero.regroups == 1 and survivors.group is not None
 
 
 # ----- under torchrun, one agent per node -------------------------------------------

@@ -159,8 +159,15 @@ def test_a_loss_that_leaves_a_shard_nowhere_is_refused() -> None:
         plan_after_loss(plan, [1, 2])
     with pytest.raises(ValueError, match="needs 2 ranks"):
         plan_after_loss(plan_shards([[4, 4]], ["k"] * 2, [True] * 2, 2), [1])
-    with pytest.raises(ValueError, match="at least one lost rank"):
-        plan_after_loss(plan, [])
+
+
+def test_a_loss_of_nobody_keeps_the_world_as_it_is() -> None:
+    """A transient failure (every rank answered): the same world, the same
+    owners and carriers, nothing to move."""
+    plan = plan_shards([[4, 3, 2, 1, 5]], ["k"] * 5, [True] * 5, 3)
+    same = plan_after_loss(plan, [])
+    assert same.survivors == (0, 1, 2) and not same.moves
+    assert same.plan.partition.assignment == plan.partition.assignment
 
 
 @pytest.mark.parametrize(

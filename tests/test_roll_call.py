@@ -2,7 +2,7 @@
 process: ranks are threads sharing one in-memory store. Everyone who
 answers by the deadline is alive; one that never answers is out; one that
 answers too late sees another world than the others and raises rather than
-going on alone; any rank's interrupted step is everyone's."""
+going on alone; every survivor learns where each stood."""
 
 from __future__ import annotations
 
@@ -13,16 +13,20 @@ import torch.distributed as dist
 from zerofn_torch.elastic import RollCall, roll_call
 
 from zerofn.errors import CollectiveError
+from zerofn.zero.recovery_point import Position
 
 
 def call_together(
     store: Any, ranks: list[int], world: int, interrupted: set[int], deadline_s: float
 ) -> dict[int, RollCall | BaseException]:
+    """Ranks in ``interrupted`` took local step 1 and did not exchange it;
+    the others stand after step 0."""
     out: dict[int, RollCall | BaseException] = {}
 
     def one(rank: int) -> None:
         try:
-            out[rank] = roll_call(store, "call", rank, world, rank in interrupted, deadline_s)
+            position = Position(1, False) if rank in interrupted else Position(0)
+            out[rank] = roll_call(store, "call", rank, world, position, deadline_s)
         except BaseException as e:
             out[rank] = e
 
@@ -34,20 +38,23 @@ def call_together(
     return out
 
 
-def test_everyone_who_answers_is_alive_and_an_interrupted_step_is_everyones() -> None:
+def test_everyone_who_answers_is_alive_and_every_position_is_everyones() -> None:
     answers = call_together(dist.HashStore(), [0, 1, 2], 3, {1}, deadline_s=5.0)
-    assert all(a == RollCall((0, 1, 2), True) for a in answers.values())
+    expected = RollCall((0, 1, 2), (Position(0), Position(1, False), Position(0)))
+    assert all(a == expected for a in answers.values())
 
 
 def test_a_rank_that_never_answers_is_out() -> None:
     answers = call_together(dist.HashStore(), [0, 2], 3, set(), deadline_s=0.5)
-    assert answers == {0: RollCall((0, 2), False), 2: RollCall((0, 2), False)}
+    both = RollCall((0, 2), (Position(0), Position(0)))
+    assert answers == {0: both, 2: both}
 
 
 def test_a_rank_that_answers_too_late_raises_instead_of_going_on_alone() -> None:
     store = dist.HashStore()
     early = call_together(store, [0, 1], 3, set(), deadline_s=0.5)
-    assert early == {0: RollCall((0, 1), False), 1: RollCall((0, 1), False)}
+    both = RollCall((0, 1), (Position(0), Position(0)))
+    assert early == {0: both, 1: both}
     (late,) = call_together(store, [2], 3, set(), deadline_s=0.5).values()
     assert isinstance(late, CollectiveError)
     assert "disagree on who is alive" in str(late)

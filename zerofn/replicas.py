@@ -8,14 +8,23 @@ for the price of 8 bytes per tensor on the wire.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from zerofn.comm import AllGather, Program
 
-__all__ = ["Disagreement", "ReplicaMismatch", "digests", "first_disagreement", "replicas_program"]
+__all__ = [
+    "Disagreement",
+    "ReplicaMismatch",
+    "copies_disagreement",
+    "digests",
+    "first_disagreement",
+    "replicas_program",
+    "state_digest",
+]
 
 
 class ReplicaMismatch(RuntimeError):
@@ -43,7 +52,7 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         data = t.detach().cpu().contiguous()
         h = hashlib.blake2b(digest_size=8)
         h.update(f"{data.dtype}{tuple(data.shape)}".encode())
-        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
         out.append(int.from_bytes(h.digest(), "little", signed=True))
     return torch.tensor(out, dtype=torch.int64)
 
@@ -82,3 +91,45 @@ def replicas_program(
             f"the replicas of {names[found.index]} differ across ranks ({versions}): the ranks "
             "no longer train the same model; restart from a checkpoint"
         )
+
+
+def state_digest(state: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """One parameter's optimizer state as ``(name, digest)`` pairs, by name:
+    equal states give equal digests on every rank."""
+    names = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
+    values = digests([state[k] for k in names]).tolist() if names else []
+    return tuple(zip(names, values, strict=True))
+
+
+def copies_disagreement(
+    per_rank: Sequence[tuple[Mapping[int, Any], Mapping[int, Any]]],
+) -> str | None:
+    """What is wrong with the ranks' copies of optimizer state, or ``None``.
+
+    Args:
+        per_rank: per rank, the :func:`state_digest` of each parameter it
+            owns and of each it carries (``redundancy=2``), by global index.
+
+    Returns:
+        A sentence naming the first carried copy that differs from its
+        owner's state, or the ranks whose step counts differ; ``None`` when
+        every copy equals its owner's and one step count holds everywhere.
+    """
+    owned = {i: (r, d) for r, (mine, _) in enumerate(per_rank) for i, d in mine.items()}
+    for rank, (_, carried) in enumerate(per_rank):
+        for index, digest in carried.items():
+            owner, expected = owned.get(index, (None, ()))
+            if digest != expected:
+                return (
+                    f"rank {rank}'s copy of parameter {index}'s optimizer state differs from "
+                    f"its owner's (rank {owner})"
+                )
+    steps: dict[int, set[int]] = {}
+    for rank, (mine, carried) in enumerate(per_rank):
+        for digest in (*mine.values(), *carried.values()):
+            for name, value in digest:
+                if name == "step":
+                    steps.setdefault(value, set()).add(rank)
+    if len(steps) > 1:
+        return f"the ranks' step counts differ: {sorted(sorted(r) for r in steps.values())}"
+    return None

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from zerofn.comm import Broadcast, Program
 from zerofn.errors import CollectiveError
+from zerofn.zero.recovery_point import InconsistentPositions, Position, recovery_point
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
 from zerofn.zero.regroup import Outbox, ParamState, adopt_carried_values, moves_program
 from zerofn_torch.checkpoint.background import settle_in_flight
@@ -64,22 +65,27 @@ __all__ = [
 JOINERS = "zerofn/elastic/joiners"
 """Where joiners announce themselves in the job's store."""
 
+GENERATION = "zerofn/elastic/generation"
+"""The job's count of recoveries, in its store: a rank whose own count is
+lower was left behind (paused past its peers' recovery) and must fail alone."""
+
 DEADLINE_S = 5.0
 """How long the roll call waits for a rank to say it is alive."""
 
 
 @attrs.frozen
 class RollCall:
-    """Who answered the roll call, as every survivor saw it.
+    """Who answered the roll call, and where each stood, as every survivor saw it.
 
     Attributes:
         alive: the group ranks that answered, in order.
-        interrupted: some survivor's last step failed in its exchange (after
-            its local step): the step is to be finished, not redone.
+        positions: where each of them stood in the step sequence (in
+            ``alive``'s order): what :func:`~zerofn.zero.recovery_point.recovery_point`
+            turns into the point every survivor goes on from.
     """
 
     alive: tuple[int, ...]
-    interrupted: bool
+    positions: tuple[Position, ...]
 
 
 @attrs.frozen
@@ -113,17 +119,18 @@ def _wait_for(store: Any, keys: Sequence[str], deadline: float) -> list[str]:
 
 
 def roll_call(
-    store: Any, prefix: str, rank: int, world_size: int, interrupted: bool, deadline_s: float
+    store: Any, prefix: str, rank: int, world_size: int, position: Position, deadline_s: float
 ) -> RollCall:
-    """Every rank that can, says it is alive under ``prefix`` in ``store``;
-    those that did by the deadline are alive (a rank that cannot prove it
-    is alive is out). Then each says whom it saw, and all must agree.
+    """Every rank that can, says it is alive (and where it stands) under
+    ``prefix`` in ``store``; those that did by the deadline are alive (a rank
+    that cannot prove it is alive is out). Then each says whom it saw, and
+    all must agree. It ends as soon as every rank has answered.
 
     Raises:
         zerofn.errors.CollectiveError: the survivors saw different ranks
             (one answered too late for some): nobody can go on safely.
     """
-    store.set(f"{prefix}/here/{rank}", "1" if interrupted else "0")
+    store.set(f"{prefix}/here/{rank}", position.to_text())
     keys = [f"{prefix}/here/{r}" for r in range(world_size)]
     present = _wait_for(store, keys, time.monotonic() + deadline_s)
     alive = tuple(r for r in range(world_size) if f"{prefix}/here/{r}" in present)
@@ -139,8 +146,8 @@ def roll_call(
             f"the survivors disagree on who is alive ({sorted(views)}): a rank answered "
             "too late for some",
         )
-    flags = [store.get(f"{prefix}/here/{r}") for r in alive]
-    return RollCall(alive, any(flag == b"1" for flag in flags))
+    positions = tuple(Position.from_text(store.get(f"{prefix}/here/{r}").decode()) for r in alive)
+    return RollCall(alive, positions)
 
 
 def _moved(
@@ -177,18 +184,25 @@ def recover(
     collective: DDP's backward, the ZeRO step's exchange). Call it on every
     surviving rank, in the ``except`` of the failed step.
 
-    The survivors agree on who is alive (:func:`roll_call`), form a process
-    group in-process (``new_group(..., use_local_synchronization=True)``), re-plan
-    (:func:`zerofn.zero.redundancy.plan_after_loss`), send the copies that
-    restore redundancy (the only bytes that move), and rebuild the optimizer
-    on the new group. A step whose exchange failed (every local step taken)
-    is finished: the lost shards' updates come from their carriers' copies
-    and the exchange runs on the new group. Last, the survivors check that
-    their parameters agree (:func:`zerofn_torch.verify_replicas`).
+    The survivors agree on who is alive and where each stood in the step
+    (:func:`roll_call`), and from that on one point to go on from
+    (:func:`zerofn.zero.recovery_point.recovery_point`), whichever collective
+    failed on which rank. They form a process group in-process
+    (``new_group(..., use_local_synchronization=True)``), re-plan
+    (:func:`zerofn.zero.redundancy.plan_after_loss`), and reach that point:
+    a survivor that failed before its local step while another took it takes
+    it from the other's averaged gradients; a step whose exchange did not
+    complete is finished, the lost shards' updates coming from their carriers'
+    copies. Then they send the copies that restore redundancy, rebuild the
+    optimizer on the new group, and check that their parameters and shard
+    copies agree (:func:`zerofn_torch.verify_replicas`). When every rank
+    answered (a transient failure: a slow or paused rank came back in time)
+    the same world goes on, on a new group, from the same agreed point.
 
     Args:
         zero: the optimizer (built with ``redundancy=2``).
-        error: what the failed step raised; raised again if no rank is lost.
+        error: what the failed step raised; raised again when every rank
+            answered and it is no failed collective (a bug, not a loss).
         store: where the roll call is held (default: the default process
             group's store, which the launcher keeps).
         deadline_s: how long a rank has to answer the roll call. A survivor
@@ -198,16 +212,21 @@ def recover(
             or the roll call misses it and the survivors refuse to go on.
 
     Returns:
-        The new group (with the old group's timeout) and this rank's place in it.
+        The new group (with the old group's timeout), this rank's place in
+        it, and whether the step call that failed here is complete.
 
     Raises:
         ValueError: ``zero`` keeps one copy of each shard (``redundancy=1``),
             or what :func:`~zerofn.zero.redundancy.plan_after_loss` refuses (a
             shard and its carrier both lost): restart from a checkpoint.
-        BaseException: ``error`` itself, when every rank answered.
-        zerofn.errors.CollectiveError: the survivors disagree, or a
-            collective on the new group failed.
-        zerofn.replicas.ReplicaMismatch: the survivors' parameters differ.
+        BaseException: ``error`` itself, when every rank answered and it is
+            no failed collective.
+        zerofn.errors.CollectiveError: this rank was left behind (the job
+            recovered without it: it must not touch the job's state); the
+            survivors disagree on who is alive or stand at no common point;
+            or a collective on the new group failed.
+        zerofn.replicas.ReplicaMismatch: the survivors' parameters or shard
+            copies differ.
     """
     old = zero.zero_rank
     if old.carried is None:
@@ -216,29 +235,72 @@ def recover(
             "each shard a lost rank's optimizer state is gone; restart from a checkpoint"
         )
     store = store if store is not None else dist.distributed_c10d._get_default_store()
+    _refuse_if_left_behind(store, zero.regroups, error)
     prefix = f"zerofn/elastic/{zero.regroups}"
-    call = roll_call(
-        store, prefix, zero.rank, zero.world_size, zero.exchange_interrupted, deadline_s
-    )
+    call = roll_call(store, prefix, zero.rank, zero.world_size, zero.position, deadline_s)
+    try:
+        point = recovery_point(call.positions)
+    except InconsistentPositions as refused:
+        raise CollectiveError(
+            "the roll call", "going on without the lost ranks", prefix, str(refused)
+        ) from error
     lost = tuple(r for r in range(zero.world_size) if r not in call.alive)
-    if not lost:
-        raise error
+    if not lost and not _is_collective_failure(error):
+        raise error  # every rank is here and no collective failed: not ours to mend
     regrouping = plan_after_loss(old.plan, lost)
     group = dist.new_group(
         [dist.get_global_rank(zero.process_group, r) for r in regrouping.survivors],
         timeout=timedelta(seconds=_timeout_s(zero.process_group)),
         use_local_synchronization=True,
     )
-    if call.interrupted:
-        for gone in lost:
-            adopt_carried_values(old, [p for g in zero.param_groups for p in g["params"]], gone)
+    params = [p for g in zero.param_groups for p in g["params"]]
     new_rank = regrouping.new_rank(zero.rank)
+    if point.behind:
+        assert point.source is not None
+        grads = broadcast_object(
+            [p.grad for p in params] if new_rank == point.source else None,
+            point.source,
+            group,
+            "handing the averaged gradients to survivors that missed the local step",
+        )
+        if new_rank in point.behind:
+            zero.take_missed_local_step(grads)
+    if point.finish:
+        for gone in lost:
+            adopt_carried_values(old, params, gone)
     known = _moved(
         moves_program(old, regrouping, new_rank), group, "restoring redundancy after a loss"
     )
-    zero.regroup(group, regrouping, new_rank, known, finish_step=call.interrupted)
-    verify_replicas([p for g in zero.param_groups for p in g["params"]], group)
-    return Recovered(group, new_rank, len(regrouping.survivors), lost, call.interrupted)
+    finished = point.finished_step(zero.position)
+    zero.regroup(group, regrouping, new_rank, known, finish_step=point.finish)
+    if new_rank == 0:
+        store.set(GENERATION, str(zero.regroups))
+    verify_replicas(params, group, optimizer=zero)
+    return Recovered(group, new_rank, len(regrouping.survivors), lost, finished)
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed collective: zerofn's own, or one that
+    DDP raised again as text from a zerofn communication hook."""
+    return isinstance(error, CollectiveError) or "CollectiveError" in str(error)
+
+
+def _refuse_if_left_behind(store: Any, generation: int, error: BaseException) -> None:
+    """Refuse to recover a rank the job recovered without.
+
+    Raises:
+        zerofn.errors.CollectiveError: the job's count of recoveries is past
+            this rank's.
+    """
+    current = int(store.get(GENERATION).decode()) if store.check([GENERATION]) else 0
+    if current > generation:
+        raise CollectiveError(
+            "the roll call",
+            "going on without the lost ranks",
+            GENERATION,
+            f"this rank was left behind: the job went on without it (its world changed "
+            f"{current} times, this rank saw {generation}); it ends here and touches nothing",
+        ) from error
 
 
 # ----- growing back: a replacement joins a running job ------------------------------

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofn.replicas import ReplicaMismatch, replicas_program
+from zerofn.replicas import ReplicaMismatch, copies_disagreement, replicas_program, state_digest
 from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.object_collectives import all_gather_objects
+from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ReplicaMismatch", "verify_replicas"]
 
@@ -27,6 +29,7 @@ def verify_replicas(
     *,
     every: int = 1,
     step: int = 0,
+    optimizer: ZeroRedundancyOptimizer | None = None,
 ) -> bool:
     """Check that every rank of ``group`` holds the same parameters (a digest
     per tensor, one all-gather of 8 bytes per tensor). Collective: call on
@@ -37,6 +40,10 @@ def verify_replicas(
         group: the process group (default: the world).
         every: check only when ``step`` is a multiple of it.
         step: the training step (with ``every``).
+        optimizer: a ZeRO optimizer whose optimizer state to check too:
+            with ``redundancy=2`` each carrier's copy against its owner's
+            state, and one step count on every rank (one all-gather of a
+            digest per state tensor).
 
     Returns:
         Whether it checked (``step % every == 0``).
@@ -44,7 +51,8 @@ def verify_replicas(
     Raises:
         ValueError: ``every`` below 1.
         zerofn.replicas.ReplicaMismatch: on every rank, naming the first
-            tensor that differs and the ranks holding each version.
+            tensor that differs and the ranks holding each version (or the
+            first shard copy that differs from its owner's state).
         zerofn.errors.CollectiveError: the all-gather failed.
     """
     if every < 1:
@@ -61,4 +69,35 @@ def verify_replicas(
     device = tensors[0].device if tensors and tensors[0].device.type != "cpu" else None
     program = replicas_program(tensors, names, device or torch.device("cpu"))
     drive(program, group, "checking that the replicas agree").wait()
+    if optimizer is not None:
+        per_rank = all_gather_objects(
+            _state_digests(optimizer), group, "checking that the shard copies agree"
+        )
+        problem = copies_disagreement(per_rank)
+        if problem is not None:
+            raise ReplicaMismatch(problem)
     return True
+
+
+def _state_digests(
+    optimizer: ZeroRedundancyOptimizer,
+) -> tuple[dict[int, Any], dict[int, Any]]:
+    """This rank's :func:`~zerofn.replicas.state_digest` of each parameter it
+    owns and of each it carries, by global index."""
+    rank = optimizer.zero_rank
+    sources = rank.shards.local_sources([p for g in optimizer.param_groups for p in g["params"]])
+    mine = {
+        source[0]: state_digest(rank.optim.state.get(t, {}))
+        for source, t in zip(sources, rank.local_tensors(), strict=True)
+        if source is not None and source[1] == 0
+    }
+    carried = rank.carried
+    copies = (
+        {}
+        if carried is None
+        else {
+            i: state_digest(carried.optim.state.get(t, {}))
+            for i, t in zip(carried.indices, carried.tensors(), strict=True)
+        }
+    )
+    return mine, copies

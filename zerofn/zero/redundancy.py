@@ -239,13 +239,13 @@ def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
     Raises:
         ValueError: a lost rank's carrier is lost too (its state exists
             nowhere: restart from a checkpoint), fewer than two survivors
-            (no redundancy to keep), a rank outside the world, or nothing lost.
+            (no redundancy to keep), or a rank outside the world. Nobody
+            lost (a transient failure) gives the same world again: the same
+            owners and carriers, no moves.
     """
     partition = _whole(plan)
     world = partition.world_size
     gone = sorted(set(lost))
-    if not gone:
-        raise ValueError("plan_after_loss needs at least one lost rank")
     if any(not 0 <= r < world for r in gone):
         raise ValueError(f"lost ranks {gone} are not all ranks of a world of {world}")
     for r in gone:

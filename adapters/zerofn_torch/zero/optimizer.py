@@ -20,11 +20,11 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.errors import CollectiveError
 from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
 from zerofn.zero.hook_driven import OverlapBinding
+from zerofn.zero.local_step import LocalStep
 from zerofn.zero.outside_writes import (
     owned_parameters,
     parameter_versions,
@@ -47,6 +47,7 @@ from zerofn.zero.rank import (
     with_current_trainable,
 )
 from zerofn.zero.rank_state import full_state_dict, load_global_state, local_state_dict
+from zerofn.zero.recovery_point import Position, exchanged, stepped
 from zerofn.zero.redundancy import Regrouping
 from zerofn.zero.regroup import ParamState, regrouped
 from zerofn.zero.replan import sharded_by_owners, with_added_group
@@ -198,7 +199,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._zero = build_rank(self.param_groups, options, plan, mode)
         sync_hyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
-        self._exchange_interrupted = False
+        self._position = Position(0)
         self._regroups = 0
         self._versions = self._read_versions()
 
@@ -270,18 +271,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         def run(optim: Optimizer) -> Any:
             return optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
 
-        answer = local_step(zero, params, run)
+        answer = self._counted(local_step(zero, params, run))
         with synced_hyperparameters(self.param_groups, zero):
             program = run_zero_step(zero.shards, params, zero.options.via, answer, zero.compressed)
             done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
-        try:
-            loss = done.wait()
-        except CollectiveError:
-            self._exchange_interrupted = True  # the local step was taken, the exchange not
-            raise
-        self._exchange_interrupted = False
+        loss = done.wait()  # a CollectiveError leaves the position "not exchanged"
+        self._position = exchanged(self._position)
         self._versions = self._read_versions()
         return loss
+
+    def _counted(self, answer: Callable[[LocalStep], Any]) -> Callable[[LocalStep], Any]:
+        """``answer``, and the position moved on once the local step is over."""
+
+        def counted(request: LocalStep) -> Any:
+            out = answer(request)
+            if request.last:
+                self._position = stepped(self._position)
+            return out
+
+        return counted
 
     def refresh_from_parameters(self) -> None:
         """Take the parameters' current values as the truth: re-derive the
@@ -498,10 +506,32 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ----- going on without a lost rank (driven by zerofn_torch.elastic) -------------
 
     @property
+    def position(self) -> Position:
+        """Where this rank stands in the step sequence: local steps taken
+        since the world last changed, and whether the last one's exchange
+        completed (what :func:`zerofn_torch.elastic.recover`'s roll call
+        reports)."""
+        return self._position
+
+    @property
     def exchange_interrupted(self) -> bool:
         """The last :meth:`step` failed in its exchange, after this rank's
         local step: the step is to be finished, not redone."""
-        return self._exchange_interrupted
+        return not self._position.exchanged
+
+    def take_missed_local_step(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Take the local step this rank missed (it failed before it, while
+        other survivors took it), from ``grads``: every parameter's averaged
+        gradient of that step, which a survivor that took it hands over.
+        Not for training loops: :func:`zerofn_torch.elastic.recover` calls it.
+        """
+        params = self._all_params
+        with torch.no_grad():
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = None if grad is None else grad.to(param.device, param.dtype).clone()
+        answer = self._counted(local_step(self._zero, params, lambda optim: optim.step()))
+        with synced_hyperparameters(self.param_groups, self._zero):
+            answer(LocalStep(self.rank))
 
     @property
     def regroups(self) -> int:
@@ -546,7 +576,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             params = self._all_params
             program = run_zero_step(zero.shards, params, zero.options.via, lambda _: None)
             drive(program, group, "finishing the interrupted step on the survivors").wait()
-        self._exchange_interrupted = False
+        self._position = Position(0)  # a new world counts its own steps
+        self._versions = self._read_versions()
 
     # ----- overlap with DDP (driven by zerofn_torch.hooks.overlap) --------------------
 
