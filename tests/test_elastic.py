@@ -113,6 +113,58 @@ def test_survivors_go_on_exactly_after_losing_a_rank(in_exchange: bool) -> None:
     assert same_state(elastic[0]["state"], reference[0]["state"])  # type: ignore[index]
 
 
+def train_with_a_survivor_behind(rank: int, world_size: int) -> dict[str, Any] | None:
+    """Rank LOST dies right after its local step of LOST_AT (inside the
+    exchange); rank 0 fails in that step too, but earlier: after the
+    gradients' all-reduce, before its local step (as if a collective of its
+    own, clipping's, failed there). Rank 1 alone took the step and holds its
+    gradients: the survivors stand at different points of one step."""
+    model = example.make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
+    ddp = DDP(model)
+    finished = []
+    for step in range(example.STEPS):
+        if rank == example.LOST and step == example.LOST_AT:
+            example._exit_after_local_step(zero, example.exit_quietly)
+        while True:
+            try:
+                if rank == 0 and step == example.LOST_AT and not finished:
+                    zero.zero_grad()
+                    x, y = example.batch(step, zero.rank, zero.world_size)
+                    torch.nn.functional.mse_loss(ddp(x), y).backward()
+                    raise CollectiveError("an all-reduce", "clipping", "the world", "a peer died")
+                example.train_step(ddp, zero, step)
+                break
+            except (CollectiveError, RuntimeError) as error:
+                survivors = recover(zero, error, deadline_s=example.DEADLINE_S)
+                ddp = DDP(model, process_group=survivors.group)
+                finished.append(survivors.finished_step)
+                if survivors.finished_step:
+                    break
+    zero.consolidate_state_dict(to=0)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "finished": finished,
+    }
+
+
+@pytest.mark.slow
+def test_survivors_at_different_points_of_a_step_agree_and_go_on_exactly() -> None:
+    lost, at = example.LOST, example.LOST_AT
+    ours = run_local_world(
+        train_with_a_survivor_behind, 3, timeout_s=example.TIMEOUT_S, may_exit=[lost]
+    )
+    first = run_local_world(reference_before, 3, at + 1)[0]
+    reference = run_local_world(reference_after, 2, first, at + 1)
+    for rank in (0, 1):
+        result = ours[rank]
+        assert result is not None and result["finished"] == [True]  # step LOST_AT finished
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(result["params"], reference[rank]["params"], strict=True)
+        )
+
+
 def step_bytes(rank: int, world_size: int, redundancy: int) -> dict[str, int]:
     model = example.make_model()
     zero = ZeroRedundancyOptimizer(
