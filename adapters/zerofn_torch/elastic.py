@@ -39,7 +39,12 @@ import torch.distributed as dist
 
 from zerofn.comm import Broadcast, Program
 from zerofn.errors import CollectiveError
-from zerofn.zero.recovery_point import InconsistentPositions, Position, recovery_point
+from zerofn.zero.recovery_point import (
+    InconsistentPositions,
+    Position,
+    RecoveryPoint,
+    recovery_point,
+)
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
 from zerofn.zero.regroup import Outbox, ParamState, adopt_carried_values, moves_program
 from zerofn_torch.checkpoint.background import settle_in_flight
@@ -98,8 +103,10 @@ class Recovered:
         rank: this rank in ``group``.
         world_size: ranks in ``group``.
         lost: the ranks of the old group that are gone.
-        finished_step: the step that failed was finished from the carried
-            copies (do not redo it); ``False``: redo it on the survivors.
+        finished_step: the step call that failed here is complete (do not
+            redo it); ``False``: redo it on the survivors.
+        point: the point every survivor went on from (the same on all of
+            them, whichever call failed on which).
     """
 
     group: Any
@@ -107,6 +114,7 @@ class Recovered:
     world_size: int
     lost: tuple[int, ...]
     finished_step: bool
+    point: RecoveryPoint = RecoveryPoint(0, finish=False)
 
 
 def _wait_for(store: Any, keys: Sequence[str], deadline: float) -> list[str]:
@@ -276,7 +284,7 @@ def recover(
     if new_rank == 0:
         store.set(GENERATION, str(zero.regroups))
     verify_replicas(params, group, optimizer=zero)
-    return Recovered(group, new_rank, len(regrouping.survivors), lost, finished)
+    return Recovered(group, new_rank, len(regrouping.survivors), lost, finished, point)
 
 
 def _is_collective_failure(error: BaseException) -> bool:
