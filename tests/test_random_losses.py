@@ -102,3 +102,47 @@ def test_ranks_lost_at_random_moments_leave_one_consistent_state(world_size: int
         )
         losses += check_run(results, victim, seed * 100 + run)
     assert losses >= 3, f"seed {seed}: only {losses} of 6 runs lost a rank (the delays ran late)"
+
+
+def train_with_a_pause(rank: int, world_size: int, paused: int, pause_s: float) -> dict[str, Any]:
+    """Rank ``paused`` stops itself (SIGSTOP) at step 5 and a helper process
+    resumes it ``pause_s`` later: long enough for the others to recover
+    without it. Once resumed, it must fail alone."""
+    import signal
+    import subprocess
+
+    model = example.make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
+    ddp = DDP(model)
+    done = 0
+    for step in range(STEPS):
+        if rank == paused and step == 5:
+            subprocess.Popen(["sh", "-c", f"sleep {pause_s}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:
+            try:
+                example.train_step(ddp, zero, step)
+                break
+            except (CollectiveError, RuntimeError) as error:
+                try:
+                    survivors = recover(zero, error, deadline_s=example.DEADLINE_S)
+                except CollectiveError as fenced:
+                    return {"fenced": str(fenced), "done": done}
+                ddp = DDP(model, process_group=survivors.group)
+                if survivors.finished_step:
+                    break
+        done += 1
+    return {"fenced": None, "done": done, "world_size": zero.world_size}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_paused_rank_that_comes_back_late_fails_alone() -> None:
+    results = run_local_world(
+        train_with_a_pause, 3, 1, 14.0, timeout_s=example.TIMEOUT_S, may_exit=[1]
+    )
+    paused = results[1]
+    assert paused is not None and paused["fenced"] and "left behind" in paused["fenced"]
+    for survivor in (results[0], results[2]):
+        assert survivor["fenced"] is None and survivor["done"] == STEPS
+        assert survivor["world_size"] == 2
