@@ -20,6 +20,13 @@ moment); steps count from 0. PHASE says where in STEP it dies:
 - ``between``: after STEP completed, before STEP+1; the survivors' STEP+1
   fails and they redo it.
 
+Each ``--pause RANK@STEP:SECONDS`` stops that rank (``SIGSTOP``) after STEP
+completes and resumes it SECONDS later (a helper process sends
+``SIGCONT``): longer than the group's timeout and the roll call's deadline,
+the survivors go on without it as if it were lost ``between`` (their result
+equals ``--reference`` with ``--kill RANK@STEP:between``), and once resumed
+it fails alone, fenced off by the job's generation, and says so.
+
 Kills come in step order, one rank at a time: a later one after the
 survivors restored redundancy. The dying process ends at once with status 0
 (``os._exit(0)``: ``run_local_world`` counts any other end as a failure of
@@ -45,6 +52,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -97,6 +106,30 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """One rank stopped on purpose (``SIGSTOP``) and resumed later.
+
+    Attributes:
+        rank: the rank the process started as.
+        step: the step after which it stops.
+        seconds: how long it stays stopped; past the others' recovery
+            (the group's timeout and the roll call's deadline) it is left
+            behind, and fails alone once resumed.
+    """
+
+    rank: int
+    step: int
+    seconds: float
+
+    def as_kill(self) -> Kill:
+        """What the survivors see: the rank gone after ``step``."""
+        return Kill(self.rank, self.step, "between")
+
+    def __str__(self) -> str:
+        return f"{self.rank}@{self.step}:{self.seconds:g}"
+
+
+@dataclass(frozen=True)
 class Segment:
     """What one launch of ranks runs.
 
@@ -107,6 +140,7 @@ class Segment:
         start: the state to start from (``final.pt``'s format), or a fresh model.
         redundancy: copies of each shard (2 to survive a loss).
         deadline_s: the roll call's deadline.
+        pauses: the ranks stopped on the way and resumed later.
     """
 
     first: int
@@ -115,6 +149,7 @@ class Segment:
     start: dict[str, Any] | None = None
     redundancy: int = 2
     deadline_s: float = DEADLINE_S
+    pauses: tuple[Pause, ...] = ()
 
 
 @dataclass
@@ -141,6 +176,26 @@ def parse_kill(text: str) -> Kill:
     if phase not in PHASES:
         raise argparse.ArgumentTypeError(f"{text!r}: PHASE is one of {', '.join(PHASES)}")
     return kill
+
+
+def parse_pause(text: str) -> Pause:
+    """``RANK@STEP:SECONDS`` as a :class:`Pause`."""
+    try:
+        rank, rest = text.split("@")
+        step, seconds = rest.split(":")
+        pause = Pause(int(rank), int(step), float(seconds))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RANK@STEP:SECONDS") from None
+    if not pause.seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: SECONDS must be positive")
+    return pause
+
+
+def _pause_self(seconds: float) -> None:
+    """Stop this process now; a helper process resumes it ``seconds`` later
+    (as a launcher's ``kill -STOP`` and ``kill -CONT`` would)."""
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def check_kills(world_size: int, steps: int, kills: tuple[Kill, ...]) -> None:
@@ -254,13 +309,21 @@ def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
         zero.load_state_dict(job.start["optimizer"])
     ddp = DDP(model)
     mine = {k.step: k for k in job.kills if k.rank == rank}
+    pauses = {p.step: p for p in job.pauses if p.rank == rank}
     recoveries: list[Recovery] = []
     for step in range(job.first, job.last):
         _arm(mine.get(step), model, zero)
-        ddp, done = _step_surviving(ddp, model, zero, step, job)
+        try:
+            ddp, done = _step_surviving(ddp, model, zero, step, job)
+        except CollectiveError as error:
+            if not any(p.rank == rank for p in job.pauses):
+                raise
+            return {"paused": rank, "error": str(error)}  # left behind: it fails alone
         recoveries += done
         if step in mine and mine[step].phase == "between":
             exit_quietly()
+        if step in pauses:
+            _pause_self(pauses[step].seconds)
     zero.consolidate_state_dict(to=0)
     if zero.rank != 0:
         return None
@@ -273,21 +336,31 @@ def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
 
 
 def run_killed(
-    world_size: int, steps: int, kills: tuple[Kill, ...], deadline_s: float = DEADLINE_S
+    world_size: int,
+    steps: int,
+    kills: tuple[Kill, ...],
+    deadline_s: float = DEADLINE_S,
+    pauses: tuple[Pause, ...] = (),
 ) -> dict[str, Any]:
-    """``world_size`` ranks for ``steps`` steps, losing the ranks of ``kills``.
+    """``world_size`` ranks for ``steps`` steps, losing the ranks of ``kills``
+    and stopping those of ``pauses`` until the others went on without them.
 
     Returns:
-        What the final world's rank 0 returned (:func:`run_rank`).
+        What the final world's rank 0 returned (:func:`run_rank`), with
+        ``paused``: what each paused rank raised once resumed.
     """
-    check_kills(world_size, steps, kills)
-    job = Segment(0, steps, kills, deadline_s=deadline_s)
-    results = run_local_world(
-        run_rank, world_size, job, timeout_s=TIMEOUT_S, may_exit=[k.rank for k in kills]
-    )
-    (final,) = [r for r in results if r is not None]
-    result: dict[str, Any] = final
-    return result
+    check_kills(world_size, steps, merged(kills, pauses))
+    job = Segment(0, steps, kills, deadline_s=deadline_s, pauses=pauses)
+    gone = [k.rank for k in kills] + [p.rank for p in pauses]
+    results = run_local_world(run_rank, world_size, job, timeout_s=TIMEOUT_S, may_exit=gone)
+    (final,) = [r for r in results if r is not None and "model" in r]
+    paused = [r for r in results if r is not None and "paused" in r]
+    return {**final, "paused": paused}
+
+
+def merged(kills: tuple[Kill, ...], pauses: tuple[Pause, ...]) -> tuple[Kill, ...]:
+    """The kills and the pauses (each as the loss the survivors see), in step order."""
+    return tuple(sorted([*kills, *(p.as_kill() for p in pauses)], key=lambda k: k.failing_step))
 
 
 def run_reference(world_size: int, steps: int, kills: tuple[Kill, ...]) -> dict[str, Any]:
@@ -334,7 +407,10 @@ def report(result: dict[str, Any], kills: tuple[Kill, ...]) -> list[str]:
             f"reference: steps {first} to {end - 1} on {size} ranks"
             for first, end, size in result["segments"]
         ]
-    lines = []
+    lines = [
+        f"rank {p['paused']} (paused) failed alone once resumed: {p['error']}"
+        for p in result.get("paused", [])
+    ]
     for kill, r in zip(kills, result["recoveries"], strict=True):
         how = "the step finished from the carried copies" if r["finished_step"] else "step redone"
         lines.append(
@@ -357,11 +433,20 @@ def main(argv: list[str] | None = None) -> None:
         metavar="RANK@STEP:PHASE",
         help=f"lose the rank started as RANK in STEP; PHASE: {', '.join(PHASES)}",
     )
+    parser.add_argument(
+        "--pause",
+        type=parse_pause,
+        action="append",
+        default=[],
+        metavar="RANK@STEP:SECONDS",
+        help="stop the rank started as RANK (SIGSTOP) after STEP, resume it SECONDS later",
+    )
     parser.add_argument("--out", required=True, help="directory for final.pt")
     parser.add_argument("--reference", action="store_true", help="the same, without dying")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="roll call deadline")
     args = parser.parse_args(argv)
-    kills = tuple(args.kill)
+    pauses = tuple(args.pause)
+    kills = merged(tuple(args.kill), pauses)
     try:
         check_kills(args.world_size, args.steps, kills)
     except ValueError as error:
@@ -369,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.reference:
         result = run_reference(args.world_size, args.steps, kills)
     else:
-        result = run_killed(args.world_size, args.steps, kills, args.deadline_s)
+        result = run_killed(args.world_size, args.steps, tuple(args.kill), args.deadline_s, pauses)
     path = save_final(result, args.out)
     counts = sorted(adam_steps(result["optimizer"]))
     print(

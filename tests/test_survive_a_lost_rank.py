@@ -144,3 +144,27 @@ def test_a_kill_is_rank_at_step_colon_phase(text: str) -> None:
     with pytest.raises(Exception, match="RANK@STEP:PHASE|PHASE is one of"):
         example.parse_kill(text)
     assert example.parse_kill("2@12:between") == example.Kill(2, 12, "between")
+
+
+@pytest.mark.slow  # make test-slow: the pause outlasts the group's timeout and the roll call
+def test_a_paused_rank_fails_alone_and_the_survivors_equal_a_kill_between(
+    tmp_path: Path,
+) -> None:
+    pause = example.parse_pause("1@4:12")
+    killed = example.run_killed(3, 8, (), pauses=(pause,))
+    reference = example.run_reference(3, 8, (pause.as_kill(),))
+    (paused,) = killed["paused"]
+    assert paused["paused"] == 1 and "left behind" in paused["error"]
+    check_recoveries(killed, 3, (pause.as_kill(),))
+    ours = torch.load(example.save_final(killed, str(tmp_path / "paused")), weights_only=False)
+    theirs = torch.load(
+        example.save_final(reference, str(tmp_path / "reference")), weights_only=False
+    )
+    assert_bitwise_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("text", ["1@2", "x@2:3", "1@2:0", "1@2:-1"])
+def test_a_pause_is_rank_at_step_colon_seconds(text: str) -> None:
+    with pytest.raises(Exception, match="RANK@STEP:SECONDS|must be positive"):
+        example.parse_pause(text)
+    assert example.parse_pause("2@12:15") == example.Pause(2, 12, 15.0)

@@ -114,7 +114,7 @@ class Recovered:
     world_size: int
     lost: tuple[int, ...]
     finished_step: bool
-    point: RecoveryPoint = RecoveryPoint(0, finish=False)
+    point: RecoveryPoint
 
 
 def _wait_for(store: Any, keys: Sequence[str], deadline: float) -> list[str]:
