@@ -15,14 +15,16 @@ imbalance and core scaling benchmarks, saving
 while training (a background sharded save against a blocking one), then the
 soak (2,000 steps of DDP + PowerSGD + the overlapped ZeRO step: replicas
 bitwise equal, memory flat), the kill-and-restart soak under torchrun
-(steps lost per kill, restart time) and going on after a lost rank with
+(steps lost per kill, restart time), going on after a lost rank with
 ``redundancy=2`` (its cost per step against ``redundancy=1`` and its floor,
-and a loss's seconds, bytes moved and steps lost), each also runnable alone
+and a loss's seconds, bytes moved and steps lost), and faults at random
+moments (over a hundred runs on 3, 4 and 8 ranks, each checked for
+consistency), each also runnable alone
 (``bench_links.py``, ``bench_zero.py``, ``bench_modes.py``, ``bench_hooks.py``,
 ``bench_overlap.py``, ``bench_precision.py``, ``bench_compressed.py``,
 ``bench_diloco.py``,
 ``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``,
-``bench_elastic.py``); prints
+``bench_elastic.py``, ``bench_random_losses.py``); prints
 each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
@@ -72,6 +74,7 @@ import bench_links
 import bench_modes
 import bench_overlap
 import bench_precision
+import bench_random_losses
 import bench_soak
 import bench_soak_restart
 import bench_zero
@@ -104,6 +107,7 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     "restart": bench_soak_restart.bench_restart,
     # After the restart soak: it quotes the figures that soak just wrote.
     "elastic": bench_elastic.bench_elastic,
+    **bench_random_losses.BENCHES,
 }
 
 

@@ -89,6 +89,27 @@ def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, step: int) -> None:
     zero.step()
 
 
+def fresh_phase(rank: int, world_size: int, start: dict[str, Any] | None, steps: range) -> Any:
+    """A reference: a fresh world of ``world_size`` ranks that loses nobody,
+    from ``start``'s parameters and consolidated state (or from scratch),
+    training ``steps``; its parameters and (on rank 0) the state consolidated."""
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    if start is not None:
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), start["params"], strict=True):
+                p.copy_(value)
+        zero.load_state_dict(start["state"])
+    ddp = DDP(model)
+    for step in steps:
+        train_step(ddp, zero, step)
+    zero.consolidate_state_dict(to=0)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": zero.state_dict() if rank == 0 else None,
+    }
+
+
 def exit_quietly() -> None:
     """How the lost rank ends under :func:`run_local_world`: at once, status 0."""
     os._exit(0)

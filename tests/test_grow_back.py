@@ -22,27 +22,8 @@ from zerofn_torch.runtime.launch import run_local_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 import train_grow_back as example
+from train_elastic import fresh_phase as phase
 from train_elastic import make_model, train_step
-
-
-def phase(rank: int, world_size: int, start: dict[str, Any] | None, steps: range) -> Any:
-    """A fresh world of ``world_size`` ranks, from ``start``'s consolidated
-    state (or from scratch), training ``steps``; the state consolidated."""
-    model = make_model()
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
-    if start is not None:
-        with torch.no_grad():
-            for p, value in zip(model.parameters(), start["params"], strict=True):
-                p.copy_(value)
-        zero.load_state_dict(start["state"])
-    ddp = DDP(model)
-    for step in steps:
-        train_step(ddp, zero, step)
-    zero.consolidate_state_dict(to=0)
-    return {
-        "params": [p.detach().clone() for p in model.parameters()],
-        "state": zero.state_dict() if rank == 0 else None,
-    }
 
 
 @pytest.mark.slow  # make test-slow: a real rank killed, 4 processes, three reference worlds

@@ -40,7 +40,7 @@ from zerofn.averaging import (
 )
 from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.runtime.driver import drive
-from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, innermost
+from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, zero_rank_of
 
 __all__ = [
     "DiLoCoOptimizer",
@@ -336,7 +336,7 @@ class PostLocalSGDOptimizer(WrappedOptimizer):
     )
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
-        zero_rank = getattr(innermost(optim), "zero_rank", None)
+        zero_rank = zero_rank_of(optim)
         if zero_rank is not None and zero_rank.carried is not None:
             raise ValueError(
                 "PostLocalSGDOptimizer over a ZeroRedundancyOptimizer with redundancy=2: in "

@@ -59,6 +59,7 @@ from zerofn_torch.runtime.wrapped_optimizer import (
     WrappedOptimizer,
     innermost,
     parameters_written,
+    zero_rank_of,
 )
 
 __all__ = ["DiLoCoOptimizer"]
@@ -122,7 +123,7 @@ def _refuse_carried_inner(optim: torch.optim.Optimizer) -> None:
     Raises:
         ValueError: its carried copies would promise a survival DiLoCo cannot keep.
     """
-    zero_rank = getattr(innermost(optim), "zero_rank", None)
+    zero_rank = zero_rank_of(optim)
     if zero_rank is not None and zero_rank.carried is not None:
         raise ValueError(
             "DiLoCoOptimizer over a ZeroRedundancyOptimizer with redundancy=2: "
@@ -135,8 +136,7 @@ def _refuse_carried_inner(optim: torch.optim.Optimizer) -> None:
 def _stepped_in_backward(optim: torch.optim.Optimizer) -> bool:
     """Whether DDP's backward steps ``optim`` (a ZeRO optimizer built with
     ``overlap_with_ddp=True``), so that its ``step`` does nothing."""
-    zero_rank = getattr(innermost(optim), "zero_rank", None)
-    return bool(getattr(zero_rank, "stepped_by_hook", False))
+    return bool(getattr(zero_rank_of(optim), "stepped_by_hook", False))
 
 
 class DiLoCoOptimizer(WrappedOptimizer):

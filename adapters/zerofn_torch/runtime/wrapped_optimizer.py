@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WrappedOptimizer", "innermost", "parameters_written"]
+__all__ = ["WrappedOptimizer", "innermost", "parameters_written", "zero_rank_of"]
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -77,6 +77,13 @@ def innermost(optim: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while isinstance(optim, WrappedOptimizer):
         optim = optim.optim
     return optim
+
+
+def zero_rank_of(optim: torch.optim.Optimizer) -> Any:
+    """The ZeRO rank record of the ZeRO optimizer at the bottom of ``optim``'s
+    wrappers (``ZeroRedundancyOptimizer.zero_rank``), or ``None``: another
+    optimizer there."""
+    return getattr(innermost(optim), "zero_rank", None)
 
 
 def parameters_written(optim: torch.optim.Optimizer) -> None:

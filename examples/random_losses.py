@@ -1,0 +1,253 @@
+"""Faults at moments nobody chose: in each run of DDP + ZeRO(Adam,
+``redundancy=2``) on W gloo ranks, one rank drawn at random is ended
+(``os._exit``) or paused (``SIGSTOP``, resumed later by a helper process)
+from a timer thread after a random delay, wherever its main thread is:
+forward, backward, the all-reduce, the local step, the exchange, between
+steps, or a recovery. The others recover in-process and train on::
+
+    .venv/bin/python examples/random_losses.py --world-size 4 --runs 20
+
+Every run is checked by invariants that need no reference: every survivor
+completes every step once; every parameter's Adam step count equals the
+steps taken (a shard one step behind shows here); the survivors' parameters
+agree bit for bit; they agree on the point each recovery went on from; a
+paused rank either went on with the others (its pause was shorter than the
+group's timeout) or, left behind, failed alone. The first run of each world
+size that loses a rank is also checked bit for bit against a reference that
+never loses one but shrinks at the same step. ``tests/test_random_losses.py``
+runs a few; ``benchmarks/bench_random_losses.py`` runs over a hundred.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from train_elastic import DEADLINE_S, TIMEOUT_S, fresh_phase, make_model, train_step
+from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.elastic import recover
+from zerofn_torch.runtime.launch import run_local_world
+
+from zerofn.errors import CollectiveError
+
+STEPS = 30
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What happens to one rank of a run, and when.
+
+    Attributes:
+        rank: the rank it happens to.
+        delay_s: seconds after training starts.
+        pause_s: ``None``: the rank ends; else it is stopped this long.
+    """
+
+    rank: int
+    delay_s: float
+    pause_s: float | None = None
+
+
+def _pause(seconds: float) -> None:
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _arm(fault: Fault) -> threading.Timer:
+    """The fault's timer, started: it strikes wherever the main thread is."""
+    strike: Callable[[], None] = (
+        (lambda: os._exit(0)) if fault.pause_s is None else (lambda: _pause(fault.pause_s or 0))
+    )
+    timer = threading.Timer(fault.delay_s, strike)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def train_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> dict[str, Any]:
+    """One rank's run: ``steps`` steps, recovering from whatever the fault does.
+
+    Returns:
+        ``done`` (steps completed), ``adam_steps`` (the Adam step counts in
+        the consolidated state, on the final rank 0), ``params``, ``points``
+        (per recovery: the ranks lost, the agreed point, the step it was
+        noticed in and whether that call finished there), ``fenced`` (what a
+        rank left behind raised, else ``None``), ``seconds``.
+    """
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
+    ddp = DDP(model)
+    timer = _arm(fault) if rank == fault.rank else None
+    done, points = 0, []
+    began = time.perf_counter()
+    for step in range(steps):
+        while True:
+            try:
+                train_step(ddp, zero, step)
+                break
+            except (CollectiveError, RuntimeError) as error:
+                try:
+                    survivors = recover(zero, error, deadline_s=DEADLINE_S)
+                except CollectiveError as fenced:
+                    if "left behind" not in str(fenced):
+                        raise
+                    return {"fenced": str(fenced), "done": done}
+                ddp = DDP(model, process_group=survivors.group)
+                points.append((survivors.lost, survivors.point, step, survivors.finished_step))
+                if survivors.finished_step:
+                    break
+        done += 1
+    if timer is not None:  # the rank outlived its timer: nothing happened to it
+        timer.cancel()
+    zero.consolidate_state_dict(to=0)
+    counts = (
+        {int(s["step"]) for s in zero.state_dict()["state"].values()} if zero.rank == 0 else None
+    )
+    return {
+        "fenced": None,
+        "done": done,
+        "adam_steps": counts,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "points": points,
+        "world_size": zero.world_size,
+        "seconds": time.perf_counter() - began,
+    }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a checked run did.
+
+    Attributes:
+        lost: a rank was lost (ended, or left behind by a long pause).
+        transient: recoveries in which every rank answered.
+        recoveries: recoveries in all.
+        kept: steps done before the survivors' world took over (``None``:
+            nothing was lost).
+    """
+
+    lost: bool
+    transient: int
+    recoveries: int
+    kept: int | None
+
+
+def check_run(results: list[Any], fault: Fault, steps: int, label: str) -> Outcome:
+    """The run's invariants (no reference needed).
+
+    Raises:
+        AssertionError: naming ``label`` and what broke.
+    """
+    survivors = [r for r in results if r is not None and r["fenced"] is None]
+    fenced = [r for r in results if r is not None and r["fenced"] is not None]
+    lost = results[fault.rank] is None or bool(fenced)
+    assert all(r["done"] == steps for r in survivors), (label, [r["done"] for r in survivors])
+    counted = [r["adam_steps"] for r in survivors if r["adam_steps"] is not None]
+    assert counted == [{steps}], (label, "Adam step counts", counted)
+    first = survivors[0]["params"]
+    assert all(
+        all(torch.equal(a, b) for a, b in zip(r["params"], first, strict=True)) for r in survivors
+    ), (label, "the survivors' parameters differ")
+    agreed = {tuple((lost_, point) for lost_, point, _, _ in r["points"]) for r in survivors}
+    assert len(agreed) == 1, (label, "the survivors went on from different points", agreed)
+    assert fault.pause_s is not None or not fenced, (label, "a rank fenced without a pause")
+    points = survivors[0]["points"]
+    transient = sum(1 for lost_, *_ in points if not lost_)
+    kept = None
+    if lost:
+        loss = next(p for p in points if p[0])
+        kept = loss[2] + (1 if loss[3] else 0)
+    return Outcome(lost, transient, len(points), kept)
+
+
+def check_against_reference(results: list[Any], world_size: int, kept: int, steps: int) -> None:
+    """The survivors' parameters equal a run that shrank at step ``kept``, bit for bit.
+
+    Raises:
+        AssertionError: they differ.
+    """
+    before = run_local_world(fresh_phase, world_size, None, range(kept), timeout_s=TIMEOUT_S)[0]
+    after = run_local_world(
+        fresh_phase, world_size - 1, before, range(kept, steps), timeout_s=TIMEOUT_S
+    )
+    survivors = [r for r in results if r is not None and r["fenced"] is None]
+    for ours in survivors:
+        assert all(
+            torch.equal(a, b) for a, b in zip(ours["params"], after[0]["params"], strict=True)
+        ), "the survivors' parameters differ from the reference's"
+
+
+def draw_fault(draw: random.Random, world_size: int, length_s: float, pauses: bool) -> Fault:
+    """A fault at a random moment of a run ``length_s`` long: a kill, or
+    (with ``pauses``, one run in four) a pause of 0.5 to 12 s."""
+    rank, delay = draw.randrange(world_size), draw.uniform(0.0, length_s)
+    if pauses and draw.random() < 0.25:
+        return Fault(rank, delay, draw.uniform(0.5, 12.0))
+    return Fault(rank, delay)
+
+
+def soak(
+    world_size: int, runs: int, seed: int, *, pauses: bool = True, steps: int = STEPS
+) -> dict[str, Any]:
+    """``runs`` runs of ``world_size`` ranks, each with a fault drawn from
+    ``seed``; every run checked, the first loss also against a reference.
+
+    Returns:
+        Counts (runs, losses, pauses, transient recoveries), the seconds of
+        each run, and the seed.
+
+    Raises:
+        AssertionError: a run broke an invariant (its label names the seed,
+            the run and the fault).
+    """
+    draw = random.Random(seed)
+    quiet = run_local_world(train_with_fault, world_size, Fault(0, 1e9), steps, timeout_s=TIMEOUT_S)
+    length_s = max(r["seconds"] for r in quiet)
+    counts = {"runs": 0, "losses": 0, "pauses": 0, "transient": 0, "referenced": 0}
+    seconds = []
+    for run in range(runs):
+        fault = draw_fault(draw, world_size, length_s, pauses)
+        label = f"seed {seed}, run {run}, {world_size} ranks, {fault}"
+        began = time.perf_counter()
+        results = run_local_world(
+            train_with_fault, world_size, fault, steps, timeout_s=TIMEOUT_S, may_exit=[fault.rank]
+        )
+        seconds.append(time.perf_counter() - began)
+        outcome = check_run(results, fault, steps, label)
+        counts["runs"] += 1
+        counts["losses"] += outcome.lost
+        counts["pauses"] += fault.pause_s is not None
+        counts["transient"] += outcome.transient
+        if outcome.lost and outcome.kept is not None and not counts["referenced"]:
+            check_against_reference(results, world_size, outcome.kept, steps)
+            counts["referenced"] += 1
+    return {**counts, "seconds": seconds, "seed": seed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    result = soak(args.world_size, args.runs, seed)
+    print(
+        f"{result['runs']} runs of {args.world_size} ranks (seed {seed}): {result['losses']} "
+        f"ranks lost, {result['pauses']} paused, {result['transient']} transient recoveries, "
+        "every run consistent"
+    )
+
+
+if __name__ == "__main__":
+    main()
