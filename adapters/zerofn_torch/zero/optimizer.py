@@ -297,18 +297,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         shard's segment and the carried copy (``redundancy=2``) from them.
 
         Whatever sets parameter values from outside the step calls this on
-        every rank afterwards: :class:`~zerofn_torch.averaging.DiLoCoOptimizer`'s
-        sync, :class:`~zerofn_torch.averaging.PostLocalSGDOptimizer`'s averaging,
-        and a training loop that loads a model's state dict or writes a
-        parameter through ``.data``. Optimizer state (moments, step counts)
-        is kept. Local: no collective.
+        every rank afterwards (:class:`~zerofn_torch.averaging.DiLoCoOptimizer`
+        does after each sync), or lets :meth:`step` notice the write (below).
+        Optimizer state (moments, step counts) is kept. Local: no collective.
 
         :meth:`step` also notices tracked in-place writes to the parameters
         this rank owns or carries (``param.copy_`` under ``torch.no_grad()``,
-        ``average_parameters``, ``model.load_state_dict``) and re-derives
-        from them itself, keeping each master element that already rounds to
-        its parameter (so a model state loaded after the optimizer's keeps
-        the loaded masters). A write through ``.data`` is not tracked.
+        ``average_parameters`` and so post-local SGD's averaging,
+        ``model.load_state_dict``) and re-derives from them itself, keeping
+        each master element that already rounds to its parameter (so a model
+        state loaded after the optimizer's keeps the loaded masters). A write
+        through ``.data`` is not tracked: call this after it.
         """
         rederive_from_parameters(self._zero, self._all_params)
         self._versions = self._read_versions()
