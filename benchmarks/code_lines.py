@@ -250,6 +250,9 @@ BEYOND: tuple[Beyond, ...] = (
         definitions=_in(
             _OPTIMIZER,
             "ZeroRedundancyOptimizer.exchange_interrupted",
+            "ZeroRedundancyOptimizer.position",
+            "ZeroRedundancyOptimizer.take_missed_local_step",
+            "ZeroRedundancyOptimizer._counted",
             "ZeroRedundancyOptimizer.regroups",
             "ZeroRedundancyOptimizer.regroup",
         ),
