@@ -287,10 +287,16 @@ def recover(
     return Recovered(group, new_rank, len(regrouping.survivors), lost, finished, point)
 
 
+_TRANSPORT_FAILURES = ("CollectiveError", "gloo/transport", "NCCL", "Timed out waiting")
+"""What the text of a failed collective that DDP raises holds: a zerofn
+communication hook's error, or the backend's own (gloo's transport, NCCL)."""
+
+
 def _is_collective_failure(error: BaseException) -> bool:
     """Whether ``error`` is a failed collective: zerofn's own, or one that
-    DDP raised again as text from a zerofn communication hook."""
-    return isinstance(error, CollectiveError) or "CollectiveError" in str(error)
+    DDP raised as text (from a zerofn hook, or its own all-reduce's)."""
+    text = str(error)
+    return isinstance(error, CollectiveError) or any(s in text for s in _TRANSPORT_FAILURES)
 
 
 def _refuse_if_left_behind(store: Any, generation: int, error: BaseException) -> None:
