@@ -16,7 +16,7 @@ from report import Headline, Section, Spread, md_table, standalone_main
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from random_losses import STEPS, soak
 
-WORLDS = {3: 40, 4: 40, 8: 25}
+WORLDS = {3: 45, 4: 45, 8: 30}
 """Runs per world size in a full run."""
 
 
@@ -25,7 +25,7 @@ def bench_random_losses(quick: bool) -> Section:
     rows, total = [], {"runs": 0, "losses": 0, "pauses": 0, "transient": 0}
     for world_size, runs in worlds.items():
         seed = int.from_bytes(os.urandom(4), "little")
-        result = soak(world_size, runs, seed)
+        result = soak(world_size, runs, seed, verbose=True)
         for key in total:
             total[key] += result[key]
         spread = Spread.of(result["seconds"])
