@@ -110,7 +110,13 @@ def train_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> di
         done += 1
     if timer is not None:  # the rank outlived its timer: nothing happened to it
         timer.cancel()
-    zero.consolidate_state_dict(to=0)
+    while True:  # a rank lost in the last step's exchange may fail the others here
+        try:
+            zero.consolidate_state_dict(to=0)
+            break
+        except (CollectiveError, RuntimeError) as error:
+            survivors = recover(zero, error, deadline_s=DEADLINE_S)
+            points.append((survivors.lost, survivors.point, steps, survivors.finished_step))
     counts = (
         {int(s["step"]) for s in zero.state_dict()["state"].values()} if zero.rank == 0 else None
     )
