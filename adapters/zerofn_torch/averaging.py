@@ -40,7 +40,7 @@ from zerofn.averaging import (
 )
 from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.runtime.driver import drive
-from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, zero_rank_of
+from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, carries_copies
 
 __all__ = [
     "DiLoCoOptimizer",
@@ -336,8 +336,7 @@ class PostLocalSGDOptimizer(WrappedOptimizer):
     )
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
-        zero_rank = zero_rank_of(optim)
-        if zero_rank is not None and zero_rank.carried is not None:
+        if carries_copies(optim):
             raise ValueError(
                 "PostLocalSGDOptimizer over a ZeroRedundancyOptimizer with redundancy=2: in "
                 "the local phase each rank's gradients are its own, so a carrier cannot step "

@@ -57,6 +57,7 @@ from zerofn_torch.runtime.driver import PolledProgram, drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.runtime.wrapped_optimizer import (
     WrappedOptimizer,
+    carries_copies,
     innermost,
     parameters_written,
     zero_rank_of,
@@ -123,8 +124,7 @@ def _refuse_carried_inner(optim: torch.optim.Optimizer) -> None:
     Raises:
         ValueError: its carried copies would promise a survival DiLoCo cannot keep.
     """
-    zero_rank = zero_rank_of(optim)
-    if zero_rank is not None and zero_rank.carried is not None:
+    if carries_copies(optim):
         raise ValueError(
             "DiLoCoOptimizer over a ZeroRedundancyOptimizer with redundancy=2: "
             "zerofn_torch.elastic.recover regroups the ZeRO optimizer's group but not DiLoCo's "

@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["WrappedOptimizer", "innermost", "parameters_written", "zero_rank_of"]
+__all__ = [
+    "WrappedOptimizer",
+    "carries_copies",
+    "innermost",
+    "parameters_written",
+    "zero_rank_of",
+]
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -84,6 +90,13 @@ def zero_rank_of(optim: torch.optim.Optimizer) -> Any:
     wrappers (``ZeroRedundancyOptimizer.zero_rank``), or ``None``: another
     optimizer there."""
     return getattr(innermost(optim), "zero_rank", None)
+
+
+def carries_copies(optim: torch.optim.Optimizer) -> bool:
+    """Whether the ZeRO optimizer at the bottom of ``optim``'s wrappers keeps
+    copies of other ranks' shards (``redundancy=2``)."""
+    zero_rank = zero_rank_of(optim)
+    return zero_rank is not None and zero_rank.carried is not None
 
 
 def parameters_written(optim: torch.optim.Optimizer) -> None:
