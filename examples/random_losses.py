@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from train_elastic import DEADLINE_S, TIMEOUT_S, fresh_phase, make_model, train_step
+from train_elastic import DEADLINE_S, TIMEOUT_S, fresh_phase, make_model, step_surviving
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import recover
 from zerofn_torch.runtime.launch import run_local_world
@@ -92,21 +92,13 @@ def train_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> di
     done, points = 0, []
     began = time.perf_counter()
     for step in range(steps):
-        while True:
-            try:
-                train_step(ddp, zero, step)
-                break
-            except (CollectiveError, RuntimeError) as error:
-                try:
-                    survivors = recover(zero, error, deadline_s=DEADLINE_S)
-                except CollectiveError as fenced:
-                    if "left behind" not in str(fenced):
-                        raise
-                    return {"fenced": str(fenced), "done": done}
-                ddp = DDP(model, process_group=survivors.group)
-                points.append((survivors.lost, survivors.point, step, survivors.finished_step))
-                if survivors.finished_step:
-                    break
+        try:
+            ddp, recovered = step_surviving(ddp, model, zero, step)
+        except CollectiveError as fenced:
+            if "left behind" not in str(fenced):
+                raise
+            return {"fenced": str(fenced), "done": done}
+        points += [(r.lost, r.point, step, r.finished_step) for r, _ in recovered]
         done += 1
     if timer is not None:  # the rank outlived its timer: nothing happened to it
         timer.cancel()

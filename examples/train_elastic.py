@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.elastic import recover
+from zerofn_torch.elastic import Recovered, recover
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
@@ -110,6 +110,34 @@ def fresh_phase(rank: int, world_size: int, start: dict[str, Any] | None, steps:
     }
 
 
+def step_surviving(
+    ddp: DDP, model: torch.nn.Module, zero: ZeroRedundancyOptimizer, step: int
+) -> tuple[DDP, list[tuple[Recovered, float]]]:
+    """Run ``step`` until it is complete, recovering from each loss on the
+    way (a step the survivors finished is not redone).
+
+    Returns:
+        The DDP to go on with (rebuilt on the survivors' group after a
+        loss), and each recovery with the seconds it took.
+
+    Raises:
+        zerofn.errors.CollectiveError: what :func:`recover` raises (this
+            rank left behind, or no consistent point).
+    """
+    recoveries: list[tuple[Recovered, float]] = []
+    while True:
+        try:
+            train_step(ddp, zero, step)
+            return ddp, recoveries
+        except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
+            began = time.perf_counter()
+            survivors = recover(zero, error, deadline_s=DEADLINE_S)
+            ddp = DDP(model, process_group=survivors.group)
+            recoveries.append((survivors, time.perf_counter() - began))
+            if survivors.finished_step:
+                return ddp, recoveries
+
+
 def exit_quietly() -> None:
     """How the lost rank ends under :func:`run_local_world`: at once, status 0."""
     os._exit(0)
@@ -152,24 +180,16 @@ def train(
             if not in_exchange:
                 die()
             _exit_after_local_step(zero, die)
-        while True:
-            try:
-                train_step(ddp, zero, step)
-                break
-            except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
-                began = time.perf_counter()
-                survivors = recover(zero, error, deadline_s=DEADLINE_S)
-                ddp = DDP(model, process_group=survivors.group)
-                recoveries.append(
-                    {
-                        "step": step,
-                        "lost": survivors.lost,
-                        "finished_step": survivors.finished_step,
-                        "seconds": time.perf_counter() - began,
-                    }
-                )
-                if survivors.finished_step:
-                    break  # the step was finished from the carried copies
+        ddp, recovered = step_surviving(ddp, model, zero, step)
+        recoveries += [
+            {
+                "step": step,
+                "lost": survivors.lost,
+                "finished_step": survivors.finished_step,
+                "seconds": seconds,
+            }
+            for survivors, seconds in recovered
+        ]
     zero.consolidate_state_dict(to=0)
     return {
         "params": [p.detach().clone() for p in model.parameters()],
