@@ -157,9 +157,12 @@ class DiLoCoOptimizer(WrappedOptimizer):
         fragments: fragments synced in turn (P); must divide ``sync_every``.
         delay: inner steps a sync overlaps before its result is applied
             (tau); below ``sync_every // fragments``.
-        compression: ``None``, ``"int8"``, ``"int4"`` or a
-            :class:`zerofn.blockquant.BlockQuantizer`: pseudo-gradients and
-            anchor updates travel quantized, with error feedback (8 more
+        compression: ``None``, ``"int8"``, ``"int4"``, ``"int2"``, a
+            :class:`zerofn.topk.TopK` (e.g. ``TopK(density=0.02, bits=2)``:
+            the top 2% of each chunk, 2-bit values), or a
+            :class:`zerofn.blockquant.BlockQuantizer` or
+            :class:`zerofn.twobit.TwoBitQuantizer`: pseudo-gradients and
+            anchor updates travel compressed, with error feedback (8 more
             bytes per parameter on every rank: the anchor's replica and the
             residual).
         process_group: the group across DiLoCo workers (default: the

@@ -17,11 +17,16 @@ pieces, one idea per module:
   fragment's sync as a communication program, in fp32 or quantized;
 - :mod:`~zerofn.diloco.merge`: merging local and global values;
 - :mod:`~zerofn.diloco.checkpoint`: per-rank and consolidated state dicts;
-- :mod:`~zerofn.diloco.footprint`: the outer state's bytes per rank.
+- :mod:`~zerofn.diloco.footprint`: the outer state's bytes per rank and
+  the bytes of a sync, per codec.
 """
 
 from zerofn.diloco.config import DiLoCoConfig
-from zerofn.diloco.footprint import outer_state_bytes, outer_state_bytes_per_rank
+from zerofn.diloco.footprint import (
+    outer_state_bytes,
+    outer_state_bytes_per_rank,
+    sync_bytes_per_rank,
+)
 from zerofn.diloco.fragments import Fragment, FragmentPlan, plan_fragments
 from zerofn.diloco.state import DiLoCoState, InFlight, StepActions, take_inner_step
 
@@ -35,5 +40,6 @@ __all__ = [
     "outer_state_bytes",
     "outer_state_bytes_per_rank",
     "plan_fragments",
+    "sync_bytes_per_rank",
     "take_inner_step",
 ]

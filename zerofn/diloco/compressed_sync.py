@@ -1,4 +1,4 @@
-"""One fragment's sync with block-quantized payloads and error feedback.
+"""One fragment's sync with compressed payloads and error feedback.
 
 The fp32 sync (:mod:`zerofn.diloco.sync`) sums the parameters on the owners,
 which needs no anchor anywhere else. Quantized codes cannot be summed in
@@ -7,7 +7,9 @@ keeps a full copy of the anchor, the *replica*, identical on every rank:
 
 1. ``g = replica - values + residual``: this rank's pseudo-gradient of the
    fragment plus what earlier syncs failed to carry (error feedback).
-2. Each owner's slice of ``g`` is encoded (:mod:`zerofn.blockquant`); the new
+2. Each owner's slice of ``g`` is encoded (a :class:`~zerofn.diloco.config.Codec`:
+   :mod:`zerofn.blockquant`'s int8/int4, :mod:`zerofn.twobit`'s 2 bits, or
+   :mod:`zerofn.topk`'s top entries of each chunk); the new
    residual is ``g`` minus what those codes decode to (zero on the rank's
    own slice, which never leaves it).
 3. One :class:`~zerofn.comm.AllToAll`: each rank sends each owner its codes
@@ -30,15 +32,18 @@ its codes once (step 3) and takes part in one exchange of every owner's
 codes (step 5), where the fp32 sync moves the same shares of fp32 values
 (a reduce and an exchange). With int8 codes (one byte per element and a
 4-byte scale per block of ``b`` elements) the bytes on the wire are
-``(1 + 4 / b) / 4`` of the fp32 sync's: about a quarter, at any ``W``.
+``(1 + 4 / b) / 4`` of the fp32 sync's: about a quarter, at any ``W``;
+with 2-bit codes in blocks of 256, 1/15; with top-k at density 0.02 and
+2 bits, 1/116. Every codec's payload size is a function of the slice's
+length alone, which the plan fixes: sparse payloads need no size agreement.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import AllToAll, GatherSegments
+from zerofn.diloco.config import Codec
 from zerofn.diloco.fragments import Fragment
 from zerofn.diloco.outer import OuterStep
 from zerofn.diloco.sync import SyncProgram
@@ -48,7 +53,7 @@ __all__ = ["compressed_sync_bytes", "compressed_sync_program"]
 
 
 def _payloads(
-    quantizer: BlockQuantizer, lengths: tuple[int, ...], device: torch.device
+    quantizer: Codec, lengths: tuple[int, ...], device: torch.device
 ) -> list[torch.Tensor]:
     return [
         torch.empty(quantizer.payload_nbytes(n), dtype=torch.uint8, device=device) for n in lengths
@@ -60,7 +65,7 @@ def _encoded(
     rank: int,
     gradient: torch.Tensor,
     residual: torch.Tensor,
-    quantizer: BlockQuantizer,
+    quantizer: Codec,
     decoded: torch.Tensor,
 ) -> list[torch.Tensor]:
     """Each owner's slice of ``gradient`` as a payload for it (the own slice's
@@ -84,7 +89,7 @@ def compressed_sync_program(
     replica: torch.Tensor,
     residual: torch.Tensor,
     master: torch.Tensor,
-    quantizer: BlockQuantizer,
+    quantizer: Codec,
     via: ExchangeVia = "broadcasts",
 ) -> SyncProgram:
     """Sync one fragment on rank ``rank``, sending quantized codes.
@@ -99,7 +104,7 @@ def compressed_sync_program(
             handed over: replaced by what this sync's codes leave out.
         master: this rank's exact anchor slice (the outer optimizer's
             tensor); stepped by the answer to the outer step.
-        quantizer: how payloads are coded.
+        quantizer: how payloads are coded (any :class:`~zerofn.diloco.config.Codec`).
         via: how the payloads move.
 
     Returns:
@@ -141,7 +146,7 @@ def compressed_sync_program(
     return replica
 
 
-def compressed_sync_bytes(fragment: Fragment, quantizer: BlockQuantizer, rank: int) -> int:
+def compressed_sync_bytes(fragment: Fragment, quantizer: Codec, rank: int) -> int:
     """The bytes rank ``rank`` hands to the collectives of a compressed sync
     of ``fragment`` (:func:`zerofn.comm.request_bytes` summed): its codes for
     the other owners' slices (the all-to-all), and every owner's codes of

@@ -8,17 +8,52 @@ checked here, with an error that says what to pass instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import torch
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
+from zerofn.topk import TopK
+from zerofn.twobit import TwoBitQuantizer
 
-__all__ = ["Compression", "DiLoCoConfig"]
+__all__ = ["Codec", "Compression", "DiLoCoConfig", "codec_for"]
 
-Compression = str | BlockQuantizer | None
-"""How pseudo-gradients travel: ``None`` (fp32), ``"int8"``, ``"int4"``, or a
-:class:`~zerofn.blockquant.BlockQuantizer` (another block length)."""
+
+@runtime_checkable
+class Codec(Protocol):
+    """What a compressed sync needs of a codec: payload sizes known from the
+    element count alone (so no rank asks another how much it sends), and a
+    decode that is a pure function of the payload's bytes (so every rank
+    that decodes the same payload gets the same values, bit for bit)."""
+
+    def payload_nbytes(self, numel: int) -> int:
+        """The bytes of one payload for ``numel`` elements."""
+        ...
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Encode ``values`` (1-D, ``float32``) into ``out`` (``uint8``)."""
+        ...
+
+    def decode(
+        self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The ``float32`` values ``payload`` carries."""
+        ...
+
+
+CODECS = (BlockQuantizer, TwoBitQuantizer, TopK)
+"""The codecs a compressed sync is tested with."""
+
+Compression = str | BlockQuantizer | TwoBitQuantizer | TopK | None
+"""How pseudo-gradients travel: ``None`` (fp32), ``"int8"``, ``"int4"``,
+``"int2"``, a :class:`~zerofn.topk.TopK` (top-k per chunk), or a
+:class:`~zerofn.blockquant.BlockQuantizer` or
+:class:`~zerofn.twobit.TwoBitQuantizer` (another block length)."""
+
+NAMES = ("int8", "int4", "int2")
+"""The codecs a name stands for: int8 and int4 block quantization (blocks of
+128), 2-bit block quantization (blocks of 256)."""
 
 
 def _int_at_least(name: str, low: int) -> Any:
@@ -43,14 +78,28 @@ def _mixing(value: object) -> float:
     return float(value)
 
 
-def _quantizer(value: Compression) -> BlockQuantizer | None:
-    if value is None or isinstance(value, BlockQuantizer):
+def codec_for(value: Compression) -> BlockQuantizer | TwoBitQuantizer | TopK | None:
+    """The codec ``compression`` stands for (``None``: fp32 syncs).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+        TypeError: neither ``None``, a name nor a codec.
+    """
+    if value is None or isinstance(value, CODECS):
         return value
     if isinstance(value, str):
+        if value == "int2":
+            return TwoBitQuantizer()
+        if value not in NAMES:
+            raise ValueError(
+                f"unknown compression {value!r}; choose one of {', '.join(NAMES)}, "
+                "zerofn.topk.TopK(density=0.02, bits=2) or None"
+            )
         return quantizer_for(value)
     raise TypeError(
-        f"compression must be None, 'int8', 'int4' or a zerofn.blockquant.BlockQuantizer, "
-        f"got {value!r}"
+        f"compression must be None, 'int8', 'int4', 'int2', a zerofn.topk.TopK (e.g. "
+        "TopK(density=0.02, bits=2)), a zerofn.blockquant.BlockQuantizer or a "
+        f"zerofn.twobit.TwoBitQuantizer, got {value!r}"
     )
 
 
@@ -76,8 +125,10 @@ class DiLoCoConfig:
             ``params = mixing * local + (1 - mixing) * global``. 0 replaces
             the parameters by the global values (DiLoCo); Streaming DiLoCo
             keeps part of the progress made during the delay (0.5 there).
-        compression: the quantizer pseudo-gradients and anchor updates travel
-            with (``"int8"``/``"int4"`` convert), or ``None`` for fp32.
+        compression: the codec pseudo-gradients and anchor updates travel
+            with (``"int8"``/``"int4"``/``"int2"`` convert; a
+            :class:`~zerofn.topk.TopK` sends the top entries of each chunk),
+            or ``None`` for fp32.
 
     Raises:
         TypeError: a count that is not an int, or an unknown kind of compression.
@@ -91,7 +142,9 @@ class DiLoCoConfig:
     fragments: int = attrs.field(default=1, validator=_int_at_least("fragments", 1))
     delay: int = attrs.field(default=0, validator=_int_at_least("delay", 0))
     mixing: float = attrs.field(default=0.0, converter=_mixing)
-    compression: BlockQuantizer | None = attrs.field(default=None, converter=_quantizer)
+    compression: BlockQuantizer | TwoBitQuantizer | TopK | None = attrs.field(
+        default=None, converter=codec_for
+    )
 
     def __attrs_post_init__(self) -> None:
         # Checked together, once each count has passed its own validator.

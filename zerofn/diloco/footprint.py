@@ -9,13 +9,20 @@ Compression adds the anchor's replica and the error-feedback residual,
 ``8`` bytes per parameter on every rank (see
 :mod:`zerofn.diloco.compressed_sync`). A sync in flight holds one
 fragment's ``float32`` values on top (``4 * N / P`` bytes), until applied.
+
+:func:`sync_bytes_per_rank` counts what one sync hands to the collectives,
+for each codec: fp32 (:func:`zerofn.diloco.sync.sync_bytes`) or compressed
+(:func:`zerofn.diloco.compressed_sync.compressed_sync_bytes`).
 """
 
 from __future__ import annotations
 
+from zerofn.diloco.compressed_sync import compressed_sync_bytes
+from zerofn.diloco.config import Compression, codec_for
 from zerofn.diloco.fragments import FragmentPlan, plan_fragments
+from zerofn.diloco.sync import sync_bytes
 
-__all__ = ["outer_state_bytes", "outer_state_bytes_per_rank"]
+__all__ = ["outer_state_bytes", "outer_state_bytes_per_rank", "sync_bytes_per_rank"]
 
 
 def outer_state_bytes(
@@ -59,4 +66,28 @@ def outer_state_bytes_per_rank(
     plan = plan_fragments([numel], fragments, world_size)
     return max(
         outer_state_bytes(plan, rank, compressed, state_tensors) for rank in range(world_size)
+    )
+
+
+def sync_bytes_per_rank(
+    numel: int, world_size: int, fragments: int = 1, compression: Compression = None
+) -> int:
+    """The bytes the busiest rank hands to the collectives of one sync (the
+    largest fragment's), for a model of ``numel`` elements on an outer group
+    of ``world_size`` ranks, with ``compression`` as
+    :class:`~zerofn.diloco.config.DiLoCoConfig` takes it.
+
+    Under ring algorithms a rank sends ``(W - 1) / W`` of it; the ratio
+    between two codecs is the ratio of their bytes on the wire.
+
+    Raises:
+        ValueError, TypeError: as :func:`~zerofn.diloco.fragments.plan_fragments`
+            and :func:`~zerofn.diloco.config.codec_for`.
+    """
+    codec = codec_for(compression)
+    plan = plan_fragments([numel], fragments, world_size)
+    if codec is None:
+        return max(sync_bytes(f) for f in plan.fragments)
+    return max(
+        compressed_sync_bytes(f, codec, rank) for f in plan.fragments for rank in range(world_size)
     )
