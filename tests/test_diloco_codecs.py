@@ -274,3 +274,28 @@ def test_each_owner_receives_the_true_mean_less_what_is_still_owed(
         owed = torch.stack([res[f.owned(owner)] for res in world.residuals]).mean(0)
         true = torch.stack([t[f.owned(owner)] for t in truth]).mean(0)
         torch.testing.assert_close(received + owed, true, rtol=1e-5, atol=1e-5)
+
+
+def test_the_planner_prints_bytes_per_sync_for_a_codec(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerofn.footprint.cli import main
+
+    args = ["--model", "gpt2-small", "--world-size", "8", "--diloco-fragments", "4"]
+    main([*args, "--diloco-compression", "topk"])
+    header, _, row = capsys.readouterr().out.strip().splitlines()[1:]
+    cells = dict(
+        zip(
+            [c.strip() for c in header.split("|")[1:-1]],
+            [c.strip() for c in row.split("|")[1:-1]],
+            strict=True,
+        )
+    )
+    numel = 124_439_808
+    fp32 = sync_bytes_per_rank(numel, 8, 4) / 2**20
+    topk = sync_bytes_per_rank(numel, 8, 4, TopK(density=0.02, bits=2)) / 2**20
+    assert cells["DiLoCo MiB/sync (fp32)"] == f"{fp32:.2f}"
+    assert cells["DiLoCo MiB/sync (topk)"] == f"{topk:.2f}"
+    assert topk <= fp32 / 100
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "gpt2-small", "--world-size", "8", "--diloco-compression", "int2"])
+    assert exit_info.value.code == 2
+    assert "needs --diloco-fragments" in capsys.readouterr().err

@@ -22,7 +22,8 @@ import attrs
 import torch
 
 from zerofn import footprint
-from zerofn.diloco.footprint import outer_state_bytes_per_rank
+from zerofn.diloco.config import Compression
+from zerofn.diloco.footprint import outer_state_bytes_per_rank, sync_bytes_per_rank
 from zerofn.footprint.plan import (
     OPTIMIZERS,
     Footprint,
@@ -33,6 +34,7 @@ from zerofn.footprint.plan import (
     shapes_of,
 )
 from zerofn.model_shapes import MODELS
+from zerofn.topk import TopK
 from zerofn.zero.partition import PartitionMode
 
 __all__ = ["COLUMNS", "Column", "main", "table"]
@@ -155,13 +157,35 @@ CARRIED = Column("carried GiB", _heaviest(lambda r: r.carried))
 """The copy of another rank's shard a rank carries (``--redundancy 2``)."""
 
 
-def _diloco_column(fragments: int) -> Column:
-    """DiLoCo's outer state on its heaviest rank (:mod:`zerofn.diloco.footprint`)."""
+DILOCO_CODECS: dict[str, Compression] = {
+    "int8": "int8",
+    "int4": "int4",
+    "int2": "int2",
+    "topk": TopK(density=0.02, bits=2),
+}
+"""What ``--diloco-compression`` names: DiLoCoOptimizer's ``compression``
+(``topk``: the top 2% of each chunk of 2048, 2-bit values)."""
 
-    def cell(f: Footprint) -> str:
-        return _gib(outer_state_bytes_per_rank(f.numel, f.world_size, fragments))
 
-    return Column(f"DiLoCo outer GiB (P={fragments})", cell)
+def _diloco_columns(fragments: int, compression: str | None) -> tuple[Column, ...]:
+    """DiLoCo's bytes per sync on its busiest rank, fp32 and with
+    ``compression``, then its outer state on its heaviest rank (with the
+    replica and residual a compressed sync keeps), from
+    :mod:`zerofn.diloco.footprint`."""
+
+    def sync(name: str) -> Column:
+        codec = DILOCO_CODECS.get(name)
+        return Column(
+            f"DiLoCo MiB/sync ({name})",
+            lambda f: _mib(sync_bytes_per_rank(f.numel, f.world_size, fragments, codec)),
+        )
+
+    def outer(f: Footprint) -> str:
+        compressed = compression is not None
+        return _gib(outer_state_bytes_per_rank(f.numel, f.world_size, fragments, compressed))
+
+    syncs = (sync("fp32"),) + ((sync(compression),) if compression is not None else ())
+    return (*syncs, Column(f"DiLoCo outer GiB (P={fragments})", outer))
 
 
 def table(footprints: Sequence[Footprint], columns: Sequence[Column] = COLUMNS) -> str:
@@ -216,8 +240,14 @@ def _parser() -> argparse.ArgumentParser:
         "--diloco-fragments",
         type=int,
         metavar="P",
-        help="add DiLoCo's outer state per rank (anchor and SGD momentum, sharded over the "
-        "ranks, synced in P fragments)",
+        help="add DiLoCo's bytes per sync and outer state per rank (anchor and SGD momentum, "
+        "sharded over the ranks, synced in P fragments)",
+    )
+    parser.add_argument(
+        "--diloco-compression",
+        choices=sorted(DILOCO_CODECS),
+        help="with --diloco-fragments: also the bytes per sync with this codec (topk: the top "
+        "2%% of each chunk, 2-bit values), and the replica and residual it keeps",
     )
     parser.add_argument("--json", action="store_true", help="the records as JSON")
     return parser
@@ -235,6 +265,8 @@ def _refuse_bad_numbers(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"--world-size must be at least 1, got {bad_sizes[0]}")
     if args.diloco_fragments is not None and args.diloco_fragments < 1:
         parser.error(f"--diloco-fragments must be at least 1, got {args.diloco_fragments}")
+    if args.diloco_compression is not None and args.diloco_fragments is None:
+        parser.error("--diloco-compression needs --diloco-fragments (e.g. --diloco-fragments 1)")
     if args.powersgd_rank is not None:
         if args.powersgd_rank < 1:
             parser.error(f"--powersgd-rank must be at least 1, got {args.powersgd_rank}")
@@ -317,5 +349,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         total = len(COLUMNS) - 5  # before the totals: the carried copy is part of them
         columns = (*COLUMNS[:total], CARRIED, *COLUMNS[total:])
     if args.diloco_fragments is not None:
-        columns = (*columns, _diloco_column(args.diloco_fragments))
+        columns = (*columns, *_diloco_columns(args.diloco_fragments, args.diloco_compression))
     print(table(footprints, columns))
