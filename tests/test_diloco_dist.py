@@ -1,6 +1,7 @@
 """DiLoCoOptimizer on real gloo ranks: against DiLoCo written out plainly in
 this file (one sync every H steps, and streaming fragments with a delay and
-mixing), the bytes the syncs send (int8 against fp32), the outer state's
+mixing), the bytes the syncs send (int8 and int2 against fp32), replicas
+bitwise identical across 3 ranks with the 2-bit and top-k codecs, the outer state's
 bytes, checkpoints resumed exactly in a fresh process group and resharded
 from 2 ranks to 1, a peer that dies or hangs, and 4 ranks as 2 DDP groups of
 2 with DiLoCo across them. Spawning is slow on 2 cores, so each world runs
@@ -27,10 +28,11 @@ from zerofn_torch.hooks import noop_hook
 from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.diloco.compressed_sync import compressed_sync_bytes
-from zerofn.diloco.config import DiLoCoConfig
+from zerofn.diloco.config import Compression, DiLoCoConfig
 from zerofn.diloco.footprint import outer_state_bytes
 from zerofn.diloco.fragments import plan_fragments
 from zerofn.diloco.sync import sync_bytes
+from zerofn.topk import TopK
 
 pytestmark = pytest.mark.timeout(240)  # a spawned world must never hang the suite
 
@@ -145,7 +147,7 @@ def train(model: torch.nn.Module, opt: DiLoCoOptimizer, steps: range, rank: int)
         opt.step()
 
 
-def sync_traffic(rank: int, compression: str | None) -> tuple[int, int, float, torch.Tensor]:
+def sync_traffic(rank: int, compression: Compression) -> tuple[int, int, float, torch.Tensor]:
     """One fp32 or quantized sync of a wider model: the bytes handed to
     collectives, the bytes the core planned, the bytes sent (ring estimate)
     and the parameters after it."""
@@ -290,19 +292,65 @@ def test_int8_syncs_send_under_a_third_of_the_fp32_bytes(two: list[dict[str, Any
         assert int8 <= 0.3 * fp32
 
 
-def both_syncs(rank: int, world_size: int) -> dict[str | None, Any]:
-    return {compression: sync_traffic(rank, compression) for compression in (None, "int8")}
+SPARSER: dict[str, Compression] = {"int2": "int2", "topk": TopK(density=0.02, bits=2, chunk=64)}
+"""The 2-bit and top-k codecs (top-k in chunks of 64, so that this small
+model's slices hold whole chunks)."""
 
 
-def test_int8_syncs_send_a_quarter_of_the_fp32_bytes_on_three_ranks_too() -> None:
+def three_ranks(rank: int, world_size: int) -> dict[str | None, Any]:
+    out: dict[str | None, Any] = {
+        compression: sync_traffic(rank, compression) for compression in (None, "int8")
+    }
+    for name, compression in SPARSER.items():
+        out[f"bytes/{name}"] = sync_traffic(rank, compression)
+        # Streaming: two fragments, a delay and mixing; the replicas stay identical.
+        model = make_model(width=64)
+        opt = DiLoCoOptimizer(adamw(model.parameters()), compression=compression, **STREAMING)
+        train(model, opt, range(9), rank)
+        opt.drain()
+        assert opt._replica is not None
+        out[f"replica/{name}"] = opt._replica.clone()
+        # Blocking, mixing 0: after a sync every rank holds the same parameters.
+        model = make_model(width=64)
+        opt = DiLoCoOptimizer(adamw(model.parameters()), sync_every=2, compression=compression)
+        train(model, opt, range(6), rank)
+        out[f"params/{name}"] = flat(model)
+        out[f"moved/{name}"] = float((flat(model) - flat(make_model(width=64))).abs().max())
+    return out
+
+
+@pytest.fixture(scope="module")
+def three() -> list[dict[str | None, Any]]:
+    return run_world(three_ranks, 3)
+
+
+def test_int8_syncs_send_a_quarter_of_the_fp32_bytes_on_three_ranks_too(
+    three: list[dict[str | None, Any]],
+) -> None:
     """Each rank's codes go to their owner alone (an all-to-all), so the
     ratio does not grow with the number of workers."""
-    out = run_world(both_syncs, 3)
+    out = [{k: v for k, v in syncs.items() if k in (None, "int8")} for syncs in three]
     for syncs in out:
         for handed, planned, _, _ in syncs.values():
             assert handed == planned
         assert syncs["int8"][2] <= 0.27 * syncs[None][2]  # bytes on the wire
     assert all(torch.equal(syncs["int8"][3], out[0]["int8"][3]) for syncs in out)
+
+
+@pytest.mark.parametrize("name", sorted(SPARSER))
+def test_two_bit_and_top_k_syncs_keep_replicas_bitwise_identical_across_ranks(
+    three: list[dict[str | None, Any]], name: str
+) -> None:
+    first = three[0]
+    for out in three:
+        handed, planned, _, params = out[f"bytes/{name}"]
+        assert handed == planned
+        assert torch.equal(params, first[f"bytes/{name}"][3])
+        assert torch.equal(out[f"replica/{name}"], first[f"replica/{name}"])
+        assert torch.equal(out[f"params/{name}"], first[f"params/{name}"])
+        assert out[f"moved/{name}"] > 0  # the syncs carried training, not nothing
+    if name == "int2":  # bytes on the wire
+        assert all(out["bytes/int2"][2] <= out[None][2] / 14 for out in three)
 
 
 def test_each_rank_keeps_the_outer_state_the_core_plans(two: list[dict[str, Any]]) -> None:
