@@ -6,8 +6,9 @@ Each rank writes what the tests read to ``OUT/accelerate-rank<r>.pt``.
 ``Accelerator(cpu=True)`` prepares a model, a ZeRO optimizer over Adam and a
 dataloader; a DDP communication hook goes on the prepared (DDP) model.
 
-* ``save_state``: what ``Accelerator.save_state`` does with zerofn's and with
-  PyTorch's ``ZeroRedundancyOptimizer``, as they are and after
+* ``save_state``: what ``prepare`` with device placement and
+  ``Accelerator.save_state`` do with zerofn's and with PyTorch's
+  ``ZeroRedundancyOptimizer``, as they are and after
   ``consolidate_state_dict(to=0)``.
 * ``round_trip``: train 3 steps, save inside
   :func:`zerofn_torch.compat.consolidated`, train 3 more; then a fresh model,
@@ -75,13 +76,13 @@ def built(run: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, 
 def prepared(
     accelerator: Accelerator, run: str, seed: int
 ) -> tuple[torch.nn.Module, Any, DataLoader[Any], Any]:
-    """The run's model, optimizer and loader through ``prepare`` (the
-    optimizer without device placement: Accelerate's reads and reloads its
-    full state dict), with its hook registered on the DDP model; and the
-    hook's state."""
-    model, optimizer, loader = accelerator.prepare(
-        *built(run, seed), device_placement=[True, False, True]
-    )
+    """The run's model, optimizer and loader through ``prepare``, with its
+    hook registered on the DDP model; and the hook's state. PyTorch's
+    optimizer goes in without device placement: Accelerate's reads and
+    reloads its full state dict, which it answers only once consolidated
+    (zerofn's answers before the first step)."""
+    placement = [True, False, True] if RUNS[run][0] is TorchZero else None
+    model, optimizer, loader = accelerator.prepare(*built(run, seed), device_placement=placement)
     state, hook = RUNS[run][1]()
     model.register_comm_hook(state, hook)
     return model, optimizer, loader, state

@@ -213,21 +213,30 @@ def test_accelerate_runs_multi_cpu_on_gloo(accelerate: list[dict[str, Any]]) -> 
 
 
 @pytest.mark.parametrize("family", ["zerofn", "torch"])
-def test_accelerate_cannot_place_or_save_a_zero_optimizer_as_it_is(
+def test_accelerate_cannot_save_a_zero_optimizer_as_it_is(
     accelerate: list[dict[str, Any]], family: str
 ) -> None:
-    """``prepare`` with device placement reads and reloads the optimizer's
-    full state dict, and ``save_state`` calls ``state_dict()`` on every rank:
-    both raise on every rank, for PyTorch's optimizer as for zerofn's, and
-    the failed save leaves a directory with the model and no optimizer."""
+    """``save_state`` calls ``state_dict()`` on every rank: it raises on every
+    rank, for PyTorch's optimizer as for zerofn's, and the failed save leaves
+    a directory with the model and no optimizer."""
     for r, rank in enumerate(accelerate):
         found = rank["save_state"][family]
-        for attempt in ("placed", "as_is"):
-            assert found[attempt].startswith(
-                "RuntimeError: Optimizer state has not been consolidated"
-            )
-            assert f"consolidate_state_dict(to={r})" in found[attempt]
+        assert found["as_is"].startswith("RuntimeError: Optimizer state has not been consolidated")
+        assert f"consolidate_state_dict(to={r})" in found["as_is"]
         assert "optimizer.bin" not in found["as_is_files"] and found["as_is_files"]
+
+
+def test_accelerate_places_zerofns_optimizer_and_not_pytorchs(
+    accelerate: list[dict[str, Any]],
+) -> None:
+    """``prepare`` with device placement reads and reloads the optimizer's
+    full state dict: zerofn's answers before the first step (the state is
+    empty everywhere), PyTorch's raises on every rank."""
+    for r, rank in enumerate(accelerate):
+        assert rank["save_state"]["zerofn"]["placed"] is None
+        refused = rank["save_state"]["torch"]["placed"]
+        assert refused.startswith("RuntimeError: Optimizer state has not been consolidated")
+        assert f"consolidate_state_dict(to={r})" in refused
 
 
 @pytest.mark.parametrize("family", ["zerofn", "torch"])
@@ -407,3 +416,55 @@ def test_consolidated_refuses_a_plain_optimizer() -> None:
     opt = torch.optim.SGD(model().parameters(), lr=0.1)
     with pytest.raises(TypeError, match="SGD"), consolidated(opt):  # type: ignore[arg-type]
         pass
+
+
+# ----- Hugging Face Trainer ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_trainer(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("transformers")
+    out = str(tmp_path_factory.mktemp("transformers"))
+    return torchrun("_frameworks_transformers.py", out, "transformers")
+
+
+@pytest.mark.parametrize("run", ["zerofn", "torch", "adamw"])
+def test_the_trainer_resumes_exactly_from_its_checkpoint(
+    hf_trainer: list[dict[str, Any]], run: str
+) -> None:
+    for rank in hf_trainer:
+        found = rank[run]
+        assert not same(found["fresh"], found["uninterrupted"])  # the resume did the work
+        assert same(found["resumed"], found["uninterrupted"])
+
+
+def test_the_trainer_trains_zerofn_as_pytorchs_zero_and_its_own_adamw(
+    hf_trainer: list[dict[str, Any]],
+) -> None:
+    for rank in hf_trainer:
+        assert same(rank["zerofn"]["uninterrupted"], rank["torch"]["uninterrupted"])
+        assert same(rank["zerofn"]["uninterrupted"], rank["adamw"]["uninterrupted"])
+    assert same(hf_trainer[0]["zerofn"]["resumed"], hf_trainer[1]["zerofn"]["resumed"])
+
+
+def test_the_trainer_checkpoint_holds_the_whole_optimizer_state(
+    hf_trainer: list[dict[str, Any]],
+) -> None:
+    ours = hf_trainer[0]["zerofn"]["saved_optimizer"]
+    assert same_optimizer_state(ours, hf_trainer[0]["torch"]["saved_optimizer"])
+    assert sorted(ours["state"]) == list(range(len(hf_trainer[0]["zerofn"]["resumed"])))
+
+
+def test_consolidate_before_save_refuses_what_it_cannot_prepare() -> None:
+    pytest.importorskip("transformers")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from zerofn_torch.huggingface import ConsolidateBeforeSave
+
+    callback = ConsolidateBeforeSave()
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    plain = torch.optim.AdamW(model().parameters())
+    with pytest.raises(TypeError, match="optimizers=\\(ZeroRedundancyOptimizer"):
+        callback.on_train_begin(args, TrainerState(), TrainerControl(), optimizer=plain)
+    state = TrainerState(global_step=3)
+    with pytest.raises(RuntimeError, match="list ConsolidateBeforeSave last"):
+        callback.on_save(args, state, TrainerControl())

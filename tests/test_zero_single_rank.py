@@ -240,10 +240,43 @@ def test_foreign_state_dict_is_refused_and_nothing_changes(mode: str) -> None:
     assert foreign["param_groups"] == foreign_copy["param_groups"]
 
 
-def test_state_dict_needs_consolidation_first() -> None:
-    opt = ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
+@pytest.mark.parametrize("options", [{}, {"master_dtype": torch.float32}])
+def test_state_dict_before_any_step_answers_without_consolidating(options: Any) -> None:
+    """What Accelerate's ``prepare`` reads and loads back on every rank: a
+    fresh optimizer's empty state, which a plain ``torch.optim`` optimizer
+    over the same parameters also reports and which loads back unchanged."""
+    model = make_model()
+    if options:
+        model = model.to(torch.bfloat16)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1, **options)
+    plain = torch.optim.Adam(make_model().parameters(), lr=0.1)
+    fresh = opt.state_dict()
+    assert fresh == plain.state_dict()
+    kept = opt.zero_rank.masters
+    masters = [] if kept is None else [m.clone() for m in kept.master]
+    opt.load_state_dict(fresh)  # as Accelerate's device placement does
+    assert opt.state_dict() == fresh
+    after = opt.zero_rank.masters
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(masters, [] if after is None else after.master, strict=True)
+    )
+    opt.param_groups[0]["lr"] = 0.5  # the live options, as after consolidating
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.5
+
+
+def test_state_dict_needs_consolidation_once_a_step_or_a_load_gave_it_state() -> None:
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+    train(model, opt, 1)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    full = opt.state_dict()
+    loaded = ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.Adam, lr=0.1)
+    loaded.load_state_dict(full)
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        loaded.state_dict()
 
 
 def test_overlap_mode_rules() -> None:

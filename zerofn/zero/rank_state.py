@@ -26,6 +26,7 @@ __all__ = [
     "local_state_cpu",
     "local_state_dict",
     "regroup",
+    "state_before_any_step",
 ]
 
 
@@ -100,6 +101,15 @@ def full_state_dict(
             for live, saved in zip(groups, consolidated["param_groups"], strict=True)
         ],
     }
+
+
+def state_before_any_step(groups: Sequence[Mapping[str, Any]]) -> StateDict:
+    """The full state of a ZeRO optimizer that no step and no load has
+    touched, in ``torch.optim``'s format: no per-parameter state (masters,
+    where there are any, are the parameters' values, which a load re-derives),
+    and the live groups' options. Every rank knows it without a collective."""
+    counts = [len(group["params"]) for group in groups]
+    return {"state": {}, "param_groups": global_groups(counts, groups)}
 
 
 def load_global_state(

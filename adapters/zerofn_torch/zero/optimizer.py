@@ -46,7 +46,12 @@ from zerofn.zero.rank import (
     via_for_backend,
     with_current_trainable,
 )
-from zerofn.zero.rank_state import full_state_dict, load_global_state, local_state_dict
+from zerofn.zero.rank_state import (
+    full_state_dict,
+    load_global_state,
+    local_state_dict,
+    state_before_any_step,
+)
 from zerofn.zero.recovery_point import Position, exchanged, stepped
 from zerofn.zero.redundancy import Regrouping
 from zerofn.zero.regroup import ParamState, regrouped
@@ -199,6 +204,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._zero = build_rank(self.param_groups, options, plan, mode)
         sync_hyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
+        # Until a step or a load gives it state, every rank knows the whole
+        # (empty) state: state_dict() answers without consolidating, as
+        # frameworks that read it at set-up (Accelerate's prepare) expect.
+        self._untouched = True
         self._position = Position(0)
         self._regroups = 0
         self._versions = self._read_versions()
@@ -284,6 +293,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """``answer``, and the position moved on once the local step is over."""
 
         def counted(request: LocalStep) -> Any:
+            self._untouched = False
             out = answer(request)
             if request.last:
                 self._position = stepped(self._position)
@@ -469,12 +479,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The full state gathered by the last :meth:`consolidate_state_dict`,
         in ``torch.optim``'s format (loadable into the unsharded optimizer).
 
+        Before the first step (and with no state loaded) every rank answers
+        without consolidating: the state is empty everywhere, and only the
+        groups' options are known, as for a fresh ``torch.optim`` optimizer.
+
         Returns:
             ``{"state": ..., "param_groups": [...]}`` with the live groups' options.
 
         Raises:
             RuntimeError: if the state was not consolidated on this rank.
         """
+        if self._consolidated is None and self._untouched:
+            return state_before_any_step(self.param_groups)
         return full_state_dict(self._consolidated, self.param_groups, self.rank)
 
     def load_state_dict(self, state_dict: StateDict) -> None:
@@ -495,6 +511,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         validate_global(self._zero.plan.partition, state_dict)
         load_global_state(self._zero, self.param_groups, state_dict)
+        self._untouched = self._untouched and not state_dict["state"]
 
     def local_state_dict(self) -> StateDict:
         """This rank's local optimizer state as checkpoints keep it: one
@@ -595,6 +612,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return OverlapBinding(self._step_with_grads, self._adopt_owners, self._send_compressed)
 
     def _step_with_grads(self, request: StepGradients) -> None:
+        self._untouched = False
         hook_driven.step_with_grads(self._zero, self.param_groups, request)
 
     def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
