@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "exa
 import train_elastic as example
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.elastic import recover
+from zerofn_torch.elastic import _timeout_s, recover
 from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.links import Node, netns_names, two_nodes, unavailable_reason
 from zerofn_torch.runtime.traffic import collective_traffic
@@ -422,3 +422,33 @@ def test_a_node_lost_across_a_link_leaves_the_others_going(tmp_path: Path) -> No
     assert crossed.a_to_b > 0 and crossed.b_to_a > 0
     assert netns_names() == before
     check_the_survivors_results(tmp_path)
+
+
+def _late_start_then_short_group(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 reaches its first collective 2 s after rank 0 (a slow start),
+    on the default group; then a group with a 1 s timeout, on which rank 1
+    is late again: rank 0's all-reduce must fail at that timeout."""
+    if rank == 1:
+        time.sleep(2.0)
+    dist.barrier()  # the default group's timeout lets the slow start through
+    group = dist.new_group(timeout=timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(2.5)
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        failed = None
+    except RuntimeError as e:
+        failed = str(e)
+    waited = time.monotonic() - began
+    # kept: the timeout recover gives the group it makes after a loss
+    return {"failed": failed, "waited": waited, "kept": _timeout_s(group)}
+
+
+@pytest.mark.timeout(120)
+def test_a_short_timeout_group_after_a_slow_start() -> None:
+    """What docs/resilience.md recommends: start-up on the default timeout,
+    training on a group made afterwards with a short one."""
+    first = run_local_world(_late_start_then_short_group, 2, timeout_s=60.0)[0]
+    assert first["failed"] is not None and 0.9 <= first["waited"] < 2.4
+    assert first["kept"] == 1.0
