@@ -1,16 +1,19 @@
 """The survivors' roll call (``zerofn_torch.elastic.roll_call``), in one
 process: ranks are threads sharing one in-memory store. Everyone who
-answers by the deadline is alive; one that never answers is out; one that
-answers too late sees another world than the others and raises rather than
-going on alone; every survivor learns where each stood."""
+answers by the deadline is alive; one that never answers is out, at once if
+its heartbeat went silent; one that answers too late finds itself declared
+lost and raises rather than going on alone; every survivor learns where
+each stood."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
-from zerofn_torch.elastic import RollCall, roll_call
+from zerofn_torch.elastic import SILENT_AFTER_S, RollCall, roll_call
+from zerofn_torch.runtime.heartbeat import beat_key
 
 from zerofn.errors import CollectiveError
 from zerofn.zero.recovery_point import Position
@@ -57,4 +60,48 @@ def test_a_rank_that_answers_too_late_raises_instead_of_going_on_alone() -> None
     assert early == {0: both, 1: both}
     (late,) = call_together(store, [2], 3, set(), deadline_s=0.5).values()
     assert isinstance(late, CollectiveError)
-    assert "disagree on who is alive" in str(late)
+    assert "rank 2 was declared lost before it answered" in str(late)
+
+
+def _beating(store: Any, rank: int, stop: threading.Event) -> threading.Thread:
+    def beat() -> None:
+        while not stop.is_set():
+            store.add(beat_key(0, rank), 1)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    return thread
+
+
+def test_a_rank_whose_heartbeat_stopped_is_out_long_before_the_deadline() -> None:
+    store = dist.HashStore()
+    store.add(beat_key(0, 2), 7)  # rank 2 beat, then died
+    stop = threading.Event()
+    beats = [_beating(store, r, stop) for r in (0, 1)]
+    began = time.monotonic()
+    answers = call_together(store, [0, 1], 3, set(), deadline_s=30.0)
+    took = time.monotonic() - began
+    stop.set()
+    for t in beats:
+        t.join()
+    both = RollCall((0, 1), (Position(0), Position(0)))
+    assert answers == {0: both, 1: both}
+    assert SILENT_AFTER_S <= took < SILENT_AFTER_S + 1.0
+
+
+def test_a_rank_still_beating_is_waited_for_and_one_never_seen_beating_too() -> None:
+    """Alive but busy (its heartbeat goes on), or unknown (no heartbeat): the
+    roll call waits for either until the deadline."""
+    for beating in (True, False):
+        store = dist.HashStore()
+        stop = threading.Event()
+        beats = [_beating(store, r, stop) for r in ((0, 1, 2) if beating else (0, 1))]
+        began = time.monotonic()
+        answers = call_together(store, [0, 1], 3, set(), deadline_s=1.5)
+        took = time.monotonic() - began
+        stop.set()
+        for t in beats:
+            t.join()
+        assert answers[0] == answers[1] == RollCall((0, 1), (Position(0), Position(0)))
+        assert took >= 1.5

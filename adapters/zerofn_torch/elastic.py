@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from zerofn.comm import Broadcast, Program
 from zerofn.errors import CollectiveError
+from zerofn.zero.liveness import BeatView, seen_beats, silent_ranks
 from zerofn.zero.recovery_point import (
     InconsistentPositions,
     Position,
@@ -51,6 +52,7 @@ from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.futures import settle
+from zerofn_torch.runtime.heartbeat import beat_key, raise_alarm
 from zerofn_torch.runtime.object_collectives import all_gather_objects, broadcast_object
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -75,7 +77,15 @@ GENERATION = "zerofn/elastic/generation"
 lower was left behind (paused past its peers' recovery) and must fail alone."""
 
 DEADLINE_S = 5.0
-"""How long the roll call waits for a rank to say it is alive."""
+"""How long the roll call waits at most for a rank to say it is alive (one
+with no heartbeat to tell it is gone sooner)."""
+
+SILENT_AFTER_S = 0.75
+"""How long a rank's heartbeat may stand still before the roll call declares
+it lost (it beats every tenth of a second)."""
+
+LOST = "lost"
+"""A rank's roll-call answer written by another rank that declared it lost."""
 
 
 @attrs.frozen
@@ -117,45 +127,57 @@ class Recovered:
     point: RecoveryPoint
 
 
-def _wait_for(store: Any, keys: Sequence[str], deadline: float) -> list[str]:
-    """The keys of ``keys`` present by ``deadline`` (all of them, as soon as they are)."""
-    while True:
-        present = [k for k in keys if store.check([k])]
-        if len(present) == len(keys) or time.monotonic() >= deadline:
-            return present
-        time.sleep(0.01)
+def _beat_count(store: Any, key: str) -> int | None:
+    """The heartbeat counter under ``key``; ``None`` if it never beat there."""
+    return int(store.get(key)) if store.check([key]) else None
 
 
 def roll_call(
-    store: Any, prefix: str, rank: int, world_size: int, position: Position, deadline_s: float
+    store: Any,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    position: Position,
+    deadline_s: float,
+    *,
+    generation: int = 0,
+    silent_after_s: float = SILENT_AFTER_S,
 ) -> RollCall:
     """Every rank that can, says it is alive (and where it stands) under
-    ``prefix`` in ``store``; those that did by the deadline are alive (a rank
-    that cannot prove it is alive is out). Then each says whom it saw, and
-    all must agree. It ends as soon as every rank has answered.
+    ``prefix`` in ``store``; a rank that has not is declared lost by any
+    survivor once its heartbeat (``zerofn/beat/<generation>/<rank>``) has
+    been silent for ``silent_after_s``, or at the deadline. Each rank's
+    answer is one key written once (compare-and-set: its position, or
+    "lost"), so every survivor reads the same roll. It ends as soon as every
+    rank has answered or been declared lost: within about ``silent_after_s``
+    of the call for a dead rank that beat, rather than at the deadline.
 
     Raises:
-        zerofn.errors.CollectiveError: the survivors saw different ranks
-            (one answered too late for some): nobody can go on safely.
+        zerofn.errors.CollectiveError: this rank was declared lost before it
+            answered (it was silent, or late): the others go on without it.
     """
-    store.set(f"{prefix}/here/{rank}", position.to_text())
     keys = [f"{prefix}/here/{r}" for r in range(world_size)]
-    present = _wait_for(store, keys, time.monotonic() + deadline_s)
-    alive = tuple(r for r in range(world_size) if f"{prefix}/here/{r}" in present)
-    store.set(f"{prefix}/seen/{rank}", ",".join(map(str, alive)))
-    seen = [f"{prefix}/seen/{r}" for r in alive]
-    store.wait(seen, timedelta(seconds=deadline_s))
-    views = {store.get(k).decode() for k in seen}
-    if len(views) != 1:
+    if store.compare_set(keys[rank], "", position.to_text()).decode() == LOST:
         raise CollectiveError(
             "the roll call",
             "going on without the lost ranks",
             prefix,
-            f"the survivors disagree on who is alive ({sorted(views)}): a rank answered "
-            "too late for some",
+            f"rank {rank} was declared lost before it answered (silent for {silent_after_s} s, "
+            "or past the deadline): the others go on without it",
         )
-    positions = tuple(Position.from_text(store.get(f"{prefix}/here/{r}").decode()) for r in alive)
-    return RollCall(alive, positions)
+    beats = [beat_key(generation, r) for r in range(world_size)]
+    view: BeatView | None = None
+    end = time.monotonic() + deadline_s
+    while undecided := [r for r in range(world_size) if not store.check([keys[r]])]:
+        now = time.monotonic()
+        view = seen_beats(view, [_beat_count(store, k) for k in beats], now)
+        lost = silent_ranks(view, now, silent_after_s) if now < end else range(world_size)
+        for r in set(undecided).intersection(lost):
+            store.compare_set(keys[r], "", LOST)
+        time.sleep(0.01)
+    answers = [store.get(k).decode() for k in keys]
+    alive = tuple(r for r in range(world_size) if answers[r] != LOST)
+    return RollCall(alive, tuple(Position.from_text(answers[r]) for r in alive))
 
 
 def _moved(
@@ -244,8 +266,13 @@ def recover(
         )
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     _refuse_if_left_behind(store, zero.regroups, error)
+    # Every rank still waiting on a collective of this world ends its wait.
+    raise_alarm(f"rank {zero.rank} of {zero.world_size}: {type(error).__name__}")
     prefix = f"zerofn/elastic/{zero.regroups}"
-    call = roll_call(store, prefix, zero.rank, zero.world_size, zero.position, deadline_s)
+    call = roll_call(
+        store, prefix, zero.rank, zero.world_size, zero.position, deadline_s,
+        generation=zero.regroups,
+    )  # fmt: skip
     try:
         point = recovery_point(call.positions)
     except InconsistentPositions as refused:

@@ -30,6 +30,7 @@ from zerofn.hooks import hook as core
 from zerofn.hooks import quantization
 from zerofn.hooks.hook import CommHook, HookState
 from zerofn_torch.runtime.futures import for_ddp, then
+from zerofn_torch.runtime.heartbeat import interruptible
 from zerofn_torch.runtime.hook_cells import HookCell, run_stateless
 
 __all__ = [
@@ -220,6 +221,7 @@ def _cast_wrapper(dtype: torch.dtype, hook: DDPHook) -> DDPHook:
         original_dtype = bucket.buffer().dtype
         # The wrapped hook reads the bucket's buffer, so it sees the cast one.
         bucket.set_buffer(bucket.buffer().to(dtype))
-        return for_ddp(then(hook(state, bucket), lambda reduced: reduced.to(original_dtype)))
+        reduced = then(hook(state, bucket), lambda reduced: reduced.to(original_dtype))
+        return for_ddp(interruptible(reduced))
 
     return compress_wrapper_hook

@@ -49,6 +49,7 @@ from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.foreign_hooks import foreign_hook
 from zerofn_torch.runtime.futures import for_ddp
+from zerofn_torch.runtime.heartbeat import interruptible
 from zerofn_torch.runtime.hook_cells import HookCell, bucket_info
 from zerofn_torch.zero.loss_scaling import LossScaler
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
@@ -158,7 +159,7 @@ class _OverlapRunner:
             self._carry_out(state, state.order)
         if info.is_last:
             self._receive()
-        return for_ddp(reduced)
+        return for_ddp(interruptible(reduced))
 
     def _carry_out(self, state: OverlapHookState[Any], order: StepOrder) -> None:
         """Run the core's :func:`zerofn.overlap.orders.carry_out` for ``order``:

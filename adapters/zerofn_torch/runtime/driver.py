@@ -32,6 +32,7 @@ import torch
 from zerofn.comm import Collect, Post, Program, ProgramStep, Response
 from zerofn_torch.runtime.foreign_hooks import Await
 from zerofn_torch.runtime.futures import on_done
+from zerofn_torch.runtime.heartbeat import wait
 from zerofn_torch.runtime.issue import Step, issue
 
 __all__ = ["PolledProgram", "ProgramPipeline", "drive", "finish_polled"]
@@ -140,7 +141,7 @@ class _Running(Generic[R]):
             return
         pending = self.pending
         assert pending is not None
-        self._step(lambda: self.program.send(pending.wait()))
+        self._step(lambda: self.program.send(wait(pending, self.purpose)))
 
 
 def drive(
@@ -194,7 +195,7 @@ class PolledProgram(Generic[R]):
         _UNFINISHED.pop(self._key, None)
         while not self._running.done:
             self._running.advance()
-        return self._running.result.wait()
+        return wait(self._running.result, self._running.purpose)
 
     @property
     def purpose(self) -> str:

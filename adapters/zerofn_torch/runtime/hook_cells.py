@@ -20,6 +20,7 @@ from zerofn.hooks import hook as core
 from zerofn.hooks.hook import BucketInfo, CommHook, HookState
 from zerofn_torch.runtime.driver import ProgramPipeline, drive
 from zerofn_torch.runtime.futures import for_ddp, then
+from zerofn_torch.runtime.heartbeat import interruptible
 
 __all__ = ["HookCell", "bucket_info", "run_stateless"]
 
@@ -47,7 +48,7 @@ def run_stateless(
     info = bucket_info(bucket, group)
     _, program = hook.start(bucket.buffer(), info, None, None)
     purpose = f"DDP bucket {info.index} (hook {hook.name!r})"
-    return for_ddp(then(drive(program, group, purpose), lambda result: result[0]))
+    return for_ddp(interruptible(then(drive(program, group, purpose), lambda result: result[0])))
 
 
 class HookCell(Generic[G, B]):
@@ -82,7 +83,7 @@ class HookCell(Generic[G, B]):
             bucket's result when it completes).
         """
         before, info, result = self.start(hook, bucket, group, bucket_info(bucket, group))
-        return before, info, for_ddp(result)
+        return before, info, for_ddp(interruptible(result))
 
     def start(
         self, hook: CommHook[G, B], bucket: Any, group: Any, info: BucketInfo

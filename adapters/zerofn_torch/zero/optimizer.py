@@ -60,6 +60,7 @@ from zerofn.zero.shard_state import validate_global
 from zerofn.zero.step import run_zero_step
 from zerofn_torch.join import Join, JoinHook
 from zerofn_torch.runtime.driver import drive
+from zerofn_torch.runtime.heartbeat import start_heartbeat, wait
 from zerofn_torch.zero.gradients import clip_grad_norm, unscale_gradients
 from zerofn_torch.zero.state_dicts import consolidate_on, gather_global_state
 
@@ -211,6 +212,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._position = Position(0)
         self._regroups = 0
         self._versions = self._read_versions()
+        # With every shard on two ranks the job can go on without a lost rank:
+        # the others tell this one is alive by its heartbeat (zerofn_torch.elastic).
+        self._heartbeat = start_heartbeat(0, self.rank) if redundancy == 2 else None
 
     # ----- what the shell holds -----------------------------------------------
 
@@ -284,7 +288,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with synced_hyperparameters(self.param_groups, zero):
             program = run_zero_step(zero.shards, params, zero.options.via, answer, zero.compressed)
             done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
-        loss = done.wait()  # a CollectiveError leaves the position "not exchanged"
+        # A CollectiveError leaves the position "not exchanged".
+        loss = wait(done, "the ZeRO step's exchange of updated shards")
         self._position = exchanged(self._position)
         self._versions = self._read_versions()
         return loss
@@ -588,6 +593,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.process_group = group
         self.rank, self.world_size = zero.options.rank, zero.options.world_size
         self._regroups = self._regroups + 1 if generation is None else generation
+        if self._heartbeat is not None:
+            self._heartbeat.beat_as(self._regroups, self.rank)
         if finish_step:
             params = self._all_params
             program = run_zero_step(zero.shards, params, zero.options.via, lambda _: None)
