@@ -15,7 +15,9 @@ each difference between two runs has one cause:
 
 ``--runs`` picks runs from the catalogue in ``demo_runs.py`` (also
 ``zero+bf16``: bf16 parameters with fp32 master shards; ``diloco-h50`` and
-``diloco-streaming``: DiLoCo syncing every 50 steps, and Streaming DiLoCo).
+``diloco-streaming``: DiLoCo syncing every 50 steps, and Streaming DiLoCo;
+``diloco+int8``, ``diloco+int4``, ``diloco+int2`` and ``diloco+topk``:
+DiLoCo's syncs compressed, compared with ``diloco``).
 ``--diloco`` trains ``ddp`` beside the three DiLoCo runs. It prints one table
 (held-out loss and the gap to each run's baseline; the training loss averaged
 over the last steps and its gap; whether the training losses match the
@@ -213,7 +215,8 @@ def plans(cfg: Config, world_size: int) -> dict[str, Plan]:
         if spec.optimizer == "diloco":
             fragments = plan_fragments(sizes, spec.fragments, world_size)
             extra["diloco_state"] = [
-                outer_state_bytes(fragments, r, compressed=False) for r in range(world_size)
+                outer_state_bytes(fragments, r, compressed=spec.sync_compression is not None)
+                for r in range(world_size)
             ]
         unsharded = plan_footprint(shapes, 1, "greedy", **options)
         out[spec.key] = Plan.of(unsharded, world_size, **extra)

@@ -15,7 +15,9 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from zerofn.diloco.config import Compression as DiLoCoCompression
 from zerofn.diloco.config import DiLoCoConfig
+from zerofn.topk import TopK
 
 OptimizerKind = Literal["adamw", "zero", "diloco"]
 GradientExchange = Literal["ddp", "powersgd", "none"]
@@ -55,6 +57,9 @@ class RunSpec:
         fragments: DiLoCo's fragments, synced in turn (Streaming DiLoCo's P).
         delay: inner steps a DiLoCo sync overlaps before its result is applied.
         mixing: the weight of the local values when a DiLoCo result is applied.
+        sync_compression: DiLoCo's ``compression`` (``None``: fp32 syncs).
+        outer: DiLoCo's outer SGD as ``(lr, momentum)``, Nesterov when the
+            momentum is positive; ``None``: DiLoCo's default (0.7, 0.9).
         baseline: the run this one's loss is compared with (``None``: none).
         exact: its losses must equal the baseline's bitwise.
         target: the held-out gap it must stay within, if any.
@@ -76,6 +81,8 @@ class RunSpec:
     fragments: int = 1
     delay: int = 0
     mixing: float = 0.0
+    sync_compression: DiLoCoCompression = None
+    outer: tuple[float, float] | None = None
     baseline: str | None = None
     exact: bool = False
     target: Target | None = None
@@ -96,11 +103,21 @@ class RunSpec:
             )
         if self.optimizer == "diloco":
             try:  # the optimizer's own rules, checked before any rank spawns
-                DiLoCoConfig(self.sync_every, self.fragments, self.delay, self.mixing)
+                DiLoCoConfig(
+                    self.sync_every,
+                    self.fragments,
+                    self.delay,
+                    self.mixing,
+                    self.sync_compression,
+                )
             except (TypeError, ValueError) as error:
                 raise ValueError(f"{self.key}: {error}") from None
-        elif (self.fragments, self.delay, self.mixing) != (1, 0, 0.0):
-            raise ValueError(f"{self.key}: fragments, delay and mixing need 'diloco'")
+        elif (self.fragments, self.delay, self.mixing, self.sync_compression) != (1, 0, 0.0, None):
+            raise ValueError(
+                f"{self.key}: fragments, delay, mixing and sync_compression need 'diloco'"
+            )
+        elif self.outer is not None:
+            raise ValueError(f"{self.key}: outer needs 'diloco'")
         if (self.exact or self.target is not None) and self.baseline is None:
             raise ValueError(f"{self.key}: exact or target needs a baseline run")
         if self.powersgd_rank < 1 or self.powersgd_start < 2:
@@ -167,7 +184,82 @@ DILOCO_STREAMING = RunSpec(
     mixing=0.5,
     baseline="ddp",
 )
-CATALOGUE = (DDP_ADAMW, ZERO, POWERSGD, INT8, INT4, BF16, DILOCO, DILOCO_H50, DILOCO_STREAMING)
+
+
+def _diloco_codec(
+    name: str,
+    compression: DiLoCoCompression,
+    target: Target | None = None,
+    outer: tuple[float, float] | None = None,
+) -> RunSpec:
+    """DiLoCo every 10 steps with its syncs compressed, judged against ``diloco``."""
+    extra = "" if outer is None else f", outer SGD lr {outer[0]:g} momentum {outer[1]:g}"
+    return RunSpec(
+        f"diloco+{name}",
+        f"DiLoCo (sync every 10 steps), compression={compression!r}{extra}",
+        "diloco",
+        "none",
+        sync_every=10,
+        sync_compression=compression,
+        outer=outer,
+        baseline="diloco",
+        target=target,
+    )
+
+
+SPARSE_OUTER = (1.0, 0.0)
+"""Top-k's outer optimizer: SGD at lr 1 without momentum (as SparseLoCo's).
+With Nesterov momentum the owners' exact anchor moves on every element at
+every sync while its change reaches the workers 2% of a chunk at a time: the
+gap grows, and arrives in jumps."""
+DILOCO_INT8 = _diloco_codec("int8", "int8")
+DILOCO_INT4 = _diloco_codec("int4", "int4")
+DILOCO_INT2 = _diloco_codec(
+    "int2",
+    "int2",
+    Target(
+        0.01,
+        "2-bit codes resolve each block's pseudo-gradient to a third of its largest "
+        "element; what they drop waits a whole sync in the residual",
+    ),
+)
+DILOCO_TOPK = _diloco_codec(
+    "topk",
+    TopK(density=0.02, bits=2),
+    Target(
+        0.02,
+        "2% of each chunk travels per sync: the rest of every worker's progress waits "
+        "in its residual, and the workers restart from an anchor that moved only there",
+    ),
+    outer=SPARSE_OUTER,
+)
+DILOCO_TOPK_NESTEROV = _diloco_codec("topk-nesterov", TopK(density=0.02, bits=2))
+DILOCO_SGD1 = RunSpec(
+    "diloco-sgd1",
+    "DiLoCo (sync every 10 steps), outer SGD lr 1 momentum 0",
+    "diloco",
+    "none",
+    sync_every=10,
+    outer=SPARSE_OUTER,
+    baseline="diloco",
+)
+CATALOGUE = (
+    DDP_ADAMW,
+    ZERO,
+    POWERSGD,
+    INT8,
+    INT4,
+    BF16,
+    DILOCO,
+    DILOCO_H50,
+    DILOCO_STREAMING,
+    DILOCO_INT8,
+    DILOCO_INT4,
+    DILOCO_INT2,
+    DILOCO_TOPK,
+    DILOCO_TOPK_NESTEROV,
+    DILOCO_SGD1,
+)
 DEFAULT_RUNS = (DDP_ADAMW, ZERO, POWERSGD, INT8, INT4, DILOCO)
 # ``--diloco``: DDP and the DiLoCo runs, at equal inner steps.
 DILOCO_RUNS = (DDP_ADAMW, DILOCO, DILOCO_H50, DILOCO_STREAMING)

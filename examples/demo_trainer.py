@@ -115,12 +115,23 @@ class Trainer:
             # Imported here: the other runs do not need it.
             from zerofn_torch.averaging import DiLoCoOptimizer
 
+            outer = None
+            if spec.outer is not None:
+                outer_lr, momentum = spec.outer
+
+                def outer(tensors: Any) -> torch.optim.Optimizer:
+                    return torch.optim.SGD(
+                        tensors, lr=outer_lr, momentum=momentum, nesterov=momentum > 0
+                    )
+
             diloco = DiLoCoOptimizer(
                 inner,
+                outer_optimizer=outer,
                 sync_every=spec.sync_every,
                 fragments=spec.fragments,
                 delay=spec.delay,
                 mixing=spec.mixing,
+                compression=spec.sync_compression,
             )
             return diloco, inner
         return inner, inner

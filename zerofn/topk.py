@@ -11,18 +11,24 @@ exchange these payloads agree on their sizes without asking each other.
 
 A kept element travels as its offset in the chunk (``ceil(log2(chunk))``
 bits, packed end to end: 11 bits at the default chunk of 2048) and its
-value, quantized with one ``float32`` scale per chunk: 2-bit codes
-(:mod:`zerofn.twobit`'s four levels ``-3s, -s, s, 3s``, ``s = max / 3``)
-or int8 codes (``s = max / 127``), ``max`` the chunk's largest kept
-magnitude. Rounding is deterministic, so every rank decodes identical
-bytes. Payload::
+value. With ``bits=2`` the value is a sign bit and a level bit: the kept
+magnitudes of a chunk lie in ``[low, high]`` (its smallest and largest kept
+magnitude, two ``float32`` per chunk), and the two levels sit a quarter of
+that range in from either end, so every kept value comes back within
+``(high - low) / 4``. (Levels spread over ``[-high, high]``, as
+:mod:`zerofn.twobit`'s, would spend half of them on magnitudes below the
+cut, where nothing is kept, and inflate the smallest kept values up to a
+third of the largest; error feedback then pushes them back sync after sync.)
+With ``bits=8`` the value is an int8 code with one scale per chunk,
+``s = high / 127``: within ``s / 2``. Rounding is deterministic, so every
+rank decodes identical bytes. Payload::
 
-    [ scales: float32 x chunks | value codes | offsets | pad to 4 ]
+    [ scales: float32 x (2 or 1) x chunks | value codes | offsets | pad to 4 ]
 
 At density 0.02, 2 bits and chunks of 2048 that is
-``(41 x (2 + 11) / 8 + 4) / 2048`` = 0.0345 bytes per element: 1/116 of
-``float32``. Offsets within small chunks are what make it: ``int32``
-indices would cost 0.02 x 4 = 0.08 bytes per element alone (1/50).
+``(41 x (2 + 11) / 8 + 8) / 2048`` = 0.0364 bytes per element: 1/110 of
+``float32``. Offsets within chunks are what make it: ``int32`` indices
+would cost 0.02 x 4 = 0.08 bytes per element alone (1/50).
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import attrs
 import torch
 
 from zerofn.bitpack import pack_bits, packed_nbytes, unpack_bits
-from zerofn.twobit import LEVELS, midrise_codes, midrise_values
 
 __all__ = ["TopK"]
 
@@ -112,7 +117,9 @@ class TopK:
         full, tail, kept = self._lengths(numel)
         chunks = full + (tail > 0)
         raw = (
-            chunks * _SCALE_BYTES + self._value_nbytes(kept) + packed_nbytes(kept, self.index_bits)
+            chunks * self.scales_per_chunk * _SCALE_BYTES
+            + self._value_nbytes(kept)
+            + packed_nbytes(kept, self.index_bits)
         )
         return -(-raw // _SCALE_BYTES) * _SCALE_BYTES
 
@@ -127,7 +134,7 @@ class TopK:
                 f"got {payload.numel()}"
             )
         full, tail, kept = self._lengths(numel)
-        a = (full + (tail > 0)) * _SCALE_BYTES
+        a = (full + (tail > 0)) * self.scales_per_chunk * _SCALE_BYTES
         b = a + self._value_nbytes(kept)
         c = b + packed_nbytes(kept, self.index_bits)
         return payload[:a].view(torch.float32), payload[a:b], payload[b:c]
@@ -158,7 +165,11 @@ class TopK:
         above = magnitude > cut
         at = magnitude == cut
         wanted = k - above.sum(dim=1, keepdim=True)
-        chosen = above | (at & (at.cumsum(dim=1) <= wanted))
+        crowded = (at.sum(dim=1, keepdim=True) > wanted).view(-1)
+        if bool(crowded.any()):  # more ties at the cut than places: the first ones
+            tied = crowded.nonzero().view(-1)
+            at[tied] &= at[tied].cumsum(dim=1) <= wanted[tied]
+        chosen = above | at
         # Row-major nonzero: each row's offsets ascending, k per row.
         return chosen.nonzero()[:, 1].view(rows.shape[0], k)
 
@@ -179,30 +190,48 @@ class TopK:
         scales, codes, offsets = self._parts(out, numel)
         if numel == 0:
             return
-        kept_offsets, kept_values = [], []
+        kept_offsets, kept_scales, kept_codes = [], [], []
         for rows in self._rows(values.to(torch.float32)):
             chosen = self._select(rows)
             kept_offsets.append(chosen.reshape(-1))
-            kept_values.append(rows.gather(1, chosen))
-        top = self.qmax
-        largest = torch.cat([v.abs().amax(dim=1) for v in kept_values])
-        scales.copy_(largest / top)
-        inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
-        scaled, first = [], 0
-        for v in kept_values:
-            scaled.append((v * inverse[first : first + v.shape[0], None]).reshape(-1))
-            first += v.shape[0]
-        flat = torch.cat(scaled)
+            chunk_scales, chunk_codes = self._quantize(rows.gather(1, chosen))
+            kept_scales.append(chunk_scales.reshape(-1))
+            kept_codes.append(chunk_codes.reshape(-1))
+        scales.copy_(torch.cat(kept_scales))
         if self.bits == 8:
-            codes.view(torch.int8).copy_(flat.round_().clamp_(-top, top))
+            codes.view(torch.int8).copy_(torch.cat(kept_codes))
         else:
-            pack_bits(midrise_codes(flat), 2, codes)
+            pack_bits(torch.cat(kept_codes), 2, codes)
         pack_bits(torch.cat(kept_offsets), self.index_bits, offsets)
 
     @property
-    def qmax(self) -> int:
-        """The largest level, in scales: 127 for int8 codes, 3 for 2-bit ones."""
-        return 127 if self.bits == 8 else LEVELS
+    def scales_per_chunk(self) -> int:
+        """``float32`` scales per chunk: one for int8 codes, two for 2-bit ones."""
+        return 1 if self.bits == 8 else 2
+
+    def _quantize(self, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's scales and its kept values' codes."""
+        magnitude = kept.abs()
+        if self.bits == 8:
+            scale = magnitude.amax(dim=1, keepdim=True) / 127
+            inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+            return scale, kept.mul(inverse).round_().clamp_(-127, 127)
+        # Kept magnitudes lie in [low, high]: a sign bit and a bit for the lower
+        # or upper level, (high - low) / 4 in from either end, waste no level
+        # on magnitudes below the cut, where nothing was kept.
+        low = magnitude.amin(dim=1, keepdim=True)
+        high = magnitude.amax(dim=1, keepdim=True)
+        upper = (magnitude >= (low + high) / 2).to(torch.uint8)
+        return torch.cat([low, high], dim=1), (kept < 0).to(torch.uint8) | (upper << 1)
+
+    def _levels(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """The values of ``codes`` (one row per chunk) under each row's ``scales``."""
+        if self.bits == 8:
+            return codes.to(torch.float32).mul_(scales)
+        low, high = scales[:, :1], scales[:, 1:]
+        step = ((codes >> 1) & 1).to(torch.float32).mul_(2).add_(1).div_(4)
+        magnitude = low + (high - low) * step
+        return torch.where((codes & 1).bool(), -magnitude, magnitude)
 
     def decode(
         self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None
@@ -222,15 +251,18 @@ class TopK:
             return out
         full, tail, kept = self._lengths(numel)
         if self.bits == 8:
-            levels = codes.view(torch.int8).to(torch.float32)
+            all_codes = codes.view(torch.int8)
         else:
-            levels = midrise_values(unpack_bits(codes, kept, 2))
+            all_codes = unpack_bits(codes, kept, 2).to(torch.uint8)
         where = unpack_bits(offsets, kept, self.index_bits)
+        per = self.scales_per_chunk
+        chunk_scales = scales.view(-1, per)
         k = self.k_of(self.chunk)
         if full:
             rows = out[: full * self.chunk].view(full, self.chunk)
-            vals = levels[: full * k].view(full, k).mul_(scales[:full, None])
+            vals = self._levels(chunk_scales[:full], all_codes[: full * k].view(full, k))
             rows.scatter_(1, where[: full * k].view(full, k), vals)
         if tail:
-            out[full * self.chunk :][where[full * k :]] = levels[full * k :].mul_(scales[-1])
+            vals = self._levels(chunk_scales[full:], all_codes[full * k :].view(1, -1))
+            out[full * self.chunk :][where[full * k :]] = vals.view(-1)
         return out

@@ -43,7 +43,7 @@ class Codec(Protocol):
 
 
 CODECS = (BlockQuantizer, TwoBitQuantizer, TopK)
-"""The codecs a compressed sync is tested with."""
+"""The codec types a configuration takes as they are."""
 
 Compression = str | BlockQuantizer | TwoBitQuantizer | TopK | None
 """How pseudo-gradients travel: ``None`` (fp32), ``"int8"``, ``"int4"``,
