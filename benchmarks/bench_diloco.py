@@ -8,7 +8,8 @@ per rank from the collectives each side calls (ring estimate on 2 ranks, as
   all-reduce every step (DDP runs zerofn's averaging hook, so that its
   all-reduce is visible to the counter);
 * the largest single sync with ``fragments`` P against P = 1 (peak
-  bandwidth), and an int8 sync against an fp32 one;
+  bandwidth), and a compressed sync against an fp32 one: int8, int4, 2-bit
+  (``"int2"``) and top-k (``TopK(density=0.02, bits=2)``);
 * the outer state each rank keeps (``memory_bytes()``) against the anchor and
   momentum a replicated implementation keeps (8 bytes per parameter).
 
@@ -31,9 +32,19 @@ from zerofn_torch.hooks import allreduce_hook
 from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.traffic import collective_traffic
 
+from zerofn.diloco.config import Compression
+from zerofn.topk import TopK
+
 SYNC_EVERY = (10, 50)
 FRAGMENTS = 4
 TIMED_H = 8  # H of the timed runs: 4 fragments, one sync every 2 steps
+CODECS: dict[str, Compression] = {
+    "int8": "int8",
+    "int4": "int4",
+    "int2": "int2",
+    "topk": TopK(density=0.02, bits=2),
+}
+"""The compressed syncs measured, by name."""
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -83,15 +94,19 @@ def _bytes(rank: int, width: int, depth: int, batch: torch.Tensor) -> dict[str, 
         opt = DiLoCoOptimizer(adamw(model), sync_every=h)
         out[f"H={h}"] = sent(window(model, opt, batch, h)) / h
 
-    for fragments, compression in ((1, None), (FRAGMENTS, None), (1, "int8")):
+    runs = [(1, "None"), (FRAGMENTS, "None")] + [(1, name) for name in CODECS]
+    for fragments, name in runs:
         model = make_model(width, depth)
         opt = DiLoCoOptimizer(
-            adamw(model), sync_every=FRAGMENTS, fragments=fragments, compression=compression
+            adamw(model),
+            sync_every=FRAGMENTS,
+            fragments=fragments,
+            compression=CODECS.get(name),
         )
         # The largest sync: each step's bytes, one sync at most per step.
         per_step = [sent(window(model, opt, batch, 1)) for _ in range(FRAGMENTS)]
-        out[f"peak P={fragments} {compression}"] = max(per_step)
-        out[f"memory P={fragments} {compression}"] = opt.memory_bytes()
+        out[f"peak P={fragments} {name}"] = max(per_step)
+        out[f"memory P={fragments} {name}"] = opt.memory_bytes()
     out["numel"] = sum(p.numel() for p in model.parameters())
     return out
 
@@ -169,7 +184,15 @@ def bench_diloco(quick: bool) -> Section:
             f"{streamed / whole:.3f}",
             f"{r0[f'memory P={FRAGMENTS} None']:,}",
         ],
-        ["P = 1, int8", f"{int8:,.0f}", f"{int8 / whole:.3f}", f"{r0['memory P=1 int8']:,}"],
+    ]
+    peak_rows += [
+        [
+            f"P = 1, {name}",
+            f"{r0[f'peak P=1 {name}']:,.0f}",
+            f"{r0[f'peak P=1 {name}'] / whole:.4f} (1/{whole / r0[f'peak P=1 {name}']:.0f})",
+            f"{r0[f'memory P=1 {name}']:,}",
+        ]
+        for name in CODECS
     ]
     replicated = 8 * numel
     memory = r0["memory P=1 None"] / replicated
@@ -189,6 +212,20 @@ def bench_diloco(quick: bool) -> Section:
             "<= 0.3",
             int8 / whole <= 0.3,
             short="DiLoCo int8 bytes",
+        ),
+        *(
+            Headline(
+                f"DiLoCo {name} ({model})",
+                f"bytes per sync: fp32 / {name}",
+                Spread.exact(whole / r0[f"peak P=1 {name}"]),
+                f">= {1 / most:.0f}",
+                r0[f"peak P=1 {name}"] / whole <= most,
+                short=f"DiLoCo {name} bytes",
+                why=""
+                if r0[f"peak P=1 {name}"] / whole <= most
+                else f"bytes: 1/{whole / r0[f'peak P=1 {name}']:.1f} of fp32's on the wire",
+            )
+            for name, most in (("int2", 1 / 14), ("topk", 1 / 100))
         ),
         Headline(
             f"DiLoCo ({model})",

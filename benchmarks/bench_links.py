@@ -1464,6 +1464,10 @@ def section_from(
         body, panel = bench_loss_time.loss_time_part(loss_time, link)
         blocks.append(body)
         panels.append(panel)
+        codecs, codec_headlines = bench_loss_time.codec_part(loss_time, link)
+        if codecs:
+            blocks.append(codecs)
+            headlines += codec_headlines
     for rate, measured in results.items():
         bits = links.parse_rate(rate)
         blocks.append(

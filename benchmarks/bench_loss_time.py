@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from report import Curve, Panel, md_table
+from report import Curve, Headline, Panel, Spread, md_table
 from zerofn_torch.runtime import links
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -36,8 +36,9 @@ DELAY = "20ms"
 """Each direction's one-way delay: a 40 ms round trip between sites."""
 PORT = 29531
 """Where rank 0 (node ``a``) meets rank 1, inside the two namespaces."""
-RUNS = "ddp,zero+powersgd,diloco"
-"""The demo's runs (``--runs``; the demo adds their baselines: ``zero``)."""
+RUNS = "ddp,zero+powersgd,diloco,diloco+int8,diloco+int2,diloco+topk"
+"""The demo's runs (``--runs``; the demo adds their baselines: ``zero``):
+DiLoCo with fp32 syncs and with int8, 2-bit and top-k (2%, 2-bit) ones."""
 ARGS = {
     False: ["--steps", "60", "--eval-every", "10"],
     True: ["--steps", "20", "--eval-every", "10", "--width", "32", "--layers", "1"],
@@ -46,13 +47,17 @@ ARGS = {
 20 steps, the fewest the demo counts with DiLoCo's syncs every 10)."""
 
 
-def demo_args(quick: bool) -> list[str]:
-    """The demo's command line for this measurement."""
-    return ["--runs", RUNS, "--world-size", "2", "--data-mb", "1", *ARGS[quick]]
+def demo_args(quick: bool, runs: str = RUNS, size: Sequence[str] | None = None) -> list[str]:
+    """The demo's command line for this measurement (``size``: the steps and
+    model arguments, :data:`ARGS` by default)."""
+    sized = ARGS[quick] if size is None else list(size)
+    return ["--runs", runs, "--world-size", "2", "--data-mb", "1", *sized]
 
 
-def measure_rank(rank: int, quick: bool, init_method: str) -> dict[str, Any]:
-    """Inside node ``rank``'s namespace: train the demo's runs as one of 2
+def measure_rank(
+    rank: int, quick: bool, init_method: str, runs: str = RUNS, size: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Inside node ``rank``'s namespace: train the demo's ``runs`` as one of 2
     ranks; per run, this rank's held-out evaluations and each step's seconds."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
@@ -60,14 +65,22 @@ def measure_rank(rank: int, quick: bool, init_method: str) -> dict[str, Any]:
     import demo_train
     from zerofn_torch.runtime.launch import run_rank
 
-    cfg, world_size, _ = demo.parse(demo_args(quick))
+    cfg, world_size, _ = demo.parse(demo_args(quick, runs, size))
     got_runs = run_rank(
         demo_train.train_rank, rank, world_size, cfg, init_method=init_method, timeout_s=1800
     )
-    runs = {}
+    return measured_from(cfg, world_size, got_runs, runs)
+
+
+def measured_from(
+    cfg: Any, world_size: int, got_runs: Mapping[str, Any], runs: str
+) -> dict[str, Any]:
+    """One rank's measurement of the demo's ``runs`` (its ``Config`` and what
+    ``demo_train.train_rank`` returned), as plain JSON-ready values."""
+    measured = {}
     for spec in cfg.runs:
         got = got_runs[spec.key]
-        runs[spec.key] = {
+        measured[spec.key] = {
             "title": spec.title,
             "held_out": [list(point) for point in got.held_out],
             "step_s": [
@@ -75,19 +88,23 @@ def measure_rank(rank: int, quick: bool, init_method: str) -> dict[str, Any]:
             ],
         }
     return {
-        "runs": runs,
+        "runs": measured,
         "steps": cfg.steps,
         "world_size": world_size,
         "eval_every": cfg.eval_every,
         "rate": RATE,
         "delay": DELAY,
+        "runs_arg": runs,
+        "sync_every": {spec.key: spec.sync_every for spec in cfg.runs},
     }
 
 
 def node_main(argv: Sequence[str]) -> None:
-    """A node's process: ``rank quick init_method out`` (rank 0 writes ``out``)."""
+    """A node's process: ``rank quick init_method out runs [size...]`` (rank
+    0 writes ``out``)."""
     rank, quick, init_method, out = int(argv[0]), argv[1] == "1", argv[2], argv[3]
-    measured = measure_rank(rank, quick, init_method)
+    size = argv[5:] or None
+    measured = measure_rank(rank, quick, init_method, argv[4], size)
     if rank == 0:
         with open(out, "w", encoding="utf-8") as f:
             json.dump(measured, f)
@@ -96,10 +113,13 @@ def node_main(argv: Sequence[str]) -> None:
 NODE = "import sys, bench_loss_time; bench_loss_time.node_main(sys.argv[1:])"
 
 
-def run_across_link(quick: bool) -> dict[str, Any]:
+def run_across_link(
+    quick: bool, runs: str = RUNS, size: Sequence[str] | None = None
+) -> dict[str, Any]:
     """Make :func:`~zerofn_torch.runtime.links.two_nodes` at :data:`RATE` and
-    :data:`DELAY`, run rank 0 in node ``a`` and rank 1 in node ``b``, and
-    return rank 0's measurement with the bytes that crossed the link.
+    :data:`DELAY`, run rank 0 in node ``a`` and rank 1 in node ``b`` (the
+    demo's ``runs``, sized by ``size``: :data:`ARGS` by default), and return
+    rank 0's measurement with the bytes that crossed the link.
 
     Raises:
         RuntimeError: a rank failed (the tail of its output says how).
@@ -113,7 +133,8 @@ def run_across_link(quick: bool) -> dict[str, Any]:
         ranks = []
         for rank, node in enumerate(pair.nodes):
             env = node.env(os.environ) | {"PYTHONPATH": env_path}
-            argv = [sys.executable, "-c", NODE, str(rank), str(int(quick)), init_method, out]
+            argv = [sys.executable, "-c", NODE, str(rank), str(int(quick)), init_method, out, runs]
+            argv += list(size or ())
             with open(logs[rank], "w", encoding="utf-8") as log:
                 ranks.append(
                     subprocess.Popen(
@@ -186,7 +207,8 @@ def loss_time_part(raw: Mapping[str, Any], link_label: str) -> tuple[str, Panel]
         )
     body = (
         f"**Held-out loss against training time at {link_label}** (the demo's model, "
-        f"`examples/demo.py --runs {RUNS}`, {raw['steps']} steps on {raw['world_size']} "
+        f"`examples/demo.py --runs {raw.get('runs_arg', RUNS)}`, {raw['steps']} steps on "
+        f"{raw['world_size']} "
         "gloo ranks, one on each of two nodes; each direction of the link between them "
         f"shaped to the rate and held {delay_ms:g} ms one way, a {2 * delay_ms:g} ms round trip). "
         "The runs take turns step by step; a run's time is the sum of its steps "
@@ -238,3 +260,110 @@ def fastest_to(runs: Mapping[str, Any], loss: float) -> Sequence[tuple[str, floa
         if first is not None:
             reached.append((key, first))
     return sorted(reached, key=lambda item: item[1])
+
+
+SPARSER = ("diloco+int2", "diloco+topk")
+"""The codec runs held to reaching int8 DiLoCo's final loss sooner than it."""
+
+
+def time_to(run: Mapping[str, Any], loss: float) -> float | None:
+    """The training seconds until ``run``'s held-out loss first reached
+    ``loss`` (``None``: never)."""
+    xs, ys = curve_points(run)
+    return next((x for x, y in zip(xs, ys, strict=True) if y <= loss), None)
+
+
+def sync_seconds(run: Mapping[str, Any], sync_every: int) -> tuple[float, float]:
+    """``(seconds the syncs added, seconds of every other step)``: each sync
+    step's time beyond the median step without a sync, summed, and the sum
+    of the steps without one."""
+    steps = run["step_s"]
+    plain = [s for k, s in enumerate(steps, 1) if k % sync_every]
+    quiet = statistics.median(plain) if plain else 0.0
+    synced = [s for k, s in enumerate(steps, 1) if not k % sync_every]
+    return sum(max(s - quiet, 0.0) for s in synced), sum(plain)
+
+
+def codec_part(raw: Mapping[str, Any], link_label: str) -> tuple[str, list[Headline]]:
+    """DiLoCo's codecs at the link: per DiLoCo run, its last held-out loss,
+    the training seconds until it first reached the loss int8 DiLoCo ends
+    at, what its syncs added and what its other steps took; and, for the
+    2-bit and top-k runs, that time against int8's, held to at most 1 (""
+    and no rows when the runs lack int8 DiLoCo)."""
+    runs: Mapping[str, Any] = raw["runs"]
+    if "diloco+int8" not in runs or not runs["diloco+int8"]["held_out"]:
+        return "", []
+    goal = runs["diloco+int8"]["held_out"][-1][1]
+    every: Mapping[str, int] = raw.get("sync_every", {})
+    rows, parts = [], {}
+    for key, run in runs.items():
+        if not key.startswith("diloco") or not run["held_out"]:
+            continue
+        reached = time_to(run, goal)
+        parts[key] = sync_seconds(run, every.get(key, 10))
+        rows.append(
+            [
+                key,
+                f"{run['held_out'][-1][1]:.3f}",
+                "never" if reached is None else f"{reached:.1f}",
+                f"{parts[key][0]:.2f}",
+                f"{parts[key][1]:.1f}",
+            ]
+        )
+    body = (
+        f"**DiLoCo's codecs at {link_label}**: training seconds until the held-out loss first "
+        f"reached {goal:.3f}, where int8 DiLoCo ends, and what the syncs added (each sync "
+        "step beyond the median step without one: the bytes on the link and the codec's "
+        "arithmetic) beside the other steps.\n\n"
+        + md_table(
+            [
+                "run",
+                "last held-out loss",
+                f"seconds to {goal:.3f}",
+                "seconds the syncs added",
+                "seconds of the other steps",
+            ],
+            rows,
+        )
+    )
+    int8 = time_to(runs["diloco+int8"], goal)
+    headlines = []
+    for key in SPARSER:
+        if key not in runs or int8 is None:
+            continue
+        reached = time_to(runs[key], goal)
+        ratio = None if reached is None else reached / int8
+        met = ratio is not None and ratio <= 1.0
+        headlines.append(
+            Headline(
+                f"DiLoCo {key.split('+')[1]}, demo's model at {link_label}",
+                f"seconds to int8 DiLoCo's final held-out loss: {key} / diloco+int8",
+                Spread.unmeasured() if ratio is None else Spread.exact(ratio),
+                "<= 1.0",
+                met,
+                short=f"{key} time to loss",
+                why="" if met else _codec_why(runs, key, goal, parts),
+            )
+        )
+    return body, headlines
+
+
+def _codec_why(
+    runs: Mapping[str, Any], key: str, goal: float, parts: Mapping[str, tuple[float, float]]
+) -> str:
+    """Which part of the cost keeps ``key`` from reaching ``goal`` before int8 DiLoCo."""
+    run = runs[key]
+    if time_to(run, goal) is None:
+        best = min(loss for _, loss in run["held_out"])
+        return (
+            f"loss: its held-out loss never reached {goal:.3f} (its best {best:.3f}), so no "
+            "saving of bytes can make up for it"
+        )
+    (sync, other), (sync8, other8) = parts[key], parts["diloco+int8"]
+    if sync > sync8:
+        return f"bytes and codec time: its syncs added {sync:.2f} s against int8's {sync8:.2f} s"
+    return (
+        f"loss: it reached {goal:.3f} at a later evaluation than int8, its syncs adding "
+        f"{sync:.2f} s against int8's {sync8:.2f} s and its other steps {other:.1f} s "
+        f"against {other8:.1f} s"
+    )

@@ -64,7 +64,7 @@ QUOTED: dict[str, tuple[str, ...]] = {
         "compressed-soak",
         "pays-at-compressed",
     ),
-    "docs/diloco.md": ("diloco", "pays-at-diloco"),
+    "docs/diloco.md": ("diloco", "diloco-codecs", "pays-at-diloco"),
     "docs/links.md": ("links",),
     "docs/resilience.md": ("elastic",),
 }

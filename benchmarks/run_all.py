@@ -10,7 +10,10 @@ step time of bf16 + fp32 masters against PyTorch's ZeRO on fp32), the
 compressed exchange (int8/int4 bytes per step against the exact exchange, the
 step against PyTorch's ZeRO and its floor, and a 1,000-step error soak on the
 simulated world), DiLoCo (bytes per inner step against DDP, peak bytes with
-fragments, outer state per rank, step time with a delayed sync), partition
+fragments, bytes per sync of each codec, outer state per rank, step time with
+a delayed sync), DiLoCo's codecs (2-bit and top-k syncs against exact
+DiLoCo: bytes, held-out loss, codec time, time to a target loss across a
+100 Mbit/s link), partition
 imbalance and core scaling benchmarks, saving
 while training (a background sharded save against a blocking one), then the
 soak (2,000 steps of DDP + PowerSGD + the overlapped ZeRO step: replicas
@@ -22,7 +25,7 @@ moments (over a hundred runs on 3, 4 and 8 ranks, each checked for
 consistency), each also runnable alone
 (``bench_links.py``, ``bench_zero.py``, ``bench_modes.py``, ``bench_hooks.py``,
 ``bench_overlap.py``, ``bench_precision.py``, ``bench_compressed.py``,
-``bench_diloco.py``,
+``bench_diloco.py``, ``bench_diloco_codecs.py``,
 ``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``,
 ``bench_elastic.py``, ``bench_random_losses.py``); prints
 each section as it ends, and writes:
@@ -68,6 +71,7 @@ from collections.abc import Callable, Sequence
 import bench_checkpoint
 import bench_compressed
 import bench_diloco
+import bench_diloco_codecs
 import bench_elastic
 import bench_hooks
 import bench_links
@@ -100,6 +104,7 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     "precision": bench_precision.bench_precision,
     **bench_compressed.BENCHES,
     "diloco": bench_diloco.bench_diloco,
+    **bench_diloco_codecs.BENCHES,
     "imbalance": bench_zero.bench_imbalance,
     "scaling": bench_zero.bench_scaling,
     "checkpoint": bench_checkpoint.bench_checkpoint,
