@@ -587,6 +587,26 @@ def test_the_loss_time_part_says_who_reached_a_common_loss_first() -> None:
     assert panel.curves[1].x == (0.5, 1.0)
 
 
+def test_the_codec_part_times_each_codec_to_int8_diloco_s_final_loss() -> None:
+    raw = {
+        "runs": {
+            "diloco+int8": _demo_run([1.0, 3.0, 1.0, 3.0], [(2, 4.0), (4, 3.0)]),
+            "diloco+int2": _demo_run([1.0, 1.5, 1.0, 1.5], [(2, 3.5), (4, 2.9)]),
+            "diloco+topk": _demo_run([1.0, 1.1, 1.0, 1.1], [(2, 4.5), (4, 3.2)]),
+            "ddp": _demo_run([2.0] * 4, [(2, 3.0), (4, 2.0)]),
+        },
+        "sync_every": {"diloco+int8": 2, "diloco+int2": 2, "diloco+topk": 2},
+    }
+    body, headlines = bench_loss_time.codec_part(raw, "100 Mbit/s + 20 ms")
+    assert "reached 3.000, where int8 DiLoCo ends" in body
+    assert "| diloco+int2 | 2.900 | 5.0 | 1.00 | 2.0 |" in body
+    assert "| diloco+topk | 3.200 | never |" in body and "ddp" not in body
+    int2, topk = headlines
+    assert int2.met and int2.value.median == pytest.approx(5.0 / 8.0)
+    assert topk.met is False and topk.why.startswith("loss: its held-out loss never reached")
+    assert bench_loss_time.codec_part({"runs": {"ddp": raw["runs"]["ddp"]}}, "x") == ("", [])
+
+
 def test_a_failed_rank_ends_the_other_instead_of_leaving_it_waiting() -> None:
     failing = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -486,6 +486,8 @@ def lbfgs(ts: Any) -> torch.optim.Optimizer:
         ({"sync_every": 4, "outer_optimizer": lbfgs}, ValueError, "element-wise"),
         ({"sync_every": 4, "outer_optimizer": lambda ts: None}, TypeError, "torch.optim"),
         ({"sync_every": 4, "compression": "int3"}, ValueError, "unknown compression"),
+        ({"sync_every": 4, "compression": "topk"}, ValueError, r"TopK\(density=0.02"),
+        ({"sync_every": 4, "compression": 0.02}, TypeError, "a zerofn.topk.TopK"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_changes(
