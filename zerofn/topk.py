@@ -95,8 +95,10 @@ class TopK:
     def k_of(self, length: int) -> int:
         """Elements kept of a chunk of ``length`` elements: ``ceil(density *
         length)`` (at least one of a non-empty chunk), at most ``length``."""
+        if length == 0:
+            return 0
         # Rounded first, so that 0.07 * 100 = 7.000000000000001 keeps 7, not 8.
-        return min(length, math.ceil(round(self.density * length, 9)))
+        return min(length, max(1, math.ceil(round(self.density * length, 9))))
 
     def _lengths(self, numel: int) -> tuple[int, int, int]:
         """Full chunks, the last partial chunk's length (0: none), elements kept."""
