@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-from train_elastic import DEADLINE_S, TIMEOUT_S, fresh_phase, make_model, step_surviving
+from train_elastic import DEADLINE_S, TIMEOUT_S, fresh_phase, make_ddp, make_model, step_surviving
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import recover
 from zerofn_torch.runtime.launch import run_local_world
@@ -87,7 +86,7 @@ def train_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> di
     """
     model = make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     timer = _arm(fault) if rank == fault.rank else None
     done, points = 0, []
     began = time.perf_counter()

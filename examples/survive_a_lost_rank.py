@@ -22,10 +22,14 @@ moment); steps count from 0. PHASE says where in STEP it dies:
 
 Each ``--pause RANK@STEP:SECONDS`` stops that rank (``SIGSTOP``) after STEP
 completes and resumes it SECONDS later (a helper process sends
-``SIGCONT``): longer than the group's timeout and the roll call's deadline,
-the survivors go on without it as if it were lost ``between`` (their result
-equals ``--reference`` with ``--kill RANK@STEP:between``), and once resumed
-it fails alone, fenced off by the job's generation, and says so.
+``SIGCONT``): once its heartbeat has been silent for
+``zerofn_torch.runtime.heartbeat.WATCH_SILENT_S`` (1.5 s), the survivors
+raise the job's alarm and go on without it as if it were lost ``between``
+(their result equals ``--reference`` with ``--kill RANK@STEP:between``), and
+once resumed it fails alone, fenced off by the job's generation, and says so.
+
+The group keeps PyTorch's default timeout and ``recover`` its default roll
+call: no recovery waits for a timeout.
 
 Kills come in step order, one rank at a time: a later one after the
 survivors restored redundancy. The dying process ends at once with status 0
@@ -59,22 +63,20 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from train_elastic import _exit_after_local_step, exit_quietly, make_model, train_step
+from train_elastic import _exit_after_local_step, exit_quietly, make_ddp, make_model, train_step
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.elastic import recover
+from zerofn_torch.elastic import DEADLINE_S, recover
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
 
 PHASES = ("backward", "exchange", "between")
-TIMEOUT_S = 4.0
-"""The gloo group's timeout: a survivor that does not see the death sooner
-fails then (gloo does not always tell every survivor at once)."""
-DEADLINE_S = TIMEOUT_S + 2.0
-"""The roll call's deadline: each recovery waits this long for the dead rank,
-longer than the group's timeout, so that a survivor still blocked in the
-failed collective answers in time."""
+TIMEOUT_S = dist.default_pg_timeout.total_seconds()
+"""The gloo group's timeout: PyTorch's default (30 minutes). Nothing waits for
+it: a dead or paused rank is known by its heartbeat, and a survivor that gloo
+leaves blocked in a collective is released by the job's alarm."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +114,8 @@ class Pause:
     Attributes:
         rank: the rank the process started as.
         step: the step after which it stops.
-        seconds: how long it stays stopped; past the others' recovery
-            (the group's timeout and the roll call's deadline) it is left
-            behind, and fails alone once resumed.
+        seconds: how long it stays stopped; silent past
+            ``WATCH_SILENT_S``, it is left behind, and fails alone once resumed.
     """
 
     rank: int
@@ -268,7 +269,7 @@ def _step_surviving(
         except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
             began, before = time.perf_counter(), zero.world_size
             survivors = recover(zero, error, deadline_s=job.deadline_s)
-            ddp = DDP(model, process_group=survivors.group)
+            ddp = make_ddp(model, survivors.group)
             recoveries.append(
                 Recovery(
                     step,
@@ -307,7 +308,7 @@ def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
     )
     if job.start is not None:
         zero.load_state_dict(job.start["optimizer"])
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     mine = {k.step: k for k in job.kills if k.rank == rank}
     pauses = {p.step: p for p in job.pauses if p.rank == rank}
     recoveries: list[Recovery] = []

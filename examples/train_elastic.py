@@ -44,19 +44,20 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.elastic import Recovered, recover
+from zerofn_torch.elastic import DEADLINE_S, Recovered, recover
+from zerofn_torch.hooks import allreduce_hook
+from zerofn_torch.runtime.heartbeat import destroy_process_groups
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
 
 STEPS, LOST_AT, LOST = 6, 3, 2
 BATCH = 4
-TIMEOUT_S = 4.0
-"""The process group's collective timeout: a survivor that gloo leaves
-blocked in the failed collective is released after this long."""
-DEADLINE_S = 6.0
-"""The roll call's deadline, above :data:`TIMEOUT_S`, so that a survivor
-released only at the group's timeout still answers (docs/resilience.md)."""
+TIMEOUT_S = dist.default_pg_timeout.total_seconds()
+"""The process group's collective timeout: PyTorch's default (30 minutes for
+gloo). Nothing waits for it: a dead or silent rank is known by its heartbeat,
+and a survivor that gloo leaves blocked in a collective is released by the
+job's alarm (docs/resilience.md)."""
 
 
 def make_model() -> torch.nn.Module:
@@ -82,6 +83,16 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
     return x, y
 
 
+def make_ddp(model: torch.nn.Module, group: Any = None) -> DDP:
+    """DDP over ``model`` in ``group`` (``None``: the default one), with
+    zerofn's all-reduce hook: the same sums as DDP's own, and a future that
+    fails once another rank raises the alarm, so a survivor blocked in
+    backward's all-reduce joins the roll call at once."""
+    ddp = DDP(model, process_group=group)
+    ddp.register_comm_hook(group, allreduce_hook)  # its state: the group to reduce in
+    return ddp
+
+
 def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, step: int) -> None:
     zero.zero_grad()
     x, y = batch(step, zero.rank, zero.world_size)
@@ -100,7 +111,7 @@ def fresh_phase(rank: int, world_size: int, start: dict[str, Any] | None, steps:
             for p, value in zip(model.parameters(), start["params"], strict=True):
                 p.copy_(value)
         zero.load_state_dict(start["state"])
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     for step in steps:
         train_step(ddp, zero, step)
     zero.consolidate_state_dict(to=0)
@@ -132,7 +143,7 @@ def step_surviving(
         except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
             began = time.perf_counter()
             survivors = recover(zero, error, deadline_s=DEADLINE_S)
-            ddp = DDP(model, process_group=survivors.group)
+            ddp = make_ddp(model, survivors.group)
             recoveries.append((survivors, time.perf_counter() - began))
             if survivors.finished_step:
                 return ddp, recoveries
@@ -173,7 +184,7 @@ def train(
     """
     model = make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     recoveries = []
     for step in range(STEPS):
         if rank == LOST and step == LOST_AT:
@@ -211,7 +222,7 @@ def torchrun_worker(out_dir: str, in_exchange: bool) -> None:
     rank = dist.get_rank()
     result = train(rank, dist.get_world_size(), in_exchange, kill_self)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    destroy_process_groups()  # but a group a recovery gave up a wait on
 
 
 def main() -> None:

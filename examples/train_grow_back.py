@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import JOINERS, admit, join, recover
 from zerofn_torch.runtime.futures import settle
@@ -33,7 +32,7 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn.errors import CollectiveError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_elastic import make_model, train_step
+from train_elastic import make_ddp, make_model, train_step
 
 STEPS, LOST_AT, JOIN_AT, LOST, WORLD = 6, 2, 4, 2, 3
 
@@ -56,7 +55,7 @@ def running(rank: int, world_size: int, job_store: str) -> Any:
     store = dist.FileStore(job_store, -1)
     model = make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     log: list[str] = []
     for step in range(STEPS):
         if rank == LOST and step == LOST_AT:
@@ -67,7 +66,7 @@ def running(rank: int, world_size: int, job_store: str) -> Any:
             store.wait([f"{JOINERS}/1/fingerprint"])
             grown = admit(zero, store, extra={"step": step})
             if grown is not None:
-                ddp = DDP(model)  # the new default group
+                ddp = make_ddp(model)  # the new default group
                 log.append(f"step {step}: {grown.joined} joined, {grown.world_size} ranks")
         while True:
             try:
@@ -75,7 +74,7 @@ def running(rank: int, world_size: int, job_store: str) -> Any:
                 break
             except (CollectiveError, RuntimeError) as error:
                 survivors = recover(zero, error, deadline_s=2.0)
-                ddp = DDP(model, process_group=survivors.group)
+                ddp = make_ddp(model, survivors.group)
                 log.append(
                     f"step {step}: lost {list(survivors.lost)}, {survivors.world_size} ranks"
                 )
@@ -92,7 +91,7 @@ def replacement(job_store: str, out: str) -> None:
     model = make_model()
     joined = join(store, model, torch.optim.Adam, redundancy=2, lr=0.01)
     zero, first = joined.optimizer, joined.extra["step"]
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     for step in range(first, STEPS):
         train_step(ddp, zero, step)
     result = _result(model, zero, [f"joined at step {first} as rank {joined.rank}"])

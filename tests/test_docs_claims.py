@@ -57,6 +57,16 @@ def zero(*args: Any, optimizer: Any = torch.optim.Adam, **kwargs: Any) -> ZeroRe
     return ZeroRedundancyOptimizer(args[0] if args else params(), optimizer, **kwargs)
 
 
+def stepped_zero() -> ZeroRedundancyOptimizer:
+    """:func:`zero` after one step: it holds state now."""
+    opt = zero()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    return opt
+
+
 def leave_out_a_trainable_parameter() -> None:
     p = params()
     zero(p, partition=[[p[0]]])
@@ -220,15 +230,15 @@ REFUSALS: list[tuple[str, str, Callable[[], object], type[Exception], str]] = [
     ),
     (
         "docs/zero.md",
-        "`RuntimeError` for `state_dict()` before `consolidate_state_dict()`",
-        lambda: zero().state_dict(),
+        "`RuntimeError` for `state_dict()` once stepped, before",
+        lambda: stepped_zero().state_dict(),
         RuntimeError,
         "consolidate",
     ),
     (
         "docs/checkpoints.md",
         "or before consolidating, it raises `RuntimeError`",
-        lambda: zero().state_dict(),
+        lambda: stepped_zero().state_dict(),
         RuntimeError,
         "consolidate",
     ),

@@ -48,7 +48,7 @@ def reference_before(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     """The first phase: ``steps`` steps on 3 ranks, then the state consolidated."""
     model = example.make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
-    ddp = DDP(model)
+    ddp = example.make_ddp(model)
     for step in range(steps):
         example.train_step(ddp, zero, step)
     zero.consolidate_state_dict(to=0)
@@ -67,7 +67,7 @@ def reference_after(rank: int, world_size: int, start: dict[str, Any], first: in
             p.copy_(value)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
     zero.load_state_dict(start["state"])
-    ddp = DDP(model)
+    ddp = example.make_ddp(model)
     for step in range(first, example.STEPS):
         example.train_step(ddp, zero, step)
     zero.consolidate_state_dict(to=0)
@@ -121,7 +121,7 @@ def train_with_a_survivor_behind(rank: int, world_size: int) -> dict[str, Any] |
     gradients: the survivors stand at different points of one step."""
     model = example.make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = DDP(model)
+    ddp = example.make_ddp(model)
     finished = []
     for step in range(example.STEPS):
         if rank == example.LOST and step == example.LOST_AT:
@@ -137,7 +137,7 @@ def train_with_a_survivor_behind(rank: int, world_size: int) -> dict[str, Any] |
                 break
             except (CollectiveError, RuntimeError) as error:
                 survivors = recover(zero, error, deadline_s=example.DEADLINE_S)
-                ddp = DDP(model, process_group=survivors.group)
+                ddp = example.make_ddp(model, survivors.group)
                 finished.append(survivors.finished_step)
                 if survivors.finished_step:
                     break

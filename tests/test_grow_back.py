@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.runtime.futures import settle
 from zerofn_torch.runtime.launch import run_local_world
@@ -23,7 +22,7 @@ from zerofn_torch.runtime.launch import run_local_world
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 import train_grow_back as example
 from train_elastic import fresh_phase as phase
-from train_elastic import make_model, train_step
+from train_elastic import make_ddp, make_model, train_step
 
 
 @pytest.mark.slow  # make test-slow: a real rank killed, 4 processes, three reference worlds
@@ -60,7 +59,7 @@ def _admitting(rank: int, world_size: int, job_store: str) -> Any:
     store = torch.distributed.FileStore(job_store, -1)
     model = make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     train_step(ddp, zero, 0)
     store.wait([f"{JOINERS}/1/fingerprint"])
     grown = admit(zero, store)
@@ -91,14 +90,14 @@ def _two_joiners_running(rank: int, world_size: int, job_store: str, ckpt: str) 
     store = torch.distributed.FileStore(job_store, -1)
     model = make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     for step in range(4):
         if step == 2:
             save_sharded(zero, os.path.join(ckpt, "step-2"), blocking=False)
             store.wait([f"{JOINERS}/1/fingerprint", f"{JOINERS}/2/fingerprint"])
             grown = admit(zero, store, extra={"step": step})
             assert grown is not None and grown.joined == 2 and grown.world_size == 4
-            ddp = DDP(model)
+            ddp = make_ddp(model)
         train_step(ddp, zero, step)
     zero.consolidate_state_dict(to=0)
     return {
@@ -115,7 +114,7 @@ def _two_joiners_joiner(job_store: str, out: str) -> None:
     store = torch.distributed.FileStore(job_store, -1)
     model = make_model()
     joined = join(store, model, torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = DDP(model)
+    ddp = make_ddp(model)
     for step in range(joined.extra["step"], 4):
         train_step(ddp, joined.optimizer, step)
     joined.optimizer.consolidate_state_dict(to=0)

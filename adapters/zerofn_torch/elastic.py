@@ -52,7 +52,13 @@ from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.futures import settle
-from zerofn_torch.runtime.heartbeat import beat_key, raise_alarm
+from zerofn_torch.runtime.heartbeat import (
+    abandon,
+    beat_count,
+    beat_key,
+    raise_alarm,
+    running_heartbeat,
+)
 from zerofn_torch.runtime.object_collectives import all_gather_objects, broadcast_object
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
@@ -127,11 +133,6 @@ class Recovered:
     point: RecoveryPoint
 
 
-def _beat_count(store: Any, key: str) -> int | None:
-    """The heartbeat counter under ``key``; ``None`` if it never beat there."""
-    return int(store.get(key)) if store.check([key]) else None
-
-
 def roll_call(
     store: Any,
     prefix: str,
@@ -170,7 +171,7 @@ def roll_call(
     end = time.monotonic() + deadline_s
     while undecided := [r for r in range(world_size) if not store.check([keys[r]])]:
         now = time.monotonic()
-        view = seen_beats(view, [_beat_count(store, k) for k in beats], now)
+        view = seen_beats(view, [beat_count(store, k) for k in beats], now)
         lost = silent_ranks(view, now, silent_after_s) if now < end else range(world_size)
         for r in set(undecided).intersection(lost):
             store.compare_set(keys[r], "", LOST)
@@ -307,6 +308,9 @@ def recover(
         moves_program(old, regrouping, new_rank), group, "restoring redundancy after a loss"
     )
     finished = point.finished_step(zero.position)
+    beating = running_heartbeat()
+    if beating is not None and beating.gave_up:
+        abandon(zero.process_group)  # a collective of it is pending for good
     zero.regroup(group, regrouping, new_rank, known, finish_step=point.finish)
     if new_rank == 0:
         store.set(GENERATION, str(zero.regroups))

@@ -9,7 +9,11 @@ own connection to the store (a clone):
 
 * it adds one to the counter ``zerofn/beat/<generation>/<rank>``;
 * it looks for ``zerofn/alarm/<generation>``, which a rank sets once it
-  knows a collective failed (:func:`raise_alarm`; ``recover`` does, first).
+  knows a collective failed (:func:`raise_alarm`; ``recover`` does, first);
+* it reads the other ranks' counters, and raises the alarm itself once one
+  has stood still for :data:`WATCH_SILENT_S` (a rank that hangs, or is
+  paused, fails nobody's collective: only its silence tells). A rank that
+  ends cleanly says so first (``.../done``), and is not watched after.
   Once set, every wait of zerofn's that has not completed ends
   (:func:`wait` raises, the futures DDP waits on fail, see
   :func:`interruptible`): a survivor that gloo left blocked in a collective
@@ -18,25 +22,37 @@ own connection to the store (a clone):
 
 The thread stops at exit, before the interpreter finalizes, and quietly when
 the store goes away (the job is ending).
+
+A wait the alarm ended leaves its collective pending in the old group, where
+it may never complete (its peer gave up on it). Destroying that group would
+wait for it, so ``recover`` keeps such a group for good (:func:`abandon`) and
+:func:`destroy_process_groups` destroys every group but those; the process's
+exit closes their connections.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import threading
+import time
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from zerofn.errors import CollectiveError
+from zerofn.zero.liveness import BeatView, seen_beats, silent_ranks
 from zerofn_torch.runtime.futures import on_done
 
 __all__ = [
     "BEAT_INTERVAL_S",
     "Heartbeat",
+    "abandon",
+    "beat_count",
     "beat_key",
+    "destroy_process_groups",
     "interruptible",
     "raise_alarm",
     "running_heartbeat",
@@ -47,12 +63,21 @@ __all__ = [
 T = TypeVar("T")
 
 BEAT_INTERVAL_S = 0.1
-"""How often a rank beats and looks for the alarm."""
+"""How often a rank beats, looks for the alarm and reads the others' beats."""
+
+WATCH_SILENT_S = 1.5
+"""How long another rank's heartbeat may stand still before this rank raises
+the alarm (the roll call, which runs once something failed, waits less)."""
 
 
 def beat_key(generation: int, rank: int) -> str:
     """Where ``rank`` of the world's ``generation`` beats."""
     return f"zerofn/beat/{generation}/{rank}"
+
+
+def done_key(generation: int, rank: int) -> str:
+    """Where ``rank`` of the world's ``generation`` says it ended cleanly."""
+    return f"zerofn/beat/{generation}/{rank}/done"
 
 
 def alarm_key(generation: int) -> str:
@@ -64,11 +89,13 @@ class Heartbeat:
     """Beats for one rank and watches its world's alarm until :meth:`stop`,
     from a daemon thread."""
 
-    def __init__(self, store: Any, generation: int, rank: int) -> None:
+    def __init__(self, store: Any, generation: int, rank: int, world_size: int) -> None:
         self._store = store.clone()  # the thread's own connection
         self._lock = threading.Lock()
-        self._generation, self._rank = generation, rank
+        self._generation, self._rank, self._world_size = generation, rank, world_size
+        self._view: BeatView | None = None
         self._alarm: str | None = None
+        self._gave_up = False
         self._woken: set[threading.Event] = set()
         self._failing: dict[int, torch.futures.Future[Any]] = {}
         self._stopped = threading.Event()
@@ -86,31 +113,48 @@ class Heartbeat:
         """Why this world's alarm was raised; ``None`` while it is not."""
         return self._alarm
 
-    def beat_as(self, generation: int, rank: int) -> None:
-        """Beat as ``rank`` of the world's ``generation`` from now on (the
-        world changed), and watch that world's alarm."""
+    @property
+    def gave_up(self) -> bool:
+        """Whether the alarm ended a wait of this world's (its collective
+        is left pending in its group)."""
+        return self._gave_up
+
+    def beat_as(self, generation: int, rank: int, world_size: int) -> None:
+        """Beat as ``rank`` of the world's ``generation`` (of ``world_size``
+        ranks) from now on, the world having changed, and watch that world."""
         with self._lock:
-            self._generation, self._rank, self._alarm = generation, rank, None
+            self._generation, self._rank, self._world_size = generation, rank, world_size
+            self._alarm, self._gave_up, self._view = None, False, None
 
     def raise_alarm(self, why: str) -> None:
         """Tell every rank of this world that a collective failed."""
+        generation = self._generation
         with contextlib.suppress(Exception):  # a store gone: there is nobody left to tell
-            self._store.compare_set(alarm_key(self._generation), "", why)
-        self._ring(why)
+            self._store.compare_set(alarm_key(generation), "", why)
+        self._ring(why, generation)
 
     def stop(self) -> None:
-        """Stop beating and wait for the thread to end."""
+        """Say this rank ended cleanly, stop beating and wait for the thread
+        to end."""
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * BEAT_INTERVAL_S + 1.0)
+        with contextlib.suppress(Exception):  # a store gone: nobody is watching
+            self._store.set(done_key(self._generation, self._rank), "")
 
-    def _ring(self, why: str) -> None:
-        """End every wait in progress: the alarm is up."""
+    def _ring(self, why: str, generation: int) -> None:
+        """End every wait in progress: the alarm of ``generation`` is up
+        (nothing if the world changed since)."""
         with self._lock:
+            if generation != self._generation:
+                return
             if self._alarm is None:
                 self._alarm = why
             woken, self._woken = self._woken, set()
             failing, self._failing = self._failing, {}
+            self._gave_up = self._gave_up or bool(woken) or bool(failing)
         for event in woken:
             event.set()
         for fut in failing.values():
@@ -127,14 +171,34 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
+            with self._lock:
+                generation, rank, world_size = self._generation, self._rank, self._world_size
             try:
-                self._store.add(self.key, 1)
-                key = alarm_key(self._generation)
+                self._store.add(beat_key(generation, rank), 1)
+                key = alarm_key(generation)
                 if self._alarm is None and self._store.check([key]):
-                    self._ring(self._store.get(key).decode())
+                    self._ring(self._store.get(key).decode(), generation)
+                silent = self._silent_others(generation, rank, world_size)
+                if silent and self._alarm is None:
+                    self.raise_alarm(f"rank {silent[0]} silent for {WATCH_SILENT_S} s")
             except Exception:  # the store is gone: the job is ending
                 return
             self._stopped.wait(BEAT_INTERVAL_S)
+
+    def _silent_others(self, generation: int, rank: int, world_size: int) -> tuple[int, ...]:
+        """The other ranks of this world whose heartbeat stood still for
+        :data:`WATCH_SILENT_S`, but for those that ended cleanly."""
+        store = self._store
+        counts = [
+            None if r == rank else beat_count(store, beat_key(generation, r))
+            for r in range(world_size)
+        ]
+        with self._lock:
+            if generation != self._generation:
+                return ()
+            self._view = view = seen_beats(self._view, counts, time.monotonic())
+        silent = silent_ranks(view, time.monotonic(), WATCH_SILENT_S)
+        return tuple(r for r in silent if not store.check([done_key(generation, r)]))
 
     def wait(self, fut: torch.futures.Future[T], purpose: str) -> T:
         """``fut.wait()``, or a :class:`CollectiveError` once the alarm is up."""
@@ -183,19 +247,24 @@ def _fail(fut: torch.futures.Future[Any], error: BaseException) -> None:
 _RUNNING: list[Heartbeat] = []  # this process's heartbeat, once started
 
 
-def start_heartbeat(generation: int, rank: int) -> Heartbeat | None:
+def beat_count(store: Any, key: str) -> int | None:
+    """The heartbeat counter under ``key``; ``None`` if it never beat there."""
+    return int(store.get(key)) if store.check([key]) else None
+
+
+def start_heartbeat(generation: int, rank: int, world_size: int) -> Heartbeat | None:
     """This process's heartbeat, beating as ``rank`` of ``generation`` in the
     default process group's store (the job's store, where
     :func:`zerofn_torch.elastic.recover` holds its roll call): started on
     the first call. ``None`` without a default group."""
     if _RUNNING:
-        _RUNNING[0].beat_as(generation, rank)
+        _RUNNING[0].beat_as(generation, rank, world_size)
         return _RUNNING[0]
     if not dist.is_initialized():
         return None
     try:
         store = dist.distributed_c10d._get_default_store()
-        _RUNNING.append(Heartbeat(store, generation, rank))
+        _RUNNING.append(Heartbeat(store, generation, rank, world_size))
     except (RuntimeError, ValueError, AttributeError):  # no store to clone
         return None
     return _RUNNING[0]
@@ -224,3 +293,27 @@ def interruptible(fut: torch.futures.Future[T]) -> torch.futures.Future[T]:
     """``fut``; with a heartbeat running, a future that also fails once
     another rank raised the alarm (what zerofn's hooks hand DDP)."""
     return _RUNNING[0].interruptible(fut) if _RUNNING else fut
+
+
+_ABANDONED: list[Any] = []  # groups holding a collective a wait gave up on
+
+
+def abandon(group: Any) -> None:
+    """Keep ``group`` for good, never destroyed: a wait on one of its
+    collectives was given up, and destroying it would wait for that."""
+    _ABANDONED.append(group)
+
+
+def destroy_process_groups() -> None:
+    """``torch.distributed.destroy_process_group()``, unless a group was
+    abandoned (:func:`abandon`): then every group is left to the process's
+    exit, which closes their connections without waiting."""
+    if not _ABANDONED:
+        dist.destroy_process_group()
+
+
+@atexit.register
+def _keep_abandoned_for_good() -> None:
+    # The interpreter's teardown would release them, and a group's
+    # destructor waits for its pending collectives: never released.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))

@@ -27,6 +27,7 @@ from torch.multiprocessing.spawn import start_processes
 
 from zerofn.comm import AllReduce, Program
 from zerofn_torch.runtime.driver import drive, finish_polled
+from zerofn_torch.runtime.heartbeat import destroy_process_groups
 
 __all__ = ["run_local_world", "run_rank"]
 
@@ -83,7 +84,7 @@ def _in_group(
             drive(_barrier(), dist.group.WORLD, "the world's last barrier").wait()
         return result
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def run_rank(

@@ -214,7 +214,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._versions = self._read_versions()
         # With every shard on two ranks the job can go on without a lost rank:
         # the others tell this one is alive by its heartbeat (zerofn_torch.elastic).
-        self._heartbeat = start_heartbeat(0, self.rank) if redundancy == 2 else None
+        self._heartbeat = (
+            start_heartbeat(0, self.rank, self.world_size) if redundancy == 2 else None
+        )
 
     # ----- what the shell holds -----------------------------------------------
 
@@ -594,7 +596,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank, self.world_size = zero.options.rank, zero.options.world_size
         self._regroups = self._regroups + 1 if generation is None else generation
         if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._regroups, self.rank)
+            self._heartbeat.beat_as(self._regroups, self.rank, self.world_size)
         if finish_step:
             params = self._all_params
             program = run_zero_step(zero.shards, params, zero.options.via, lambda _: None)
