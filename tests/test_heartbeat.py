@@ -1,0 +1,94 @@
+"""The heartbeat and the job's alarm (``zerofn_torch.runtime.heartbeat``), in
+one process: two heartbeats over one in-memory TCP store stand for two ranks.
+The alarm ends a wait in progress and fails the futures handed to DDP; a rank
+whose counter stops is noticed by the other, which raises the alarm; a rank
+that ends cleanly is not; a world that changed does not see the old alarm."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from zerofn_torch.runtime.heartbeat import WATCH_SILENT_S, Heartbeat, beat_key
+
+from zerofn.errors import CollectiveError
+
+
+@pytest.fixture
+def store() -> Iterator[dist.TCPStore]:
+    yield dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+
+
+def until(condition: object, within: float) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_alarm_ends_a_wait_and_fails_the_futures_ddp_waits_for(
+    store: dist.TCPStore,
+) -> None:
+    mine, theirs = Heartbeat(store, 0, 0, 2), Heartbeat(store, 0, 1, 2)
+    try:
+        never: torch.futures.Future[int] = torch.futures.Future()
+        handed = mine.interruptible(never)
+        theirs.raise_alarm("rank 1 of 2: RuntimeError")
+        began = time.monotonic()
+        with pytest.raises(CollectiveError, match="another rank raised the alarm"):
+            mine.wait(never, "the ZeRO step's exchange")
+        assert time.monotonic() - began < 1.0  # within a few beats
+        assert handed.done()
+        with pytest.raises(CollectiveError, match="rank 1 of 2"):
+            handed.wait()
+        assert mine.gave_up and mine.alarm == "rank 1 of 2: RuntimeError"
+    finally:
+        mine.stop()
+        theirs.stop()
+
+
+def test_a_completed_future_is_waited_for_as_it_is(store: dist.TCPStore) -> None:
+    beat = Heartbeat(store, 0, 0, 1)
+    try:
+        done: torch.futures.Future[int] = torch.futures.Future()
+        handed = beat.interruptible(done)
+        done.set_result(7)
+        assert beat.wait(done, "a wait") == 7 and handed.wait() == 7
+        assert not beat.gave_up
+    finally:
+        beat.stop()
+
+
+def test_a_silent_rank_raises_the_alarm_and_one_that_ended_cleanly_does_not(
+    store: dist.TCPStore,
+) -> None:
+    watcher = Heartbeat(store, 0, 0, 3)
+    clean = Heartbeat(store, 0, 1, 3)
+    try:
+        store.add(beat_key(0, 2), 1)  # rank 2 beat once, then went silent
+        clean.stop()  # rank 1 ends cleanly: it says so
+        assert until(lambda: watcher.alarm is not None, WATCH_SILENT_S + 2.0)
+        assert watcher.alarm == f"rank 2 silent for {WATCH_SILENT_S} s"
+    finally:
+        watcher.stop()
+
+
+def test_a_new_world_does_not_see_the_old_worlds_alarm(store: dist.TCPStore) -> None:
+    beat = Heartbeat(store, 0, 0, 1)
+    try:
+        beat.raise_alarm("old")
+        beat.beat_as(1, 0, 1)
+        assert beat.alarm is None and not beat.gave_up
+        time.sleep(0.3)  # a few beats: the old key stays where it was
+        assert beat.alarm is None
+        fresh: torch.futures.Future[int] = torch.futures.Future()
+        fresh.set_result(3)
+        assert beat.wait(fresh, "a wait") == 3
+    finally:
+        beat.stop()
