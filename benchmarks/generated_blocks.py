@@ -66,7 +66,7 @@ QUOTED: dict[str, tuple[str, ...]] = {
     ),
     "docs/diloco.md": ("diloco", "diloco-codecs", "pays-at-diloco"),
     "docs/links.md": ("links",),
-    "docs/resilience.md": ("elastic",),
+    "docs/resilience.md": ("elastic", "recovery"),
 }
 """Each page that quotes measured numbers, and its blocks: ``headlines`` is
 the headline table (:data:`README_ROWS`); a name one section lists in its

@@ -27,7 +27,7 @@ consistency), each also runnable alone
 ``bench_overlap.py``, ``bench_precision.py``, ``bench_compressed.py``,
 ``bench_diloco.py``, ``bench_diloco_codecs.py``,
 ``bench_checkpoint.py``, ``bench_soak.py``, ``bench_soak_restart.py``,
-``bench_elastic.py``, ``bench_random_losses.py``); prints
+``bench_elastic.py``, ``bench_random_losses.py``, ``bench_recovery.py``); prints
 each section as it ends, and writes:
 
 * ``docs/benchmarks.md``: the summary table (every ratio with its spread and
@@ -79,6 +79,7 @@ import bench_modes
 import bench_overlap
 import bench_precision
 import bench_random_losses
+import bench_recovery
 import bench_soak
 import bench_soak_restart
 import bench_zero
@@ -113,6 +114,7 @@ BENCHES: dict[str, Callable[[bool], Section]] = {
     # After the restart soak: it quotes the figures that soak just wrote.
     "elastic": bench_elastic.bench_elastic,
     **bench_random_losses.BENCHES,
+    **bench_recovery.BENCHES,
 }
 
 

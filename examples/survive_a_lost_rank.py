@@ -39,8 +39,9 @@ the world); under torchrun the same loop dies with ``SIGKILL`` instead (see
 
 It writes ``OUT/final.pt``: ``{"model": the model's state_dict, "optimizer":
 the consolidated ZeRO state_dict}`` from the survivors' rank 0, and prints
-last one line per kill: the seconds from the failure a survivor caught to its
-next completed step, and the steps lost (the Adam step count of the state
+last one line per kill: the seconds from the rank's death (or pause, which
+it notes in the job's store as it goes) to the survivors' next completed
+step, and the steps lost (the Adam step count of the state
 the survivors go on from against the steps done: 0 expected).
 
 ``--reference`` runs the same model, data and kills without dying: W ranks
@@ -161,7 +162,7 @@ class Recovery:
     lost: tuple[int, ...]
     finished_step: bool
     sizes: tuple[int, int]
-    began: float
+    began: float  # when the lost rank went (else, when the failure was caught)
     seconds: float = float("nan")
     steps_lost: int | None = None
 
@@ -192,9 +193,35 @@ def parse_pause(text: str) -> Pause:
     return pause
 
 
-def _pause_self(seconds: float) -> None:
+def _gone_key(generation: int) -> str:
+    """Where the rank lost from the world of ``generation`` notes when it went."""
+    return f"survive_a_lost_rank/gone/{generation}"
+
+
+def _note_gone(zero: ZeroRedundancyOptimizer) -> None:
+    """Note the moment this rank goes (wall clock, one machine) in the job's
+    store: the survivors time their recovery from it."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_gone_key(zero.regroups), repr(time.time()))
+
+
+def _die(zero: ZeroRedundancyOptimizer) -> None:
+    _note_gone(zero)
+    exit_quietly()
+
+
+def _gone_at(generation: int) -> float | None:
+    """When the rank lost from the world of ``generation`` went (``None``:
+    nobody went, the failure was transient)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = _gone_key(generation)
+    return float(store.get(key)) if store.check([key]) else None
+
+
+def _pause_self(seconds: float, zero: ZeroRedundancyOptimizer) -> None:
     """Stop this process now; a helper process resumes it ``seconds`` later
     (as a launcher's ``kill -STOP`` and ``kill -CONT`` would)."""
+    _note_gone(zero)
     subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
     os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -221,11 +248,11 @@ def check_kills(world_size: int, steps: int, kills: tuple[Kill, ...]) -> None:
         raise ValueError(f"kills in step order, one per step: {[str(k) for k in kills]}")
 
 
-def _die_in_backward(model: torch.nn.Module) -> None:
+def _die_in_backward(model: torch.nn.Module, zero: ZeroRedundancyOptimizer) -> None:
     """End this process when the gradient of the model's last parameter (the
     first one backward reaches) is computed, before DDP averages any bucket."""
     last = list(model.parameters())[-1]
-    last.register_hook(lambda grad: exit_quietly())  # type: ignore[no-untyped-call]
+    last.register_hook(lambda grad: _die(zero))  # type: ignore[no-untyped-call]
 
 
 def _arm(kill: Kill | None, model: torch.nn.Module, zero: ZeroRedundancyOptimizer) -> None:
@@ -233,9 +260,9 @@ def _arm(kill: Kill | None, model: torch.nn.Module, zero: ZeroRedundancyOptimize
     if kill is None or kill.phase == "between":
         return
     if kill.phase == "backward":
-        _die_in_backward(model)
+        _die_in_backward(model, zero)
     else:
-        _exit_after_local_step(zero, exit_quietly)
+        _exit_after_local_step(zero, lambda: _die(zero))
 
 
 def _adam_steps(zero: ZeroRedundancyOptimizer) -> int | None:
@@ -247,7 +274,7 @@ def _adam_steps(zero: ZeroRedundancyOptimizer) -> int | None:
 def _done(recovery: Recovery, zero: ZeroRedundancyOptimizer, step: int) -> None:
     """The survivors completed ``step`` after ``recovery``: time it, and count
     the steps lost (the state holds ``step + 1`` Adam steps when none is)."""
-    recovery.seconds = time.perf_counter() - recovery.began
+    recovery.seconds = time.time() - recovery.began
     applied = _adam_steps(zero)
     recovery.steps_lost = None if applied is None else step + 1 - applied
 
@@ -267,8 +294,10 @@ def _step_surviving(
             train_step(ddp, zero, step)
             break
         except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
-            began, before = time.perf_counter(), zero.world_size
+            caught, generation, before = time.time(), zero.regroups, zero.world_size
             survivors = recover(zero, error, deadline_s=job.deadline_s)
+            gone_at = _gone_at(generation)
+            began = caught if gone_at is None else gone_at
             ddp = make_ddp(model, survivors.group)
             recoveries.append(
                 Recovery(
@@ -322,9 +351,9 @@ def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
             return {"paused": rank, "error": str(error)}  # left behind: it fails alone
         recoveries += done
         if step in mine and mine[step].phase == "between":
-            exit_quietly()
+            _die(zero)
         if step in pauses:
-            _pause_self(pauses[step].seconds)
+            _pause_self(pauses[step].seconds, zero)
     zero.consolidate_state_dict(to=0)
     if zero.rank != 0:
         return None
