@@ -48,6 +48,7 @@ from zerofn_torch.runtime.futures import on_done
 
 __all__ = [
     "BEAT_INTERVAL_S",
+    "WATCH_SILENT_S",
     "Heartbeat",
     "abandon",
     "beat_count",
