@@ -6,14 +6,44 @@ least significant bit first: value ``i`` occupies bits ``i * bits`` to
 ``(i + 1) * bits - 1`` of the stream, bit ``j`` of the stream being bit
 ``j % 8`` of byte ``j // 8``; the last byte is padded with zero bits.
 Packing and unpacking are pure functions of the values and the bytes, so
-every rank that unpacks the same bytes gets the same integers.
+every rank that unpacks the same bytes gets the same integers. Beside them,
+the checks every block codec's inputs pass (:mod:`zerofn.blockquant`,
+:mod:`zerofn.twobit`, :mod:`zerofn.topk`).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "packed_nbytes", "unpack_bits"]
+__all__ = ["check_payload", "check_values", "pack_bits", "packed_nbytes", "unpack_bits"]
+
+
+def check_values(values: torch.Tensor) -> None:
+    """Refuse what a codec cannot encode.
+
+    Raises:
+        ValueError: ``values`` is not a 1-D floating-point tensor.
+    """
+    if values.dim() != 1 or not values.is_floating_point():
+        raise ValueError(
+            f"values must be a 1-D float tensor, got {values.dtype} {tuple(values.shape)}"
+        )
+
+
+def check_payload(payload: torch.Tensor, nbytes: int, numel: int) -> None:
+    """Refuse a payload that cannot hold ``numel`` elements' codes.
+
+    Raises:
+        ValueError: ``payload`` is not a 1-D ``uint8`` tensor of ``nbytes`` bytes.
+    """
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise ValueError(
+            f"a payload is a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}"
+        )
+    if payload.numel() != nbytes:
+        raise ValueError(
+            f"{numel} elements need a payload of {nbytes} bytes, got {payload.numel()}"
+        )
 
 
 def _check_bits(bits: int) -> None:

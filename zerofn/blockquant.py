@@ -27,6 +27,8 @@ from typing import Literal
 import attrs
 import torch
 
+from zerofn.bitpack import check_payload, check_values
+
 __all__ = ["BlockQuantizer", "quantizer_for"]
 
 _SCALE_BYTES = 4
@@ -81,15 +83,7 @@ class BlockQuantizer:
         return -(-raw // _SCALE_BYTES) * _SCALE_BYTES
 
     def _parts(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise ValueError(
-                f"a payload is a 1-D uint8 tensor, got {payload.dtype} {payload.shape}"
-            )
-        if payload.numel() != self.payload_nbytes(numel):
-            raise ValueError(
-                f"{numel} elements need a payload of {self.payload_nbytes(numel)} bytes, "
-                f"got {payload.numel()}"
-            )
+        check_payload(payload, self.payload_nbytes(numel), numel)
         scale_bytes = self.blocks(numel) * _SCALE_BYTES
         scales = payload[:scale_bytes].view(torch.float32)
         codes = payload[scale_bytes : scale_bytes + self.code_nbytes(numel)]
@@ -118,10 +112,7 @@ class BlockQuantizer:
             ValueError: ``out`` or ``work`` has the wrong dtype or length, or
                 ``values`` is not a 1-D floating-point tensor.
         """
-        if values.dim() != 1 or not values.is_floating_point():
-            raise ValueError(
-                f"values must be a 1-D float tensor, got {values.dtype} {values.shape}"
-            )
+        check_values(values)
         numel = values.numel()
         scales, codes = self._parts(out, numel)
         if numel == 0:

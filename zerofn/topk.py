@@ -39,7 +39,7 @@ from typing import Literal
 import attrs
 import torch
 
-from zerofn.bitpack import pack_bits, packed_nbytes, unpack_bits
+from zerofn.bitpack import check_payload, check_values, pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["TopK"]
 
@@ -126,15 +126,7 @@ class TopK:
         return -(-raw // _SCALE_BYTES) * _SCALE_BYTES
 
     def _parts(self, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, ...]:
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise ValueError(
-                f"a payload is a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}"
-            )
-        if payload.numel() != self.payload_nbytes(numel):
-            raise ValueError(
-                f"{numel} elements need a payload of {self.payload_nbytes(numel)} bytes, "
-                f"got {payload.numel()}"
-            )
+        check_payload(payload, self.payload_nbytes(numel), numel)
         full, tail, kept = self._lengths(numel)
         a = (full + (tail > 0)) * self.scales_per_chunk * _SCALE_BYTES
         b = a + self._value_nbytes(kept)
@@ -184,10 +176,7 @@ class TopK:
             ValueError: ``out`` has the wrong dtype or length, or ``values``
                 is not a 1-D floating-point tensor.
         """
-        if values.dim() != 1 or not values.is_floating_point():
-            raise ValueError(
-                f"values must be a 1-D float tensor, got {values.dtype} {tuple(values.shape)}"
-            )
+        check_values(values)
         numel = values.numel()
         scales, codes, offsets = self._parts(out, numel)
         if numel == 0:
