@@ -63,28 +63,34 @@ def test_a_rank_that_answers_too_late_raises_instead_of_going_on_alone() -> None
     assert "rank 2 was declared lost before it answered" in str(late)
 
 
-def _beating(store: Any, rank: int, stop: threading.Event) -> threading.Thread:
-    def beat() -> None:
+def timed_call(
+    store: Any, beating: tuple[int, ...], deadline_s: float
+) -> tuple[dict[int, RollCall | BaseException], float]:
+    """Ranks 0 and 1 of 3 hold the roll call while the ranks of ``beating``
+    beat (every 0.05 s); their answers and the seconds it took."""
+    stop = threading.Event()
+
+    def beat(rank: int) -> None:
         while not stop.is_set():
             store.add(beat_key(0, rank), 1)
             time.sleep(0.05)
 
-    thread = threading.Thread(target=beat)
-    thread.start()
-    return thread
+    threads = [threading.Thread(target=beat, args=(r,)) for r in beating]
+    for t in threads:
+        t.start()
+    began = time.monotonic()
+    try:
+        return call_together(store, [0, 1], 3, set(), deadline_s), time.monotonic() - began
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
 
 def test_a_rank_whose_heartbeat_stopped_is_out_long_before_the_deadline() -> None:
     store = dist.HashStore()
     store.add(beat_key(0, 2), 7)  # rank 2 beat, then died
-    stop = threading.Event()
-    beats = [_beating(store, r, stop) for r in (0, 1)]
-    began = time.monotonic()
-    answers = call_together(store, [0, 1], 3, set(), deadline_s=30.0)
-    took = time.monotonic() - began
-    stop.set()
-    for t in beats:
-        t.join()
+    answers, took = timed_call(store, (0, 1), deadline_s=30.0)
     both = RollCall((0, 1), (Position(0), Position(0)))
     assert answers == {0: both, 1: both}
     assert SILENT_AFTER_S <= took < SILENT_AFTER_S + 1.0
@@ -93,15 +99,7 @@ def test_a_rank_whose_heartbeat_stopped_is_out_long_before_the_deadline() -> Non
 def test_a_rank_still_beating_is_waited_for_and_one_never_seen_beating_too() -> None:
     """Alive but busy (its heartbeat goes on), or unknown (no heartbeat): the
     roll call waits for either until the deadline."""
-    for beating in (True, False):
-        store = dist.HashStore()
-        stop = threading.Event()
-        beats = [_beating(store, r, stop) for r in ((0, 1, 2) if beating else (0, 1))]
-        began = time.monotonic()
-        answers = call_together(store, [0, 1], 3, set(), deadline_s=1.5)
-        took = time.monotonic() - began
-        stop.set()
-        for t in beats:
-            t.join()
+    for beating in ((0, 1, 2), (0, 1)):
+        answers, took = timed_call(dist.HashStore(), beating, deadline_s=1.5)
         assert answers[0] == answers[1] == RollCall((0, 1), (Position(0), Position(0)))
         assert took >= 1.5
