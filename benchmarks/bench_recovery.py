@@ -64,7 +64,8 @@ def bench_recovery(quick: bool) -> Section:
         "the dead rank lost once its heartbeat has been silent for 0.75 s: the failed "
         "collective itself is seen within milliseconds, and the alarm frees a survivor gloo left "
         "blocked within a beat (0.1 s). A paused rank fails no collective: the others notice "
-        "its silence after 1.5 s, then the roll call's 0.75 s."
+        "its silence after 1.5 s, and the roll call, counting from the same silence, declares "
+        "it lost at once."
     )
     headline = Headline(
         f"a lost rank, {'/'.join(map(str, worlds))} gloo ranks, default timeout",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from zerofn.comm import Broadcast, Program
 from zerofn.errors import CollectiveError
-from zerofn.zero.liveness import BeatView, seen_beats, silent_ranks
+from zerofn.zero.liveness import seen_beats, silent_ranks
 from zerofn.zero.recovery_point import (
     InconsistentPositions,
     Position,
@@ -167,7 +167,10 @@ def roll_call(
             "or past the deadline): the others go on without it",
         )
     beats = [beat_key(generation, r) for r in range(world_size)]
-    view: BeatView | None = None
+    # Silence counts from what this rank's heartbeat already watched, if it
+    # watched this world: a rank dead before the call is declared sooner.
+    beating = running_heartbeat()
+    view = None if beating is None else beating.view_of(generation)
     end = time.monotonic() + deadline_s
     while undecided := [r for r in range(world_size) if not store.check([keys[r]])]:
         now = time.monotonic()

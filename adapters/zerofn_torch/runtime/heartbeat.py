@@ -120,6 +120,12 @@ class Heartbeat:
         is left pending in its group)."""
         return self._gave_up
 
+    def view_of(self, generation: int) -> BeatView | None:
+        """What this rank's watching has seen of the other ranks' beats in
+        the world of ``generation`` (``None``: nothing yet, or another world)."""
+        with self._lock:
+            return self._view if generation == self._generation else None
+
     def beat_as(self, generation: int, rank: int, world_size: int) -> None:
         """Beat as ``rank`` of the world's ``generation`` (of ``world_size``
         ranks) from now on, the world having changed, and watch that world."""
