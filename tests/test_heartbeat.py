@@ -65,18 +65,22 @@ def test_a_completed_future_is_waited_for_as_it_is(store: dist.TCPStore) -> None
         beat.stop()
 
 
-def test_a_silent_rank_raises_the_alarm_and_one_that_ended_cleanly_does_not(
-    store: dist.TCPStore,
-) -> None:
-    watcher = Heartbeat(store, 0, 0, 3)
-    clean = Heartbeat(store, 0, 1, 3)
+def test_a_silent_rank_raises_the_alarm_and_one_that_ended_cleanly_does_not() -> None:
+    """Rank 0 of 2 watches rank 1 (the next around the ring): in one job rank 1
+    beat once and went silent, in another it ended cleanly."""
+    jobs = [dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10)) for _ in "ab"]
+    silent_job, clean_job = jobs
+    silent_job.add(beat_key(0, 1), 1)
+    Heartbeat(clean_job, 0, 1, 2).stop()  # it says so as it ends
+    watchers = [Heartbeat(job, 0, 0, 2) for job in jobs]
     try:
-        store.add(beat_key(0, 2), 1)  # rank 2 beat once, then went silent
-        clean.stop()  # rank 1 ends cleanly: it says so
-        assert until(lambda: watcher.alarm is not None, WATCH_SILENT_S + 2.0)
-        assert watcher.alarm == f"rank 2 silent for {WATCH_SILENT_S} s"
+        assert until(lambda: watchers[0].alarm is not None, WATCH_SILENT_S + 2.0)
+        assert watchers[0].alarm == f"rank 1 silent for {WATCH_SILENT_S} s"
+        time.sleep(0.3)  # as long again for the other watcher: still nothing
+        assert watchers[1].alarm is None
     finally:
-        watcher.stop()
+        for watcher in watchers:
+            watcher.stop()
 
 
 def test_a_new_world_does_not_see_the_old_worlds_alarm(store: dist.TCPStore) -> None:

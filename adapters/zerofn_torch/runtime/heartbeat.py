@@ -10,10 +10,11 @@ own connection to the store (a clone):
 * it adds one to the counter ``zerofn/beat/<generation>/<rank>``;
 * it looks for ``zerofn/alarm/<generation>``, which a rank sets once it
   knows a collective failed (:func:`raise_alarm`; ``recover`` does, first);
-* it reads the other ranks' counters, and raises the alarm itself once one
-  has stood still for :data:`WATCH_SILENT_S` (a rank that hangs, or is
-  paused, fails nobody's collective: only its silence tells). A rank that
-  ends cleanly says so first (``.../done``), and is not watched after.
+* it reads the next rank's counter (rank ``r`` watches ``r + 1``, around
+  the ring), and raises the alarm itself once it has stood still for
+  :data:`WATCH_SILENT_S` (a rank that hangs, or is paused, fails nobody's
+  collective: only its silence tells). A rank that ends cleanly says so
+  first (``.../done``), and is not watched after.
   Once set, every wait of zerofn's that has not completed ends
   (:func:`wait` raises, the futures DDP waits on fail, see
   :func:`interruptible`): a survivor that gloo left blocked in a collective
@@ -193,11 +194,14 @@ class Heartbeat:
             self._stopped.wait(BEAT_INTERVAL_S)
 
     def _silent_others(self, generation: int, rank: int, world_size: int) -> tuple[int, ...]:
-        """The other ranks of this world whose heartbeat stood still for
-        :data:`WATCH_SILENT_S`, but for those that ended cleanly."""
+        """The next rank of this world's ring (each rank watches one, so the
+        store serves two reads per rank and beat at any world size), if its
+        heartbeat stood still for :data:`WATCH_SILENT_S` and it did not end
+        cleanly."""
         store = self._store
+        watched = (rank + 1) % world_size
         counts = [
-            None if r == rank else beat_count(store, beat_key(generation, r))
+            beat_count(store, beat_key(generation, r)) if r == watched != rank else None
             for r in range(world_size)
         ]
         with self._lock:
