@@ -269,6 +269,10 @@ def recover(
             "each shard a lost rank's optimizer state is gone; restart from a checkpoint"
         )
     store = store if store is not None else dist.distributed_c10d._get_default_store()
+    # The failed world's group is never used again, and a collective of it
+    # may stay pending (a wait the alarm ended, or a peer that gave up): its
+    # destructor would wait for that, so it is kept for good.
+    abandon(zero.process_group)
     _refuse_if_left_behind(store, zero.regroups, error)
     # Every rank still waiting on a collective of this world ends its wait.
     raise_alarm(f"rank {zero.rank} of {zero.world_size}: {type(error).__name__}")
@@ -311,9 +315,6 @@ def recover(
         moves_program(old, regrouping, new_rank), group, "restoring redundancy after a loss"
     )
     finished = point.finished_step(zero.position)
-    beating = running_heartbeat()
-    if beating is not None and beating.gave_up:
-        abandon(zero.process_group)  # a collective of it is pending for good
     zero.regroup(group, regrouping, new_rank, known, finish_step=point.finish)
     if new_rank == 0:
         store.set(GENERATION, str(zero.regroups))

@@ -25,10 +25,11 @@ The thread stops at exit, before the interpreter finalizes, and quietly when
 the store goes away (the job is ending).
 
 A wait the alarm ended leaves its collective pending in the old group, where
-it may never complete (its peer gave up on it). Destroying that group would
-wait for it, so ``recover`` keeps such a group for good (:func:`abandon`) and
-:func:`destroy_process_groups` destroys every group but those; the process's
-exit closes their connections.
+it may never complete (its peer gave up on it), and so may a rank left
+behind. Destroying that group would wait for it, so ``recover`` keeps every
+failed world's group for good (:func:`abandon`), and
+:func:`destroy_process_groups` then leaves every group to the process's
+exit, which closes their connections.
 """
 
 from __future__ import annotations
