@@ -107,11 +107,6 @@ class Heartbeat:
         atexit.register(self.stop)
 
     @property
-    def key(self) -> str:
-        """Where it beats now."""
-        return beat_key(self._generation, self._rank)
-
-    @property
     def alarm(self) -> str | None:
         """Why this world's alarm was raised; ``None`` while it is not."""
         return self._alarm

@@ -287,11 +287,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
 
         answer = self._counted(local_step(zero, params, run))
+        purpose = "the ZeRO step's exchange of updated shards"
         with synced_hyperparameters(self.param_groups, zero):
             program = run_zero_step(zero.shards, params, zero.options.via, answer, zero.compressed)
-            done = drive(program, self.process_group, "the ZeRO step's exchange of updated shards")
-        # A CollectiveError leaves the position "not exchanged".
-        loss = wait(done, "the ZeRO step's exchange of updated shards")
+            done = drive(program, self.process_group, purpose)
+        loss = wait(done, purpose)  # a CollectiveError leaves the position "not exchanged"
         self._position = exchanged(self._position)
         self._versions = self._read_versions()
         return loss
