@@ -9,6 +9,7 @@ exactly too, a loss and a grow in one run included."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -60,36 +61,49 @@ def worlds(draw: st.DrawFn) -> tuple[ShardPlan, list[torch.Tensor]]:
     split = draw(st.integers(0, len(sizes)))
     groups = [g for g in (sizes[:split], sizes[split:]) if g]
     mode = draw(st.sampled_from(["greedy", "balanced"]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))  # bf16: fp32 masters
     n = len(sizes)
-    plan = plan_shards(groups, ["cpu/torch.float32"] * n, [True] * n, world, mode)
+    plan = plan_shards(groups, [f"cpu/{dtype}"] * n, [True] * n, world, mode)
     seed = draw(st.integers(0, 2**16))
     generator = torch.Generator().manual_seed(seed)
-    params = [torch.randn(size, generator=generator) for size in sizes]
+    params = [torch.randn(size, generator=generator).to(dtype) for size in sizes]
     return plan, params
 
 
 def grads_for(params: list[torch.Tensor], steps: int, seed: int) -> list[list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
-    return [[torch.randn(p.shape, generator=generator) for p in params] for _ in range(steps)]
+    return [
+        [torch.randn(p.shape, generator=generator).to(p.dtype) for p in params]
+        for _ in range(steps)
+    ]
+
+
+def master_dtype_for(params: list[torch.Tensor]) -> torch.dtype | None:
+    """fp32 masters for bf16 parameters, as a mixed-precision job keeps them."""
+    return torch.float32 if params[0].dtype == torch.bfloat16 else None
 
 
 def unsharded(
     params: list[torch.Tensor], grads: list[list[torch.Tensor]], name: str
 ) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
-    """The plain optimizer over every parameter: what ZeRO must equal."""
+    """The plain optimizer over every parameter (over fp32 masters of bf16
+    parameters, cast down after each step): what ZeRO must equal."""
     cls, options = OPTIMIZERS[name]
-    mine = [p.detach().clone() for p in params]
+    wide = master_dtype_for(params) or params[0].dtype
+    mine = [p.detach().to(wide, copy=True) for p in params]
     optim = cls(mine, **options)
     for step in grads:
         for p, g in zip(mine, step, strict=True):
-            p.grad = g.clone()
+            p.grad = g.to(wide, copy=True)
         optim.step()
-    return mine, optim
+    return [m.to(params[0].dtype) for m in mine], optim
 
 
 def world_of(plan: ShardPlan, params: list[torch.Tensor], name: str) -> list[SimulatedRank]:
     cls, options = OPTIMIZERS[name]
-    return simulated_ranks(plan, params, cls, redundancy=2, **options)
+    return simulated_ranks(
+        plan, params, cls, redundancy=2, master_dtype=master_dtype_for(params), **options
+    )
 
 
 def same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
@@ -99,6 +113,13 @@ def same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
         for x, y in zip(left, right, strict=True)
     )
+
+
+def same_values(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    """The two optimizers step equal tensors (a carried copy's masters and its owner's)."""
+    left = [t for g in a.param_groups for t in g["params"]]
+    right = [t for g in b.param_groups for t in g["params"]]
+    return len(left) == len(right) and all(map(torch.equal, left, right))
 
 
 @given(worlds(), st.sampled_from(sorted(OPTIMIZERS)), st.integers(1, 4))
@@ -115,6 +136,7 @@ def test_carried_copies_equal_their_owners_bit_for_bit(
         carried = sim.zero.carried
         assert carried is not None and carried.owner == carried_owner(r, size)
         assert same_state(carried.optim, ranks[carried.owner].optimizer)
+        assert same_values(carried.optim, ranks[carried.owner].optimizer)
     expected, _ = unsharded(params, grads_for(params, steps, seed=steps), name)
     for sim in ranks:  # the carried steps moved no parameter
         assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
@@ -176,15 +198,14 @@ def test_a_loss_of_nobody_keeps_the_world_as_it_is() -> None:
         ({"redundancy": 3}, "must be 1"),
         ({"world_size": 1}, "one rank"),
         ({"partition": "flat"}, "flat shard"),
-        ({"master_dtype": True}, "master copies"),
         ({"compressed": True}, "exact exchange"),
         ({"overlap_with_ddp": True}, "plain step"),
     ],
 )
 def test_redundancy_where_it_cannot_be_kept_is_refused(options: dict[str, Any], match: str) -> None:
     kwargs: dict[str, Any] = {
-        "redundancy": 2, "world_size": 2, "partition": "greedy", "master_dtype": False,
-        "compressed": False, "overlap_with_ddp": False, **options,
+        "redundancy": 2, "world_size": 2, "partition": "greedy", "compressed": False,
+        "overlap_with_ddp": False, **options,
     }  # fmt: skip
     with pytest.raises(ValueError, match=match):
         check_redundancy(
@@ -286,12 +307,15 @@ def check_holdings(ranks: list[SimulatedRank], reference: torch.optim.Optimizer)
         carried = sim.zero.carried
         assert carried is not None and carried.owner == carried_owner(j, size)
         assert same_state(carried.optim, ranks[carried.owner].optimizer)
+        assert same_values(carried.optim, ranks[carried.owner].optimizer)
         owned = sim.zero.plan.partition.params_of(j)  # type: ignore[union-attr]
         local = [t for g in sim.optimizer.param_groups for t in g["params"]]
         for index, tensor in zip(owned, local, strict=True):
             mine, theirs = sim.optimizer.state[tensor], by_index.get(index, {})
             assert mine.keys() == theirs.keys()
             assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+            if sim.zero.masters is not None:  # the master itself, as the reference's
+                assert torch.equal(tensor, reference.param_groups[0]["params"][index])
 
 
 @given(worlds(), st.integers(1, 3))
@@ -363,19 +387,47 @@ def test_lose_a_rank_go_on_and_grow_back() -> None:
     check_against_unsharded(ranks, params, grads, "adam")
 
 
-def test_a_loaded_state_reaches_the_carried_copies_too() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loaded_state_reaches_the_carried_copies_too(dtype: torch.dtype) -> None:
     """After ``load_global_state`` (what ``load_state_dict`` and
-    ``load_sharded`` run) every carried copy holds its owner's state."""
+    ``load_sharded`` run) every carried copy holds its owner's state, and
+    with master copies its owner's masters."""
+    from zerofn.zero.precision import MASTER_KEY
     from zerofn.zero.rank_state import load_global_state
 
     sizes = [12, 7, 30, 5]
-    params = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
-    plan = plan_shards([sizes], ["cpu/torch.float32"] * 4, [True] * 4, 3, "greedy")
+    params = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) for n in sizes]
+    plan = plan_shards([sizes], [f"cpu/{dtype}"] * 4, [True] * 4, 3, "greedy")
     grads = grads_for(params, 3, seed=3)
     _, reference = unsharded(params, grads, "adam")
-    state = reference.state_dict()
+    state = copy.deepcopy(reference.state_dict())  # its entries are the live states
+    if dtype == torch.bfloat16:  # the masters travel in the state, as zerofn saves them
+        for index, master in enumerate(reference.param_groups[0]["params"]):
+            state["state"][index][MASTER_KEY] = master.detach().clone()
     ranks = world_of(plan, params, "adam")
     for sim in ranks:
         groups = [{"params": sim.params, **{k: v for k, v in reference.defaults.items()}}]
         load_global_state(sim.zero, groups, state)
     check_holdings(ranks, reference)
+
+
+def test_the_planner_counts_carried_masters() -> None:
+    """With fp32 masters of bf16 parameters the carried copy is the owner's
+    masters and state: four bytes an element for each."""
+    shapes = [[(64, 32), (32,), (32, 8)]]
+    options: dict[str, Any] = {"param_dtype": torch.bfloat16, "master_dtype": torch.float32}
+    carried = plan_footprint(shapes, 4, redundancy=2, **options)
+    numel = 64 * 32 + 32 + 32 * 8
+    assert sum(r.carried for r in carried.ranks) == numel * 4 + numel * 8 + 3 * 4
+    sizes = [p for g in shapes for p in g]
+    params = [torch.randn(s).to(torch.bfloat16) for s in sizes]
+    n = len(params)
+    plan = plan_shards([[p.numel() for p in params]], ["cpu/torch.bfloat16"] * n, [True] * n, 4)
+    ranks = world_of(plan, params, "adam")
+    step_simulated(ranks, grads_for(params, 1, seed=0)[0])
+    from zerofn.zero.rank import memory_bytes
+
+    for r, sim in enumerate(ranks):
+        counted = memory_bytes(sim.zero, sim.params)
+        assert counted["carried"] == carried.ranks[r].carried
+        assert counted["master_weights"] == carried.ranks[r].master_weights

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn.replicas import ReplicaMismatch, copies_disagreement, replicas_program, state_digest
+from zerofn.zero.precision import MASTER_KEY
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
@@ -85,9 +86,16 @@ def _state_digests(
     """This rank's :func:`~zerofn.replicas.state_digest` of each parameter it
     owns and of each it carries, by global index."""
     rank = optimizer.zero_rank
+    masters = rank.masters is not None
+
+    def digest(optim: torch.optim.Optimizer, tensor: torch.Tensor) -> Any:
+        # With master copies the stepped tensor is the master: its value is state too.
+        state = optim.state.get(tensor, {})
+        return state_digest({**state, MASTER_KEY: tensor} if masters else state)
+
     sources = rank.shards.local_sources([p for g in optimizer.param_groups for p in g["params"]])
     mine = {
-        source[0]: state_digest(rank.optim.state.get(t, {}))
+        source[0]: digest(rank.optim, t)
         for source, t in zip(sources, rank.local_tensors(), strict=True)
         if source is not None and source[1] == 0
     }
@@ -96,7 +104,7 @@ def _state_digests(
         {}
         if carried is None
         else {
-            i: state_digest(carried.optim.state.get(t, {}))
+            i: digest(carried.optim, t)
             for i, t in zip(carried.indices, carried.tensors(), strict=True)
         }
     )

@@ -251,7 +251,8 @@ def _rank_bytes(
     redundancy: int = 1,
 ) -> tuple[RankBytes, ...]:
     """Every rank's bytes by kind under ``plan`` (with ``redundancy=2`` rank
-    ``r`` carries rank ``r - 1``'s shard: its values and optimizer state)."""
+    ``r`` carries rank ``r - 1``'s shard: its values, or masters, and
+    optimizer state)."""
     numel = sum(plan.partition.loads())
     state_itemsize = itemsize if masters is None else torch.empty((), dtype=masters).element_size()
     buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
@@ -264,7 +265,11 @@ def _rank_bytes(
             master_weights=plan.partition.loads()[r] * state_itemsize if masters else 0,
             optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
             exchange_buffers=buffers,
-            carried=_carried_bytes(plan, r, model, itemsize, flat_chunks) if redundancy == 2 else 0,
+            carried=(
+                _carried_bytes(plan, r, model, state_itemsize, flat_chunks)
+                if redundancy == 2
+                else 0
+            ),
         )
         for r in range(plan.world_size)
     )
@@ -274,7 +279,8 @@ def _carried_bytes(
     plan: ShardPlan, rank: int, model: OptimizerModel, itemsize: int, flat_chunks: bool
 ) -> int:
     """The copy of :func:`~zerofn.zero.redundancy.carried_owner`'s shard:
-    its values and its optimizer state."""
+    its values (its masters, with master copies) and its optimizer state,
+    both of ``itemsize`` bytes an element."""
     owner = carried_owner(rank, plan.world_size)
     values = plan.partition.loads()[owner] * itemsize
     return values + _state_bytes(plan, owner, model, itemsize, flat_chunks)
@@ -351,8 +357,8 @@ def plan_footprint(
         bucket_view = partition == "flat"
     model = OPTIMIZERS[optimizer]
     check_redundancy(
-        redundancy, world_size, partition, master_dtype=masters is not None,
-        compressed=quantizer is not None, overlap_with_ddp=False,
+        redundancy, world_size, partition, compressed=quantizer is not None,
+        overlap_with_ddp=False,
     )  # fmt: skip
     ranks = _rank_bytes(
         plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer, redundancy

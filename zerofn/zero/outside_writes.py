@@ -23,6 +23,7 @@ import torch
 
 from zerofn.zero.rank import ZeroRank
 from zerofn.zero.rank_state import held_pieces
+from zerofn.zero.redundancy import reseed_carried
 
 __all__ = ["owned_parameters", "parameter_versions", "rederive_from_parameters", "written_since"]
 
@@ -71,6 +72,4 @@ def rederive_from_parameters(
     if rank.masters is not None:
         rank.masters.reseed(keep_consistent=keep_consistent)
     if rank.carried is not None:
-        with torch.no_grad():
-            for tensor, index in zip(rank.carried.tensors(), rank.carried.indices, strict=True):
-                tensor.copy_(params[index])
+        reseed_carried(rank.carried, params, keep_consistent=keep_consistent)

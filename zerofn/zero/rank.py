@@ -39,7 +39,13 @@ from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.params import hyperparameters
 from zerofn.zero.plan import ShardPlan, with_trainable
 from zerofn.zero.precision import resolve_master_dtype
-from zerofn.zero.redundancy import CarriedShard, carried_shard, check_redundancy, step_carried
+from zerofn.zero.redundancy import (
+    CarriedShard,
+    carried_shard,
+    check_redundancy,
+    hand_carried_grads,
+    step_carried,
+)
 from zerofn.zero.shards import Shards, shards_for
 from zerofn.zero.step import Compressed, LocalStep, finish_masters
 
@@ -49,10 +55,12 @@ __all__ = [
     "ZeroRank",
     "build_rank",
     "check_local_optimizer",
+    "drop_master_grads",
     "extend_local_optimizer",
     "flat_params",
     "hand_grads",
     "local_step",
+    "master_grads",
     "memory_bytes",
     "placed",
     "resolve_options",
@@ -181,8 +189,8 @@ def resolve_options(
         TypeError: ``optimizer_class`` takes no option of a name in ``defaults``.
     """
     check_redundancy(
-        redundancy, world_size, partition, master_dtype=master_dtype is not None,
-        compressed=exchange_compression is not None, overlap_with_ddp=overlap_with_ddp,
+        redundancy, world_size, partition, compressed=exchange_compression is not None,
+        overlap_with_ddp=overlap_with_ddp,
     )  # fmt: skip
     first = flat_params(groups)[0]
     quantizer = resolve_compression(exchange_compression, first.dtype)
@@ -309,8 +317,9 @@ def placed(
     optim = options.optimizer_class(local, **options.defaults)
     if options.redundancy == 2:
         carried = carried_shard(
-            plan, options.rank, groups, options.optimizer_class, options.defaults
-        )
+            plan, options.rank, groups, options.optimizer_class, options.defaults,
+            options.master_dtype,
+        )  # fmt: skip
     return ZeroRank(options, plan, shards, masters, exchange, overlap, optim, carried)
 
 
@@ -389,14 +398,34 @@ def synced_hyperparameters(groups: Sequence[dict[str, Any]], rank: ZeroRank) -> 
 
 
 def hand_grads(rank: ZeroRank, params: Sequence[torch.Tensor], unscale: float = 1.0) -> None:
-    """Hand the local optimizer this step's gradients: the masters get them
-    upcast (times ``unscale``; a master that has one keeps it, so handing
-    twice in a step is handing once), a flat shard's chunks get views of the
-    parameters' gradients; owned whole parameters hold their own."""
+    """Hand the local optimizer this step's gradients: the masters (the
+    carried copy's too) get them upcast (times ``unscale``; a master that
+    has one keeps it, so handing twice in a step is handing once), a flat
+    shard's chunks get views of the parameters' gradients; owned whole
+    parameters hold their own."""
     if rank.masters is not None:
         rank.masters.hand_grads(rank.shards.local_grads(params, rank.masters.low), unscale)
+        if rank.carried is not None:
+            hand_carried_grads(rank.carried, params, unscale)
     else:
         rank.shards.hand_grads(params, rank.local_tensors())
+
+
+def master_grads(rank: ZeroRank) -> list[torch.Tensor]:
+    """The gradients handed to this rank's masters and its carried masters
+    for this step (what clipping scales; empty without masters)."""
+    if rank.masters is None:
+        return []
+    carried = rank.carried.masters if rank.carried is not None else None
+    return rank.masters.grads() + (carried.grads() if carried is not None else [])
+
+
+def drop_master_grads(rank: ZeroRank) -> None:
+    """Forget the gradients handed to the masters (and the carried ones)
+    for a step that is skipped."""
+    for masters in (rank.masters, rank.carried.masters if rank.carried is not None else None):
+        if masters is not None:
+            masters.drop_grads()
 
 
 def step_grads(rank: ZeroRank, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

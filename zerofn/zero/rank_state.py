@@ -10,10 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
-from zerofn.zero.masters import with_masters, without_masters
+from zerofn.zero.masters import Masters, with_masters, without_masters
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
 from zerofn.zero.partition import Piece
+from zerofn.zero.precision import MASTER_KEY
 from zerofn.zero.rank import ZeroRank, flat_params, sync_hyperparameters
 from zerofn.zero.shard_state import consolidate, shard
 
@@ -23,6 +25,7 @@ __all__ = [
     "held_pieces",
     "joined_state",
     "load_global_state",
+    "load_states",
     "local_state_cpu",
     "local_state_dict",
     "regroup",
@@ -127,17 +130,35 @@ def load_global_state(
     _load_masters(rank, groups, masters)
     if rank.carried is not None:  # the carried copy is the owner's state again
         carried = rank.carried
-        kept = carried.optim.state_dict()
-        saved = state_dict["state"]
-        kept["state"] = {
-            local: cpu_copy(saved[index])
-            for local, index in enumerate(carried.indices)
-            if index in saved
-        }
-        carried.optim.load_state_dict(kept)
+        load_states(carried.optim, carried.indices, state_dict["state"], carried.masters)
     for live, saved in zip(groups, state_dict["param_groups"], strict=True):
         live.update(hyperparameters(saved))
     sync_hyperparameters(groups, optim.param_groups)
+
+
+def load_states(
+    optim: Optimizer,
+    indices: Sequence[int],
+    states: Mapping[int, Mapping[str, Any]],
+    masters: Masters | None = None,
+) -> None:
+    """Load ``optim`` (over one whole tensor per parameter of ``indices``, in
+    that order) with copies of ``states`` (per-parameter states by global
+    index; one not there starts fresh). With ``masters`` (over the same
+    tensors) each state's ``"master_param"`` becomes its master's value; a
+    master without one is copied up from its parameter."""
+    saved = optim.state_dict()
+    chosen = {local: states[i] for local, i in enumerate(indices) if i in states}
+    loaded = {local: {k: v for k, v in s.items() if k != MASTER_KEY} for local, s in chosen.items()}
+    saved["state"] = {local: cpu_copy(s) for local, s in loaded.items() if s}
+    optim.load_state_dict(saved)
+    if masters is None:
+        return
+    found = {local: s[MASTER_KEY] for local, s in chosen.items() if MASTER_KEY in s}
+    masters.reseed([local for local in range(len(indices)) if local not in found])
+    with torch.no_grad():
+        for local, value in found.items():
+            masters.master[local].copy_(value)
 
 
 def _load_masters(

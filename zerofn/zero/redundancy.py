@@ -7,6 +7,10 @@ one extra share, and never its own. The plain step already hands every rank
 the whole averaged gradient (DDP's all-reduce), so the carrier steps its copy
 from gradients it holds, with the owner's arithmetic on tensors of the
 owner's shapes: the two copies stay bitwise equal and nothing extra is sent.
+With master copies (``master_dtype``) the carried tensors are masters too,
+kept from step to step as the owner keeps its own (a parameter's low
+precision cannot restore them), and handed the same upcast, unscaled and
+clipped gradients.
 
 When ranks are lost, :func:`plan_after_loss` is the whole decision, a pure
 function of the old plan and the lost ranks: each survivor keeps what it owned,
@@ -28,6 +32,7 @@ from typing import Any
 import attrs
 import torch
 
+from zerofn.zero.masters import Masters
 from zerofn.zero.params import hyperparameters
 from zerofn.zero.partition import FlatPartition, Partition
 from zerofn.zero.plan import ShardPlan
@@ -40,8 +45,10 @@ __all__ = [
     "carried_shard",
     "carrier_of",
     "check_redundancy",
+    "hand_carried_grads",
     "plan_after_join",
     "plan_after_loss",
+    "reseed_carried",
     "step_carried",
 ]
 
@@ -69,16 +76,16 @@ def carried_owner(rank: int, world_size: int) -> int:
 
 
 def check_redundancy(
-    redundancy: int, world_size: int, partition: object, *, master_dtype: bool, compressed: bool,
+    redundancy: int, world_size: int, partition: object, *, compressed: bool,
     overlap_with_ddp: bool,
 ) -> None:  # fmt: skip
     """Refuse a ``redundancy`` the optimizer cannot keep, before anything is built.
 
     Raises:
         ValueError: ``redundancy`` other than 1 or 2; 2 with one rank, with a
-            flat partition, with master copies, with a compressed exchange,
-            or with ``overlap_with_ddp`` (the reduced gradients reach the
-            owners only, so a carrier would need bytes sent to it too).
+            flat partition, with a compressed exchange, or with
+            ``overlap_with_ddp`` (the reduced gradients reach the owners
+            only, so a carrier would need bytes sent to it too).
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (every shard on its owner) or 2, got {redundancy}")
@@ -92,8 +99,6 @@ def check_redundancy(
             "a flat shard's chunks are views of its owner's exchange buffer; "
             "use partition='greedy' or 'balanced'"
         )
-    elif master_dtype:
-        why = "master copies are not carried yet; train without master_dtype"
     elif compressed:
         why = "the compressed exchange's masters are not carried yet; use the exact exchange"
     elif overlap_with_ddp:
@@ -107,20 +112,26 @@ def check_redundancy(
 
 @attrs.frozen(eq=False)
 class CarriedShard:
-    """A copy of another rank's shard: its parameters' values, refreshed from
-    the live parameters before each step (they are equal on every rank
-    then), and an optimizer of the owner's class over them, whose state is
-    the owner's, bit for bit.
+    """A copy of another rank's shard, stepped beside the owner's.
+
+    Without master copies its tensors are the parameters' values, refreshed
+    from the live parameters before each step (they are equal on every rank
+    then). With them, its tensors are the owner's masters, kept here from
+    step to step; ``masters`` pairs them with the parameters, for gradients
+    going up and (when the owner is lost) values coming down.
 
     Attributes:
         owner: the rank whose shard this is.
         indices: the global indices of its parameters, in the owner's local order.
-        optim: the carried optimizer, over one tensor per parameter.
+        optim: the carried optimizer, over one tensor per parameter; its
+            state is the owner's, bit for bit.
+        masters: the carried masters over the parameters (``None``: no masters).
     """
 
     owner: int
     indices: tuple[int, ...]
     optim: torch.optim.Optimizer
+    masters: Masters | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The carried tensors, in the owner's local order."""
@@ -133,26 +144,55 @@ def carried_shard(
     groups: Sequence[dict[str, Any]],
     optimizer_class: type[torch.optim.Optimizer],
     defaults: dict[str, Any],
+    master_dtype: torch.dtype | None = None,
 ) -> CarriedShard:
     """The copy ``rank`` carries under ``plan``: the shard of
-    :func:`carried_owner`, over fresh copies of its parameters, grouped as
-    the owner's local optimizer groups them (same options, same order)."""
+    :func:`carried_owner`, over fresh copies of its parameters (in
+    ``master_dtype``, if given: the owner's masters as it makes them),
+    grouped as the owner's local optimizer groups them (same options, same order)."""
     partition = _whole(plan)
     owner = carried_owner(rank, partition.world_size)
     params = [p for g in groups for p in g["params"]]
+
+    def copy(i: int) -> torch.Tensor:
+        copied: torch.Tensor = params[i].detach().to(master_dtype or params[i].dtype, copy=True)
+        return copied
+
     local_groups = [
-        {**hyperparameters(g), "params": [params[i].detach().clone() for i in indices]}
+        {**hyperparameters(g), "params": [copy(i) for i in indices]}
         for g, indices in zip(groups, partition.assignment[owner], strict=True)
     ]
     optim = optimizer_class(local_groups, **defaults)
-    return CarriedShard(owner, partition.params_of(owner), optim)
+    indices = partition.params_of(owner)
+    masters = None
+    if master_dtype is not None:
+        copies = tuple(t for g in local_groups for t in g["params"])
+        masters = Masters(tuple(params[i] for i in indices), copies, master_dtype)
+    return CarriedShard(owner, indices, optim, masters)
+
+
+def hand_carried_grads(
+    carried: CarriedShard, params: Sequence[torch.Tensor], unscale: float = 1.0
+) -> None:
+    """Give the carried masters their parameters' gradients as the owner's
+    masters get them (upcast, times ``unscale``; one that has a gradient
+    keeps it). Without masters nothing is handed before the step."""
+    if carried.masters is not None:
+        carried.masters.hand_grads([params[i].grad for i in carried.indices], unscale)
 
 
 def step_carried(carried: CarriedShard, params: Sequence[torch.Tensor]) -> None:
-    """Step the carried copy as its owner steps its shard: its values set to
-    the parameters' (equal on every rank before the step), its gradients the
-    parameters' (DDP's average, on every rank), then the optimizer's step.
-    A parameter without a gradient sits out, as it does on the owner."""
+    """Step the carried copy as its owner steps its shard, with the same
+    gradients: the parameters' (DDP's average, on every rank), or with
+    masters the ones handed to them (:func:`hand_carried_grads`, clipped as
+    the owner's were). Without masters its values are first set to the
+    parameters' (equal on every rank before the step). A parameter without a
+    gradient sits out, as it does on the owner."""
+    if carried.masters is not None:
+        hand_carried_grads(carried, params)
+        carried.optim.step()
+        carried.masters.drop_grads()
+        return
     with torch.no_grad():
         for tensor, index in zip(carried.tensors(), carried.indices, strict=True):
             tensor.copy_(params[index])
@@ -161,6 +201,20 @@ def step_carried(carried: CarriedShard, params: Sequence[torch.Tensor]) -> None:
     carried.optim.step()
     for tensor in carried.tensors():
         tensor.grad = None
+
+
+def reseed_carried(
+    carried: CarriedShard, params: Sequence[torch.Tensor], *, keep_consistent: bool = False
+) -> None:
+    """Take the carried values from the parameters after a write from
+    outside the step, as the owner re-derives its own (``keep_consistent``:
+    see :meth:`~zerofn.zero.masters.Masters.reseed`)."""
+    if carried.masters is not None:
+        carried.masters.reseed(keep_consistent=keep_consistent)
+        return
+    with torch.no_grad():
+        for tensor, index in zip(carried.tensors(), carried.indices, strict=True):
+            tensor.copy_(params[index])
 
 
 def _whole(plan: ShardPlan) -> Partition:

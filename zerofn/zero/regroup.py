@@ -14,7 +14,9 @@ from typing import Any
 import attrs
 import torch
 
+from zerofn.zero.precision import MASTER_KEY
 from zerofn.zero.rank import ZeroRank, placed
+from zerofn.zero.rank_state import load_states
 from zerofn.zero.redundancy import Regrouping, carried_owner
 
 __all__ = [
@@ -39,24 +41,33 @@ def _copied(state: Mapping[str, Any]) -> ParamState:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
-def _states_by_global(optim: torch.optim.Optimizer, indices: Sequence[int]) -> dict[int, Any]:
+def _states_by_global(
+    optim: torch.optim.Optimizer, indices: Sequence[int], masters: bool
+) -> dict[int, Any]:
+    """Copies of ``optim``'s per-parameter states by global index; with
+    ``masters`` (its tensors are master copies) each with its master's value."""
     local = [t for g in optim.param_groups for t in g["params"]]
-    return {
-        index: _copied(s)
-        for index, tensor in zip(indices, local, strict=True)
-        if (s := optim.state.get(tensor))
-    }
+    known = {}
+    for index, tensor in zip(indices, local, strict=True):
+        state = _copied(optim.state.get(tensor, {}))
+        if masters:
+            state[MASTER_KEY] = tensor.detach().clone()
+        if state:
+            known[index] = state
+    return known
 
 
 def known_states(rank: ZeroRank) -> dict[int, ParamState]:
     """Every parameter's optimizer state this rank holds (copies), by global
-    index: its own shard's and the carried shard's. A parameter never
-    stepped has none."""
+    index: its own shard's and the carried shard's, each with its master's
+    value under ``"master_param"`` where there are master copies. A
+    parameter never stepped has no optimizer state."""
     partition = rank.plan.partition
     own = partition.params_of(rank.options.rank)  # type: ignore[union-attr]
-    known = _states_by_global(rank.optim, own)
+    masters = rank.masters is not None
+    known = _states_by_global(rank.optim, own, masters)
     if rank.carried is not None:
-        known.update(_states_by_global(rank.carried.optim, rank.carried.indices))
+        known.update(_states_by_global(rank.carried.optim, rank.carried.indices, masters))
     return known
 
 
@@ -101,13 +112,6 @@ def adopt_carried_values(rank: ZeroRank, params: Sequence[torch.Tensor], lost: i
             params[index].copy_(tensor)
 
 
-def _load(optim: torch.optim.Optimizer, indices: Sequence[int], known: Mapping[int, Any]) -> None:
-    saved = optim.state_dict()
-    # Copies: one state may reach two optimizers (an owner's and a carrier's).
-    saved["state"] = {local: _copied(known[i]) for local, i in enumerate(indices) if i in known}
-    optim.load_state_dict(saved)
-
-
 def regrouped(
     rank: ZeroRank,
     groups: Sequence[dict[str, Any]],
@@ -119,7 +123,8 @@ def regrouped(
     running rank the world grew around, or a joiner): its options' rank and
     world size the new ones, its local optimizer holding the state of every
     parameter it now owns and its carried copy that of the new carried
-    owner, all from ``known`` (its own, and what it received).
+    owner, all from ``known`` (its own, and what it received), master
+    values too.
 
     A parameter whose state is nowhere in ``known`` starts fresh, as one
     never stepped does (its state exists nowhere to be had).
@@ -129,8 +134,8 @@ def regrouped(
     fresh = placed(groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True)
     partition = regrouping.plan.partition
     own = partition.params_of(new)  # type: ignore[union-attr]
-    _load(fresh.optim, own, known)
+    load_states(fresh.optim, own, known, fresh.masters)
     if fresh.carried is not None:
         carried = partition.params_of(carried_owner(new, world))  # type: ignore[union-attr]
-        _load(fresh.carried.optim, carried, known)
+        load_states(fresh.carried.optim, carried, known, fresh.carried.masters)
     return fresh

@@ -14,7 +14,7 @@ import torch
 
 from zerofn.zero.hook_driven import check_stepped_here
 from zerofn.zero.precision import clip_program, nonfinite_program
-from zerofn.zero.rank import ZeroRank, hand_grads, step_grads
+from zerofn.zero.rank import ZeroRank, hand_grads, master_grads, step_grads
 from zerofn_torch.runtime.driver import drive
 
 __all__ = ["clip_grad_norm", "unscale_gradients"]
@@ -42,7 +42,7 @@ def clip_grad_norm(
         )
     if coefficient != 1.0:
         grads = (
-            rank.masters.grads()
+            master_grads(rank)
             if rank.masters is not None
             else [p.grad for p in params if p.grad is not None]
         )
@@ -73,7 +73,7 @@ def unscale_gradients(
                 "once per step, before clip_grad_norm_"
             )
         hand_grads(rank, params, unscale=factor)
-        grads = rank.masters.grads()
+        grads = rank.masters.grads()  # the carried masters' are the same numbers
     else:
         for p in params:
             if p.grad is not None:

@@ -37,6 +37,7 @@ from zerofn.zero.rank import (
     OverlapMode,
     ZeroRank,
     build_rank,
+    drop_master_grads,
     flat_params,
     local_step,
     memory_bytes,
@@ -345,8 +346,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients, and any the masters hold."""
         super().zero_grad(set_to_none)
-        if self._zero.masters is not None:
-            self._zero.masters.drop_grads()
+        drop_master_grads(self._zero)
 
     # ----- gradients: clipping and loss scaling ---------------------------------
 
@@ -425,8 +425,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Skip this step: forget the gradients loaded for it (into the
         masters). Every rank must skip alike; :meth:`unscale_gradients_`
         tells them all the same."""
-        if self._zero.masters is not None:
-            self._zero.masters.drop_grads()
+        drop_master_grads(self._zero)
 
     # ----- param groups -------------------------------------------------------
 
