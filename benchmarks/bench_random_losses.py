@@ -1,13 +1,15 @@
 """Faults at random moments, many of them: ``examples/random_losses.py``'s
-soak on 3, 4 and 8 gloo ranks (over a hundred runs, a rank ended or paused
-at a random moment in each), every run checked for consistency and the first
-loss of each world size bit for bit against a reference. It reports the runs,
-the losses, the pauses, the transient recoveries and the seconds a run took;
-any inconsistent run fails the benchmark, naming its seed. ``--quick``: two
-runs on 3 ranks."""
+soak on 3, 4 and 8 gloo ranks in each configuration of ``train_elastic.CONFIGS``
+(over a hundred runs, a rank ended or paused at a random moment in each),
+every run checked for consistency and the first loss of each world size and
+configuration bit for bit against a reference. It reports the runs, the
+losses, the pauses, the transient recoveries and the seconds a run took; any
+inconsistent run fails the benchmark, naming its seed. ``--quick``: two runs
+per configuration on 3 ranks."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -15,23 +17,25 @@ from report import Headline, Section, Spread, md_table, standalone_main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from random_losses import STEPS, soak
+from train_elastic import CONFIGS
 
-WORLDS = {3: 45, 4: 45, 8: 30}
-"""Runs per world size in a full run."""
+WORLDS = {3: 24, 4: 24, 8: 12}
+"""Runs per world size and configuration in a full run."""
 
 
 def bench_random_losses(quick: bool) -> Section:
     worlds = {3: 2} if quick else WORLDS
     rows, total = [], {"runs": 0, "losses": 0, "pauses": 0, "transient": 0}
-    for world_size, runs in worlds.items():
+    for (world_size, runs), config in itertools.product(worlds.items(), CONFIGS.values()):
         seed = int.from_bytes(os.urandom(4), "little")
-        result = soak(world_size, runs, seed, verbose=True)
+        result = soak(world_size, runs, seed, verbose=True, config=config)
         for key in total:
             total[key] += result[key]
         spread = Spread.of(result["seconds"])
         rows.append(
             [
                 world_size,
+                config.name,
                 result["runs"],
                 result["losses"],
                 result["pauses"],
@@ -42,7 +46,9 @@ def bench_random_losses(quick: bool) -> Section:
             ]
         )
     body = (
-        f"DDP + `ZeroRedundancyOptimizer(Adam, redundancy=2)`, {STEPS} steps a run; in each run "
+        f"DDP + `ZeroRedundancyOptimizer(Adam, redundancy=2)`, {STEPS} steps a run, in each "
+        "configuration (`plain`: fp32 parameters; `masters`: bf16 parameters, fp32 masters); "
+        "in each run "
         "one rank drawn at random is ended (`os._exit`) or, one run in four, paused (`SIGSTOP`, "
         "0.5 to 12 s) from a timer thread after a random delay within the run, wherever its "
         "main thread is. Every run is checked with no reference (every step completed once, "
@@ -53,6 +59,7 @@ def bench_random_losses(quick: bool) -> Section:
         + md_table(
             [
                 "ranks",
+                "configuration",
                 "runs",
                 "ranks lost",
                 "paused",

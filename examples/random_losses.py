@@ -1,5 +1,6 @@
 """Faults at moments nobody chose: in each run of DDP + ZeRO(Adam,
-``redundancy=2``) on W gloo ranks, one rank drawn at random is ended
+``redundancy=2``; with ``--config masters`` bf16 parameters and fp32
+masters) on W gloo ranks, one rank drawn at random is ended
 (``os._exit``) or paused (``SIGSTOP``, resumed later by a helper process)
 from a timer thread after a random delay, wherever its main thread is:
 forward, backward, the all-reduce, the local step, the exchange, between
@@ -33,8 +34,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from train_elastic import DEADLINE_S, TIMEOUT_S, fresh_phase, make_ddp, make_model, step_surviving
-from zerofn_torch import ZeroRedundancyOptimizer
+from train_elastic import (
+    CONFIGS,
+    DEADLINE_S,
+    PLAIN,
+    TIMEOUT_S,
+    Config,
+    fresh_phase,
+    make_ddp,
+    make_model,
+    make_zero,
+    step_surviving,
+)
 from zerofn_torch.elastic import recover
 from zerofn_torch.runtime.launch import run_local_world
 
@@ -74,8 +85,11 @@ def _arm(fault: Fault) -> threading.Timer:
     return timer
 
 
-def train_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> dict[str, Any]:
-    """One rank's run: ``steps`` steps, recovering from whatever the fault does.
+def train_with_fault(
+    rank: int, world_size: int, fault: Fault, steps: int, config: Config = PLAIN
+) -> dict[str, Any]:
+    """One rank's run: ``steps`` steps of ``config``, recovering from whatever
+    the fault does.
 
     Returns:
         ``done`` (steps completed), ``adam_steps`` (the Adam step counts in
@@ -84,8 +98,8 @@ def train_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> di
         noticed in and whether that call finished there), ``fenced`` (what a
         rank left behind raised, else ``None``), ``seconds``.
     """
-    model = make_model()
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
+    model = make_model(config)
+    zero = make_zero(model, config)
     ddp = make_ddp(model)
     timer = _arm(fault) if rank == fault.rank else None
     done, points = 0, []
@@ -168,15 +182,20 @@ def check_run(results: list[Any], fault: Fault, steps: int, label: str) -> Outco
     return Outcome(lost, transient, len(points), kept)
 
 
-def check_against_reference(results: list[Any], world_size: int, kept: int, steps: int) -> None:
-    """The survivors' parameters equal a run that shrank at step ``kept``, bit for bit.
+def check_against_reference(
+    results: list[Any], world_size: int, kept: int, steps: int, config: Config = PLAIN
+) -> None:
+    """The survivors' parameters equal a run of ``config`` that shrank at
+    step ``kept``, bit for bit.
 
     Raises:
         AssertionError: they differ.
     """
-    before = run_local_world(fresh_phase, world_size, None, range(kept), timeout_s=TIMEOUT_S)[0]
+    before = run_local_world(
+        fresh_phase, world_size, None, range(kept), config, timeout_s=TIMEOUT_S
+    )[0]
     after = run_local_world(
-        fresh_phase, world_size - 1, before, range(kept, steps), timeout_s=TIMEOUT_S
+        fresh_phase, world_size - 1, before, range(kept, steps), config, timeout_s=TIMEOUT_S
     )
     survivors = [r for r in results if r is not None and r["fenced"] is None]
     for ours in survivors:
@@ -202,9 +221,10 @@ def soak(
     pauses: bool = True,
     steps: int = STEPS,
     verbose: bool = False,
+    config: Config = PLAIN,
 ) -> dict[str, Any]:
-    """``runs`` runs of ``world_size`` ranks, each with a fault drawn from
-    ``seed``; every run checked, the first loss also against a reference.
+    """``runs`` runs of ``world_size`` ranks of ``config``, each with a fault
+    drawn from ``seed``; every run checked, the first loss also against a reference.
 
     Returns:
         Counts (runs, losses, pauses, transient recoveries), the seconds of
@@ -215,7 +235,9 @@ def soak(
             the run and the fault).
     """
     draw = random.Random(seed)
-    quiet = run_local_world(train_with_fault, world_size, Fault(0, 1e9), steps, timeout_s=TIMEOUT_S)
+    quiet = run_local_world(
+        train_with_fault, world_size, Fault(0, 1e9), steps, config, timeout_s=TIMEOUT_S
+    )
     # The first world of a process warms up: later runs train faster than
     # this one, so the faults are drawn within the first 60 % of it.
     length_s = 0.6 * min(r["seconds"] for r in quiet)
@@ -223,10 +245,16 @@ def soak(
     seconds = []
     for run in range(runs):
         fault = draw_fault(draw, world_size, length_s, pauses)
-        label = f"seed {seed}, run {run}, {world_size} ranks, {fault}"
+        label = f"seed {seed}, run {run}, {world_size} ranks, {config.name}, {fault}"
         began = time.perf_counter()
         results = run_local_world(
-            train_with_fault, world_size, fault, steps, timeout_s=TIMEOUT_S, may_exit=[fault.rank]
+            train_with_fault,
+            world_size,
+            fault,
+            steps,
+            config,
+            timeout_s=TIMEOUT_S,
+            may_exit=[fault.rank],
         )
         seconds.append(time.perf_counter() - began)
         outcome = check_run(results, fault, steps, label)
@@ -237,7 +265,7 @@ def soak(
         counts["pauses"] += fault.pause_s is not None
         counts["transient"] += outcome.transient
         if outcome.lost and outcome.kept is not None and not counts["referenced"]:
-            check_against_reference(results, world_size, outcome.kept, steps)
+            check_against_reference(results, world_size, outcome.kept, steps, config)
             counts["referenced"] += 1
     return {**counts, "seconds": seconds, "seed": seed}
 
@@ -247,11 +275,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="plain")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    result = soak(args.world_size, args.runs, seed, verbose=True)
+    result = soak(args.world_size, args.runs, seed, verbose=True, config=CONFIGS[args.config])
     print(
-        f"{result['runs']} runs of {args.world_size} ranks (seed {seed}): {result['losses']} "
+        f"{result['runs']} runs of {args.world_size} ranks of {args.config} (seed {seed}): "
+        f"{result['losses']} "
         f"ranks lost, {result['pauses']} paused, {result['transient']} transient recoveries, "
         "every run consistent"
     )

@@ -66,7 +66,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from train_elastic import _exit_after_local_step, exit_quietly, make_ddp, make_model, train_step
+from train_elastic import (
+    CONFIGS,
+    PLAIN,
+    Config,
+    _exit_after_local_step,
+    exit_quietly,
+    make_ddp,
+    make_model,
+    make_zero,
+    train_step,
+)
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import DEADLINE_S, recover
 from zerofn_torch.runtime.launch import run_local_world
@@ -143,6 +153,7 @@ class Segment:
         redundancy: copies of each shard (2 to survive a loss).
         deadline_s: the roll call's deadline.
         pauses: the ranks stopped on the way and resumed later.
+        config: the model's dtype and the optimizer's options.
     """
 
     first: int
@@ -152,6 +163,7 @@ class Segment:
     redundancy: int = 2
     deadline_s: float = DEADLINE_S
     pauses: tuple[Pause, ...] = ()
+    config: Config = PLAIN
 
 
 @dataclass
@@ -329,12 +341,10 @@ def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
         ``optimizer``, the ``recoveries`` it went through (as dicts) and the
         final ``world_size``; ``None`` on the other survivors.
     """
-    model = make_model()
+    model = make_model(job.config)
     if job.start is not None:
         model.load_state_dict(job.start["model"])
-    zero = ZeroRedundancyOptimizer(
-        model.parameters(), torch.optim.Adam, redundancy=job.redundancy, lr=0.01
-    )
+    zero = make_zero(model, job.config, job.redundancy)
     if job.start is not None:
         zero.load_state_dict(job.start["optimizer"])
     ddp = make_ddp(model)
@@ -371,16 +381,18 @@ def run_killed(
     kills: tuple[Kill, ...],
     deadline_s: float = DEADLINE_S,
     pauses: tuple[Pause, ...] = (),
+    config: Config = PLAIN,
 ) -> dict[str, Any]:
-    """``world_size`` ranks for ``steps`` steps, losing the ranks of ``kills``
-    and stopping those of ``pauses`` until the others went on without them.
+    """``world_size`` ranks for ``steps`` steps of ``config``, losing the
+    ranks of ``kills`` and stopping those of ``pauses`` until the others
+    went on without them.
 
     Returns:
         What the final world's rank 0 returned (:func:`run_rank`), with
         ``paused``: what each paused rank raised once resumed.
     """
     check_kills(world_size, steps, merged(kills, pauses))
-    job = Segment(0, steps, kills, deadline_s=deadline_s, pauses=pauses)
+    job = Segment(0, steps, kills, deadline_s=deadline_s, pauses=pauses, config=config)
     gone = [k.rank for k in kills] + [p.rank for p in pauses]
     results = run_local_world(run_rank, world_size, job, timeout_s=TIMEOUT_S, may_exit=gone)
     (final,) = [r for r in results if r is not None and "model" in r]
@@ -393,8 +405,10 @@ def merged(kills: tuple[Kill, ...], pauses: tuple[Pause, ...]) -> tuple[Kill, ..
     return tuple(sorted([*kills, *(p.as_kill() for p in pauses)], key=lambda k: k.failing_step))
 
 
-def run_reference(world_size: int, steps: int, kills: tuple[Kill, ...]) -> dict[str, Any]:
-    """The same steps and batches with nobody dying: one launch per world
+def run_reference(
+    world_size: int, steps: int, kills: tuple[Kill, ...], config: Config = PLAIN
+) -> dict[str, Any]:
+    """The same steps and batches of ``config`` with nobody dying: one launch per world
     (``world_size`` ranks, then one fewer after each kill), each from the
     state the last one consolidated.
 
@@ -408,7 +422,7 @@ def run_reference(world_size: int, steps: int, kills: tuple[Kill, ...]) -> dict[
     first, segments = 0, []
     for lost, end in enumerate([*(k.kept for k in kills), steps]):
         # redundancy=1: nobody dies here, and a loaded state reaches the owners only
-        job = Segment(first, end, start=start, redundancy=1)
+        job = Segment(first, end, start=start, redundancy=1, config=config)
         start = run_local_world(run_rank, world_size - lost, job, timeout_s=TIMEOUT_S)[0]
         segments.append((first, end, world_size - lost))
         first = end
@@ -471,6 +485,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="RANK@STEP:SECONDS",
         help="stop the rank started as RANK (SIGSTOP) after STEP, resume it SECONDS later",
     )
+    parser.add_argument(
+        "--config",
+        choices=sorted(CONFIGS),
+        default="plain",
+        help="plain: fp32 parameters; masters: bf16 parameters with fp32 masters",
+    )
     parser.add_argument("--out", required=True, help="directory for final.pt")
     parser.add_argument("--reference", action="store_true", help="the same, without dying")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="roll call deadline")
@@ -481,10 +501,13 @@ def main(argv: list[str] | None = None) -> None:
         check_kills(args.world_size, args.steps, kills)
     except ValueError as error:
         parser.error(str(error))
+    config = CONFIGS[args.config]
     if args.reference:
-        result = run_reference(args.world_size, args.steps, kills)
+        result = run_reference(args.world_size, args.steps, kills, config)
     else:
-        result = run_killed(args.world_size, args.steps, tuple(args.kill), args.deadline_s, pauses)
+        result = run_killed(
+            args.world_size, args.steps, tuple(args.kill), args.deadline_s, pauses, config
+        )
     path = save_final(result, args.out)
     counts = sorted(adam_steps(result["optimizer"]))
     print(

@@ -36,6 +36,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -60,10 +61,49 @@ and a survivor that gloo leaves blocked in a collective is released by the
 job's alarm (docs/resilience.md)."""
 
 
-def make_model() -> torch.nn.Module:
+@dataclass(frozen=True)
+class Config:
+    """A training configuration the lost-rank examples run: the model's
+    dtype and the ``ZeroRedundancyOptimizer`` options beside Adam's.
+
+    Attributes:
+        name: how ``--config`` names it.
+        dtype: the parameters' dtype.
+        options: the optimizer's keyword arguments (``redundancy`` apart).
+    """
+
+    name: str
+    dtype: torch.dtype = torch.float32
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+CONFIGS = {
+    config.name: config
+    for config in (
+        Config("plain"),
+        Config("masters", torch.bfloat16, (("master_dtype", torch.float32),)),
+    )
+}
+"""The configurations a lost rank is survived in, by name: ``plain`` (fp32
+parameters, Adam's state sharded) and ``masters`` (bf16 parameters, fp32
+masters and Adam's state sharded, as a mixed-precision job trains)."""
+PLAIN = CONFIGS["plain"]
+
+
+def make_model(config: Config = PLAIN) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
+    model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
+    )
+    return model.to(config.dtype)
+
+
+def make_zero(
+    model: torch.nn.Module, config: Config = PLAIN, redundancy: int = 2
+) -> ZeroRedundancyOptimizer:
+    """The ZeRO optimizer of ``config`` over ``model``: Adam, lr 0.01."""
+    return ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, redundancy=redundancy, lr=0.01, **dict(config.options)
     )
 
 
@@ -96,16 +136,20 @@ def make_ddp(model: torch.nn.Module, group: Any = None) -> DDP:
 def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, step: int) -> None:
     zero.zero_grad()
     x, y = batch(step, zero.rank, zero.world_size)
-    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    dtype = next(ddp.module.parameters()).dtype  # bf16 batches for a bf16 model
+    torch.nn.functional.mse_loss(ddp(x.to(dtype)), y.to(dtype)).backward()
     zero.step()
 
 
-def fresh_phase(rank: int, world_size: int, start: dict[str, Any] | None, steps: range) -> Any:
-    """A reference: a fresh world of ``world_size`` ranks that loses nobody,
-    from ``start``'s parameters and consolidated state (or from scratch),
-    training ``steps``; its parameters and (on rank 0) the state consolidated."""
-    model = make_model()
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+def fresh_phase(
+    rank: int, world_size: int, start: dict[str, Any] | None, steps: range, config: Config = PLAIN
+) -> Any:
+    """A reference: a fresh world of ``world_size`` ranks of ``config`` that
+    loses nobody, from ``start``'s parameters and consolidated state (or from
+    scratch), training ``steps``; its parameters and (on rank 0) the state
+    consolidated."""
+    model = make_model(config)
+    zero = make_zero(model, config, redundancy=1)
     if start is not None:
         with torch.no_grad():
             for p, value in zip(model.parameters(), start["params"], strict=True):

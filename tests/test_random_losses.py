@@ -15,16 +15,18 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from random_losses import STEPS, Fault, soak, train_with_fault
-from train_elastic import TIMEOUT_S
+from train_elastic import CONFIGS, TIMEOUT_S
 from zerofn_torch.runtime.launch import run_local_world
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_faults_at_random_moments_leave_one_consistent_state(world_size: int) -> None:
+@pytest.mark.parametrize(
+    ("world_size", "config"), [(3, "plain"), (4, "plain"), (3, "masters"), (4, "masters")]
+)
+def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, config: str) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
-    result = soak(world_size, 5, seed)
+    result = soak(world_size, 5, seed, config=CONFIGS[config])
     assert result["losses"] >= 2, f"seed {seed}: only {result['losses']} of 5 runs lost a rank"
     assert result["referenced"] == 1
 

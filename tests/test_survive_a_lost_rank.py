@@ -57,28 +57,34 @@ def check_recoveries(
         assert r["steps_lost"] == 0
 
 
+def _case(world_size: int, steps: int, kills: tuple[str, ...], config: str, slow: bool) -> Any:
+    name = f"{config}, {world_size} ranks, {' then '.join(k.split(':')[1] for k in kills)}"
+    return pytest.param(
+        world_size, steps, kills, config, marks=[pytest.mark.slow] if slow else [], id=name
+    )
+
+
 @pytest.mark.parametrize(
-    "world_size,steps,kills",
+    "world_size,steps,kills,config",
     [
-        pytest.param(3, 14, ("1@12:exchange",), marks=pytest.mark.slow, id="3 ranks, exchange"),
-        pytest.param(3, 14, ("1@12:backward",), marks=pytest.mark.slow, id="3 ranks, backward"),
-        pytest.param(3, 14, ("2@12:between",), id="3 ranks, between"),  # the unmarked one
-        pytest.param(
-            4,
-            22,
-            ("1@10:exchange", "2@20:between"),
-            marks=pytest.mark.slow,
-            id="4 ranks, exchange then between",
+        _case(3, 14, ("2@12:between",), "plain", slow=False),  # the unmarked one
+        *(
+            _case(3, 14, (f"1@12:{phase}",), config, slow=True)
+            for config in sorted(example.CONFIGS)
+            for phase in ("exchange", "backward")
         ),
+        _case(4, 22, ("1@10:exchange", "2@20:between"), "plain", slow=True),
+        _case(4, 22, ("1@10:exchange", "2@20:between"), "masters", slow=True),
     ],
 )
 def test_the_survivors_end_with_the_references_bits(
-    tmp_path: Path, world_size: int, steps: int, kills: tuple[str, ...]
+    tmp_path: Path, world_size: int, steps: int, kills: tuple[str, ...], config: str
 ) -> None:
     plan = tuple(example.parse_kill(k) for k in kills)
-    killed = example.run_killed(world_size, steps, plan)
+    chosen = example.CONFIGS[config]
+    killed = example.run_killed(world_size, steps, plan, config=chosen)
     check_recoveries(killed, world_size, plan)
-    reference = example.run_reference(world_size, steps, plan)
+    reference = example.run_reference(world_size, steps, plan, chosen)
     ours = torch.load(example.save_final(killed, str(tmp_path / "killed")), weights_only=False)
     theirs = torch.load(
         example.save_final(reference, str(tmp_path / "reference")), weights_only=False
