@@ -37,8 +37,8 @@ $(VENV)/.notebooks-installed: pyproject.toml constraints.txt | $(BIN)/python
 	touch $@
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check conftest.py zerofn adapters tests benchmarks examples notebooks/*.py
-	$(BIN)/ruff format --check conftest.py zerofn adapters tests benchmarks examples notebooks/*.py
+	$(BIN)/ruff check conftest.py zerofn adapters tests benchmarks examples testbed notebooks/*.py
+	$(BIN)/ruff format --check conftest.py zerofn adapters tests benchmarks examples testbed notebooks/*.py
 	$(BIN)/mypy
 
 # make test: lint, then everything but the soaks and the runs that kill or stall

@@ -26,16 +26,21 @@ reach int8 DiLoCo's final loss sooner than int8 does.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+# The shaped-link testbed is a package of the repository, not of the library:
+# it imports from the repository's root.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
 import bench_loss_time
 import torch
 from report import Headline, Section, Spread, headline_table, md_table, standalone_main
-from zerofn_torch.runtime import links
 
+from testbed import links
 from zerofn.diloco.config import Compression, codec_for
 from zerofn.diloco.footprint import sync_bytes_per_rank
 from zerofn.diloco.fragments import plan_fragments

@@ -3,7 +3,7 @@
 Everything zerofn adds to communication saves bytes, and between two
 processes on one machine a byte costs almost nothing. Here the two gloo ranks
 run inside a network namespace whose loopback is shaped to a rate
-(:func:`zerofn_torch.runtime.links.shaped_loopback`: a ``tbf`` on ``lo``), 1 Gbit/s
+(:func:`testbed.links.shaped_loopback`: a ``tbf`` on ``lo``), 1 Gbit/s
 and 10 Gbit/s. One ``tbf`` on the one loopback shapes both directions
 together: the link is half duplex, the two ranks share one rate, and the
 bytes both ranks send all pass the same queue. The ranks must live in the
@@ -62,7 +62,7 @@ syncs). The full run measures DiLoCo alone at the rates other than 1 and 10
 Gbit/s, with fewer rounds; the quick run draws the model only. A second
 figure (:mod:`bench_loss_time`): the demo's model trained by DDP, ZeRO, ZeRO +
 PowerSGD and DiLoCo on two nodes joined by 100 Mbit/s with 20 ms each way
-(the links module's delay line), held-out loss against training time.
+(the testbed's delay line), held-out loss against training time.
 
 Run ``python benchmarks/bench_links.py`` for this section alone (as root;
 ``--quick``: one short case at 1 Gbit/s with tiny models, for CI);
@@ -81,6 +81,10 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+# The shaped-link testbed is a package of the repository, not of the library:
+# it imports from the repository's root.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 import attrs
 import bench_compressed
@@ -105,9 +109,9 @@ from report import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch.averaging import DiLoCoOptimizer
-from zerofn_torch.runtime import links
 from zerofn_torch.runtime.launch import run_local_world
 
+from testbed import links
 from zerofn.blockquant import quantizer_for
 from zerofn.diloco.compressed_sync import compressed_sync_program
 from zerofn.diloco.fragments import Fragment, plan_fragments
@@ -1390,12 +1394,12 @@ def _intro(rates: Sequence[str], no_delay: str | None) -> str:
         f"(`unavailable_reason(delay=True)` says: {no_delay}), so it was not run."
         if no_delay is not None
         else "The loss-against-time figure adds a WAN's delay: two nodes, each direction "
-        "held by the links module's delay line."
+        "held by the testbed's delay line."
     )
     return (
         f"The two ranks run inside a network namespace whose loopback is shaped to "
         f"{' and '.join(rate_label(links.parse_rate(r)) for r in rates)} "
-        "(`zerofn_torch.runtime.links.shaped_loopback`, a `tbf` on `lo`, see [links](links.md)), "
+        "(`testbed.links.shaped_loopback`, a `tbf` on `lo`, see [links](links.md)), "
         "with no added delay (nodes in one place). One "
         "`tbf` on the one loopback shapes both directions together: the link is half duplex, "
         "the two ranks share one rate, and the link time of a step's bytes is what both "
@@ -1412,7 +1416,7 @@ def unavailable_section(reason: str, rates: Sequence[str]) -> Section:
     body = (
         f"**Not measured**: shaped links cannot be made here, so the ZeRO step, DDP + ZeRO, "
         f"PowerSGD and DiLoCo were not run at {what}. "
-        "`zerofn_torch.runtime.links.unavailable_reason()` "
+        "`testbed.links.unavailable_reason()` "
         f"says: {reason}"
     )
     headline = Headline(

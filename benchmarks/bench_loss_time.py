@@ -3,8 +3,8 @@
 docstrings) trained by DDP, zerofn's ZeRO, ZeRO with PowerSGD and DiLoCo side
 by side on 2 gloo ranks, one on each of two nodes (network namespaces)
 joined by a link shaped to :data:`RATE` whose each direction is held for
-:data:`DELAY` (``zerofn_torch.runtime.links.two_nodes``; the delay is the
-links module's delay line, so no ``netem`` is needed).
+:data:`DELAY` (``testbed.links.two_nodes``; the delay is the testbed's
+delay line, so no ``netem`` is needed).
 
 The runs take turns step by step (the demo's own loop), so each sees the same
 link and the same machine; a run's time is the sum of its steps' forward,
@@ -25,8 +25,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# The shaped-link testbed is a package of the repository, not of the library:
+# it imports from the repository's root.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
 from report import Curve, Headline, Panel, Spread, md_table
-from zerofn_torch.runtime import links
+
+from testbed import links
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(BENCH_DIR), "examples")
@@ -116,7 +121,7 @@ NODE = "import sys, bench_loss_time; bench_loss_time.node_main(sys.argv[1:])"
 def run_across_link(
     quick: bool, runs: str = RUNS, size: Sequence[str] | None = None
 ) -> dict[str, Any]:
-    """Make :func:`~zerofn_torch.runtime.links.two_nodes` at :data:`RATE` and
+    """Make :func:`~testbed.links.two_nodes` at :data:`RATE` and
     :data:`DELAY`, run rank 0 in node ``a`` and rank 1 in node ``b`` (the
     demo's ``runs``, sized by ``size``: :data:`ARGS` by default), and return
     rank 0's measurement with the bytes that crossed the link.

@@ -10,7 +10,7 @@ joined by a shaped 1 Gbit/s link, with a hierarchy.
   the shaped link, besides torchrun's rendezvous.
 
 ``--launch`` (needs root; see docs/links.md) makes the two namespaces with
-``zerofn_torch.runtime.links.two_nodes``, starts one ``torchrun`` in each, waits,
+``testbed.links.two_nodes``, starts one ``torchrun`` in each, waits,
 reads the bytes that crossed the link from the veth pair's counters,
 compares them with the plan, and removes the namespaces::
 
@@ -26,6 +26,11 @@ and the addresses)::
 (``is_host=false`` and ``--local-addr 10.87.0.2`` on the other node: the two
 namespaces share one hostname, so torchrun can neither tell which node hosts
 the store nor advertise a reachable address by itself.)
+
+The launcher's ``testbed`` is the repository's network testbed, not part of
+zerofn (it is not installed with it): ``--launch`` appends the repository's
+root (the folder above ``examples/``) to ``sys.path`` to import it. The
+workers need only zerofn.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -48,6 +54,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.averaging import DiLoCoOptimizer
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+"""The repository's root, where its network testbed (``testbed``) sits."""
 
 NODES, PER_NODE = 2, 2
 IN, OUT = 64, 10
@@ -279,6 +288,16 @@ def link_report(
     }
 
 
+def testbed_links() -> ModuleType:
+    """The repository's ``testbed.links``, its root appended to ``sys.path``
+    first: the testbed is a package of the repository, not of zerofn."""
+    if str(REPOSITORY) not in sys.path:
+        sys.path.append(str(REPOSITORY))
+    from testbed import links
+
+    return links
+
+
 def launch(
     worker_args: Sequence[str], *, rate: str = "1gbit", timeout_s: float = 120.0
 ) -> dict[str, Any]:
@@ -294,14 +313,13 @@ def launch(
         node's loopback bytes) and the report of :func:`link_report`.
 
     Raises:
-        zerofn_torch.runtime.links.LinkUnavailable: namespaces cannot be made here.
+        testbed.links.LinkUnavailable: namespaces cannot be made here.
         RuntimeError: a torchrun failed or timed out.
     """
     from tempfile import TemporaryDirectory
 
-    from zerofn_torch.runtime.links import two_nodes
-
-    with TemporaryDirectory(prefix="zerofn-two-nodes-") as tmp, two_nodes(rate) as link:
+    links = testbed_links()
+    with TemporaryDirectory(prefix="zerofn-two-nodes-") as tmp, links.two_nodes(rate) as link:
         summary_path = os.path.join(tmp, "summary.json")
         args = [*worker_args, "--summary", summary_path]
         before = link.link_bytes()
@@ -355,11 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         at = argv.index("--summary")
         out = argv[at + 1]
         del argv[at : at + 2]
-    from zerofn_torch.runtime.links import LinkUnavailable
-
+    links = testbed_links()
     try:
         result = launch(argv)
-    except LinkUnavailable as error:
+    except links.LinkUnavailable as error:
         print(f"cannot make the two nodes here: {error}", file=sys.stderr)
         return 2
     link = result["link"]

@@ -1,4 +1,4 @@
-"""The delay line (``zerofn_torch.runtime.delay_line``) on socket pairs, no root
+"""The delay line (``testbed.delay_line``) on socket pairs, no root
 needed: every packet arrives whole, in order, no sooner than the delay and
 not much later; a line that cannot carry says so when it is left."""
 
@@ -8,7 +8,8 @@ import socket
 import time
 
 import pytest
-from zerofn_torch.runtime.delay_line import DelayLine
+
+from testbed.delay_line import DelayLine
 
 
 def _ends() -> tuple[tuple[socket.socket, socket.socket], tuple[socket.socket, socket.socket]]:

@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import _timeout_s, recover
 from zerofn_torch.runtime.launch import run_local_world
-from zerofn_torch.runtime.links import Node, netns_names, two_nodes, unavailable_reason
 from zerofn_torch.runtime.traffic import collective_traffic
 
+from testbed.links import Node, netns_names, two_nodes, unavailable_reason
 from zerofn.errors import CollectiveError
 
 

@@ -1,4 +1,4 @@
-"""The shaped-link testbed (``zerofn_torch.runtime.links``): namespaces are always
+"""The shaped-link testbed (``testbed.links``): namespaces are always
 removed, the shaping is really applied (a timed transfer cannot beat the
 rate), two nodes reach each other over the counted veth pair and nothing
 else, and where namespaces cannot be made the reason is given before
@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 import pytest
-from zerofn_torch.runtime import links
-from zerofn_torch.runtime.links import LinkUnavailable, shaped_loopback, two_nodes
+
+from testbed import links
+from testbed.links import LinkUnavailable, shaped_loopback, two_nodes
 
 
 def _need_namespaces(*, delay: bool = False) -> None:
@@ -172,7 +173,7 @@ def _no_commands(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"ran a command: {args}")
 
-    monkeypatch.setattr("zerofn_torch.runtime.links.subprocess.run", refuse)
+    monkeypatch.setattr("testbed.namespaces.subprocess.run", refuse)
 
 
 def test_not_root_says_so_and_creates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,7 +197,7 @@ def test_missing_tc_says_install_iproute2(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     real_which = shutil.which
     monkeypatch.setattr(
-        "zerofn_torch.runtime.links.shutil.which",
+        "testbed.namespaces.shutil.which",
         lambda name: None if name == "tc" else real_which(name) or name,
     )
     _no_commands(monkeypatch)

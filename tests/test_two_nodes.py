@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from zerofn_torch.runtime.links import netns_names, unavailable_reason
+
+from testbed.links import netns_names, unavailable_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_two_nodes.py"

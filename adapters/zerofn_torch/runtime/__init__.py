@@ -6,8 +6,7 @@ collective becomes a :class:`zerofn.errors.CollectiveError`
 (:mod:`~zerofn_torch.runtime.collective_errors`); collectives of picklable
 values (:mod:`~zerofn_torch.runtime.object_collectives`); core hooks on DDP's
 buckets (:mod:`~zerofn_torch.runtime.hook_cells`,
-:mod:`~zerofn_torch.runtime.foreign_hooks`); and the worlds programs run in:
-local worlds of ranks (:mod:`~zerofn_torch.runtime.launch`), shaped links
-(:mod:`~zerofn_torch.runtime.links`) and the traffic counted on them
-(:mod:`~zerofn_torch.runtime.traffic`); and the face of an optimizer that
-wraps another (:mod:`~zerofn_torch.runtime.wrapped_optimizer`)."""
+:mod:`~zerofn_torch.runtime.foreign_hooks`); local worlds of ranks that
+programs run in (:mod:`~zerofn_torch.runtime.launch`) and the traffic counted
+in them (:mod:`~zerofn_torch.runtime.traffic`); and the face of an optimizer
+that wraps another (:mod:`~zerofn_torch.runtime.wrapped_optimizer`)."""

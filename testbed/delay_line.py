@@ -15,8 +15,8 @@ per read. Measured on a 2-core machine: the line adds about 0.15 ms per
 direction to the delay it is given and carries 1 Gbit/s; it is meant for
 delays of a millisecond and more.
 
-Only :mod:`zerofn_torch.runtime.links` uses this; its ``two_nodes(rate,
-delay=...)`` makes the namespaces, the devices' addresses and their shaping.
+Only :mod:`testbed.links` uses this; its ``two_nodes(rate, delay=...)`` makes
+the namespaces, the devices' addresses and their shaping.
 """
 
 from __future__ import annotations
