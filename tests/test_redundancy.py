@@ -198,7 +198,7 @@ def test_a_loss_of_nobody_keeps_the_world_as_it_is() -> None:
         ({"redundancy": 3}, "must be 1"),
         ({"world_size": 1}, "one rank"),
         ({"partition": "flat"}, "flat shard"),
-        ({"compressed": True}, "exact exchange"),
+        ({"compressed": True}, "use the exact exchange"),
         ({"overlap_with_ddp": True}, "plain step"),
     ],
 )

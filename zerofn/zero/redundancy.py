@@ -100,7 +100,11 @@ def check_redundancy(
             "use partition='greedy' or 'balanced'"
         )
     elif compressed:
-        why = "the compressed exchange's masters are not carried yet; use the exact exchange"
+        why = (
+            "the compressed exchange sends differences, and a survivor that applied a lost "
+            "owner's last one and a survivor that did not would go on from different replicas; "
+            "use the exact exchange"
+        )
     elif overlap_with_ddp:
         why = (
             "with overlap_with_ddp=True gradients are reduced to their owners only, so the "
