@@ -3,7 +3,8 @@ gloo ranks train with ``ZeroRedundancyOptimizer(redundancy=2)``; rank 2 dies
 at step 2; ranks 0 and 1 go on alone; a replacement process, started apart
 from the job, joins at step 4; 3 ranks finish the run::
 
-    .venv/bin/python examples/train_grow_back.py
+    .venv/bin/python examples/train_grow_back.py           # fp32
+    .venv/bin/python examples/train_grow_back.py masters   # bf16, fp32 masters
 
 The running ranks call :func:`zerofn_torch.elastic.admit` at each step
 boundary while the world is short; the replacement calls
@@ -32,7 +33,7 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn.errors import CollectiveError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_elastic import make_ddp, make_model, train_step
+from train_elastic import CONFIGS, PLAIN, Config, make_ddp, make_model, make_zero, train_step
 
 STEPS, LOST_AT, JOIN_AT, LOST, WORLD = 6, 2, 4, 2, 3
 
@@ -48,13 +49,13 @@ def _result(model: torch.nn.Module, zero: ZeroRedundancyOptimizer, log: list[str
     }
 
 
-def running(rank: int, world_size: int, job_store: str) -> Any:
-    """One of the job's first ranks: rank :data:`LOST` dies at step
-    :data:`LOST_AT`; the others recover, and let the replacement in from
-    step :data:`JOIN_AT` on."""
+def running(rank: int, world_size: int, job_store: str, config: Config = PLAIN) -> Any:
+    """One of the job's first ranks, training ``config``: rank :data:`LOST`
+    dies at step :data:`LOST_AT`; the others recover, and let the
+    replacement in from step :data:`JOIN_AT` on."""
     store = dist.FileStore(job_store, -1)
-    model = make_model()
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
+    model = make_model(config)
+    zero = make_zero(model, config)
     ddp = make_ddp(model)
     log: list[str] = []
     for step in range(STEPS):
@@ -83,13 +84,13 @@ def running(rank: int, world_size: int, job_store: str) -> Any:
     return _result(model, zero, log)
 
 
-def replacement(job_store: str, out: str) -> None:
+def replacement(job_store: str, out: str, config: Config = PLAIN) -> None:
     """A process started apart from the job: it joins, trains to the end,
     and saves what it holds to ``out``."""
     torch.set_num_threads(1)
     store = dist.FileStore(job_store, -1)
-    model = make_model()
-    joined = join(store, model, torch.optim.Adam, redundancy=2, lr=0.01)
+    model = make_model(config)
+    joined = join(store, model, torch.optim.Adam, redundancy=2, lr=0.01, **dict(config.options))
     zero, first = joined.optimizer, joined.extra["step"]
     ddp = make_ddp(model)
     for step in range(first, STEPS):
@@ -102,13 +103,16 @@ def replacement(job_store: str, out: str) -> None:
     os._exit(0)
 
 
-def lifecycle(tmp: str) -> list[Any]:
-    """Run the job and its replacement; every final rank's result, in rank order."""
+def lifecycle(tmp: str, config: Config = PLAIN) -> list[Any]:
+    """Run the job and its replacement, training ``config``; every final
+    rank's result, in rank order."""
     job_store, out = os.path.join(tmp, "job"), os.path.join(tmp, "replacement.pt")
-    joiner = multiprocessing.get_context("spawn").Process(target=replacement, args=(job_store, out))
+    joiner = multiprocessing.get_context("spawn").Process(
+        target=replacement, args=(job_store, out, config)
+    )
     joiner.start()
     try:
-        ranks = run_local_world(running, WORLD, job_store, timeout_s=30.0, may_exit=[LOST])
+        ranks = run_local_world(running, WORLD, job_store, config, timeout_s=30.0, may_exit=[LOST])
     finally:
         joiner.join(timeout=120)
     if joiner.exitcode != 0:
@@ -117,8 +121,9 @@ def lifecycle(tmp: str) -> list[Any]:
 
 
 def main() -> None:
+    config = CONFIGS[sys.argv[1]] if len(sys.argv) > 1 else PLAIN
     with tempfile.TemporaryDirectory() as tmp:
-        for result in lifecycle(tmp):
+        for result in lifecycle(tmp, config):
             print(f"rank {result['rank']} of {result['world_size']}: " + "; ".join(result["log"]))
 
 

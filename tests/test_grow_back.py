@@ -21,16 +21,18 @@ from zerofn_torch.runtime.launch import run_local_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 import train_grow_back as example
+from train_elastic import CONFIGS, make_ddp, make_model, train_step
 from train_elastic import fresh_phase as phase
-from train_elastic import make_ddp, make_model, train_step
 
 
 @pytest.mark.slow  # make test-slow: a real rank killed, 4 processes, three reference worlds
-def test_lose_a_rank_go_on_and_grow_back_on_real_ranks(tmp_path: Any) -> None:
-    ours = example.lifecycle(str(tmp_path))
-    first = run_local_world(phase, 3, None, range(example.LOST_AT))[0]
-    second = run_local_world(phase, 2, first, range(example.LOST_AT, example.JOIN_AT))[0]
-    reference = run_local_world(phase, 3, second, range(example.JOIN_AT, example.STEPS))
+@pytest.mark.parametrize("config", ["plain", "masters"])
+def test_lose_a_rank_go_on_and_grow_back_on_real_ranks(tmp_path: Any, config: str) -> None:
+    chosen = CONFIGS[config]
+    ours = example.lifecycle(str(tmp_path), chosen)
+    first = run_local_world(phase, 3, None, range(example.LOST_AT), chosen)[0]
+    second = run_local_world(phase, 2, first, range(example.LOST_AT, example.JOIN_AT), chosen)[0]
+    reference = run_local_world(phase, 3, second, range(example.JOIN_AT, example.STEPS), chosen)
     assert [r["rank"] for r in ours] == [0, 1, 2] and all(r["world_size"] == 3 for r in ours)
     assert ours[0]["log"] == ["step 2: lost [2], 2 ranks", "step 4: 1 joined, 3 ranks"]
     assert ours[2]["log"] == ["joined at step 4 as rank 2"]

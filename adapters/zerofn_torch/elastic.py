@@ -364,12 +364,14 @@ class Fingerprint:
         defaults: its keyword arguments, as text.
         redundancy: copies of each shard.
         shapes: every parameter's shape and dtype, in order.
+        master_dtype: the masters' dtype, as text (``"None"``: no masters).
     """
 
     optimizer: str
     defaults: str
     redundancy: int
     shapes: tuple[tuple[tuple[int, ...], str], ...]
+    master_dtype: str = "None"
 
     def refusal(self, joiner: Fingerprint) -> str | None:
         """Why ``joiner`` cannot join a job of this fingerprint (``None``: it can)."""
@@ -388,17 +390,21 @@ def fingerprint(
     optimizer_class: type[torch.optim.Optimizer],
     defaults: Mapping[str, Any],
     redundancy: int,
+    master_dtype: torch.dtype | None = None,
 ) -> Fingerprint:
     """The :class:`Fingerprint` of a model's parameters and optimizer options."""
     name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
     shapes = tuple((tuple(p.shape), str(p.dtype)) for p in params)
-    return Fingerprint(name, repr(sorted(defaults.items())), redundancy, shapes)
+    return Fingerprint(name, repr(sorted(defaults.items())), redundancy, shapes, str(master_dtype))
 
 
 def _fingerprint_of(zero: ZeroRedundancyOptimizer) -> Fingerprint:
     options = zero.zero_rank.options
     params = [p for g in zero.param_groups for p in g["params"]]
-    return fingerprint(params, options.optimizer_class, options.defaults, options.redundancy)
+    return fingerprint(
+        params, options.optimizer_class, options.defaults, options.redundancy,
+        options.master_dtype,
+    )  # fmt: skip
 
 
 @attrs.frozen
@@ -570,6 +576,7 @@ def join(
     optimizer_class: type[torch.optim.Optimizer],
     *,
     redundancy: int = 2,
+    master_dtype: torch.dtype | None = None,
     timeout_s: float = 120.0,
     **defaults: Any,
 ) -> Joined:
@@ -584,6 +591,7 @@ def join(
         model: the job's model (its values are replaced by the job's).
         optimizer_class: the job's local optimizer class.
         redundancy: the job's redundancy.
+        master_dtype: the job's master copies' dtype (``None``: none).
         timeout_s: how long to wait to be admitted, and the group's timeout.
         **defaults: the job's optimizer options.
 
@@ -596,10 +604,10 @@ def join(
         TimeoutError: nobody admitted it within ``timeout_s``.
     """
     params = list(model.parameters())
-    mine = fingerprint(params, optimizer_class, defaults, redundancy)
+    mine = fingerprint(params, optimizer_class, defaults, redundancy, master_dtype)
     # Before announcing: the options are checked while the job is untouched,
     # and the optimizer's lazy imports are paid before the running ranks wait.
-    optimizer_class([torch.zeros(1, dtype=params[0].dtype)], **defaults)
+    optimizer_class([torch.zeros(1, dtype=master_dtype or params[0].dtype)], **defaults)
     ticket = store.add(f"{JOINERS}/count", 1)
     store.set(f"{JOINERS}/{ticket}/fingerprint", pickle.dumps(mine))
     key = f"{JOINERS}/{ticket}/answer"
@@ -611,6 +619,8 @@ def join(
     if "refused" in answer:
         raise ValueError(f"the running job refused this joiner: {answer['refused']}")
     group = _new_world(store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s)
-    zero = ZeroRedundancyOptimizer(params, optimizer_class, redundancy=redundancy, **defaults)
+    zero = ZeroRedundancyOptimizer(
+        params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype, **defaults
+    )
     extra = _grow(zero, group, None, 0, None)  # type: ignore[arg-type]
     return Joined(zero, answer["rank"], answer["world_size"], extra)
