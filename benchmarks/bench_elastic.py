@@ -27,7 +27,7 @@
    the rebuilt optimizer, and after a loss inside the exchange the exchange
    again), DDP's rebuild, and the step redone, up to their next completed
    step; the state bytes moved to restore redundancy (the outboxes of
-   ``moves_program``) against the model's optimizer state; steps lost (the
+   ``outgoing_states``) against the model's optimizer state; steps lost (the
    steps done before the loss that the state the survivors go on from lacks,
    by Adam's step count in it).
    Beside it, the restart path's figures, read from the kill-and-restart
@@ -46,7 +46,7 @@
    ``admit``, and the ``admit`` calls that found nobody). Bytes sent to the
    joiner: the parameters (its broadcasts inside ``join``,
    ``collective_traffic``) and the optimizer state (the tensors addressed
-   to it in the outboxes of ``moves_program``, which ``_grow`` calls by
+   to it in the outboxes of ``outgoing_states``, which ``_grow`` calls by
    name; they travel pickled, by ``all_gather_object``, which
    ``collective_traffic`` does not see), against the model's parameters
    and the state the grown plan gives it; the three ranks' parameters
@@ -100,6 +100,7 @@ from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.errors import CollectiveError
 from zerofn.footprint import OPTIMIZERS, plan_footprint
+from zerofn.zero import regroup
 
 DEADLINE_S = 1.0
 """The roll call's deadline: realistic for a small job on one machine (the
@@ -411,23 +412,17 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def _watch_outboxes(seen: Callable[[Any], None]) -> None:
-    """Hand ``seen`` every outbox this process sends in the moves
-    (``recover`` and ``_grow`` call ``moves_program`` by name, in this
-    process's copy of ``zerofn_torch.elastic``)."""
-    moves = elastic.moves_program
+    """Hand ``seen`` every outbox this process sends in the moves (the
+    core's ``regroup_program`` calls ``outgoing_states`` by name, in this
+    process's copy of ``zerofn.zero.regroup``)."""
+    outgoing = regroup.outgoing_states
 
     def watched(*args: Any, **kwargs: Any) -> Any:
-        program = moves(*args, **kwargs)
-        outbox = next(program)
+        outbox = outgoing(*args, **kwargs)
         seen(outbox)
-        every = yield outbox
-        try:
-            program.send(every)
-        except StopIteration as done:
-            return done.value
-        raise AssertionError("moves_program yields once")
+        return outbox
 
-    setattr(elastic, "moves_program", watched)  # noqa: B010
+    setattr(regroup, "outgoing_states", watched)  # noqa: B010
 
 
 def _instrument(spent: dict[str, float]) -> None:
@@ -479,7 +474,8 @@ def _loss_rank(
             if not spent["roll_call_s"] or not spent["moved_bytes"]:
                 raise RuntimeError(
                     "recover no longer calls zerofn_torch.elastic.roll_call and "
-                    "moves_program by name: bench_elastic._instrument timed nothing"
+                    "zerofn.zero.regroup.outgoing_states by name: bench_elastic._instrument "
+                    "timed nothing"
                 ) from error
             ddp = DDP(model, process_group=survivors.group)
             t2 = time.perf_counter()
@@ -732,7 +728,7 @@ def _grown_outbox(outboxes: Sequence[Any]) -> dict[str, Any]:
     if len(outboxes) != 1:
         raise RuntimeError(
             f"the growth made {len(outboxes)} outboxes, not one: does _grow still call "
-            "zerofn_torch.elastic.moves_program by name? bench_elastic._record_outboxes "
+            "zerofn.zero.regroup.outgoing_states by name? bench_elastic._record_outboxes "
             "counted nothing"
         )
     (out,) = outboxes
@@ -1028,7 +1024,7 @@ def join_bytes_table(joins: Sequence[Join]) -> str:
             [
                 "optimizer state for its shard",
                 fmt_bytes(j.shard_bytes),
-                "the tensors addressed to it in the running ranks' outboxes (`moves_program`)",
+                "the tensors addressed to it in the running ranks' outboxes (`outgoing_states`)",
                 f"its shard's state by the grown plan, {_of(j.shard_bytes, j.shard_planned)}; "
                 f"held after `join` (`memory_bytes`): {fmt_bytes(j.shard_held)}",
             ],

@@ -632,39 +632,35 @@ def test_a_join_that_went_wrong_is_refused() -> None:
 
 
 def test_the_elastic_bench_watches_names_the_library_still_calls() -> None:
-    """The bench wraps ``zerofn_torch.elastic.roll_call`` and ``moves_program``
-    by name; a rename there fails here, not in ``make bench`` only, and the
-    wrapped moves give what the core's give."""
+    """The bench wraps ``zerofn_torch.elastic.roll_call`` and the core's
+    ``zerofn.zero.regroup.outgoing_states`` by name; a rename there fails
+    here, not in ``make bench`` only, and the watched regrouping sees the
+    outbox each rank sends and ends as the core's does."""
     import zerofn_torch.elastic as elastic
 
-    from zerofn.testing.zero import simulated_ranks, step_simulated
+    from zerofn.testing.zero import simulated_ranks, step_simulated, survivors_of
+    from zerofn.zero import regroup
     from zerofn.zero.plan import plan_shards
-    from zerofn.zero.redundancy import plan_after_loss
 
-    plan = plan_shards([[6, 4, 5, 3]], ["kind"] * 4, [True] * 4, 3)
-    ranks = simulated_ranks(
-        plan,
-        [torch.randn(n) for n in (6, 4, 5, 3)],
-        torch.optim.SGD,
-        redundancy=2,
-        lr=0.1,
-        momentum=0.9,
-    )
-    step_simulated(ranks, [torch.randn(n) for n in (6, 4, 5, 3)])
-    regrouping = plan_after_loss(plan, [2])
-    kept = (elastic.roll_call, elastic.moves_program)
+    sizes = (6, 4, 5, 3)
+    plan = plan_shards([list(sizes)], ["kind"] * 4, [True] * 4, 3)
+    params = [torch.randn(n) for n in sizes]
+
+    def world() -> Any:
+        ranks = simulated_ranks(plan, params, torch.optim.SGD, redundancy=2, lr=0.1, momentum=0.9)
+        step_simulated(ranks, [torch.ones(n) for n in sizes])
+        return ranks
+
+    assert callable(elastic.roll_call)
+    kept = regroup.outgoing_states
     seen: list[Any] = []
     try:
         bench_elastic._watch_outboxes(seen.append)
-        watched = elastic.moves_program(ranks[0].zero, regrouping, 0)
-        outbox = next(watched)
-        with pytest.raises(StopIteration) as done:
-            watched.send([outbox])
+        watched = survivors_of(world(), [2])
     finally:
-        elastic.roll_call, elastic.moves_program = kept
-    core = kept[1](ranks[0].zero, regrouping, 0)
-    assert len(seen) == 1 and seen[0] is outbox and any(outbox.values())
-    assert bench_elastic._tensor_bytes(next(core)) == bench_elastic._tensor_bytes(outbox) > 0
-    with pytest.raises(StopIteration) as plain:
-        core.send([outbox])
-    assert done.value.value.keys() == plain.value.value.keys()
+        regroup.outgoing_states = kept  # type: ignore[assignment]
+    plain = survivors_of(world(), [2])
+    assert len(seen) == 2 and any(any(outbox.values()) for outbox in seen)
+    assert sum(bench_elastic._tensor_bytes(outbox) for outbox in seen) > 0
+    for mine, theirs in zip(watched, plain, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine.params, theirs.params, strict=True))

@@ -24,12 +24,16 @@ import torch
 
 __all__ = [
     "AllGather",
+    "AllGatherObjects",
     "AllReduce",
     "AllToAll",
     "Broadcast",
+    "BroadcastObject",
     "Collect",
     "CollectiveKind",
+    "GatherObjects",
     "GatherSegments",
+    "ObjectRequest",
     "Post",
     "Program",
     "ProgramStep",
@@ -186,7 +190,59 @@ class AllToAll:
 
 
 Request: TypeAlias = AllReduce | AllGather | Broadcast | Reduce | GatherSegments | AllToAll
-"""Any collective a program may ask for."""
+"""Any collective of tensors a program may ask for."""
+
+
+@attrs.frozen(eq=False)
+class AllGatherObjects:
+    """Every rank's picklable ``value``, in rank order, on every rank (the
+    response is ``(values,)``: copies, as pickling makes them).
+
+    Attributes:
+        value: this rank's value.
+        last: as for :class:`AllReduce`.
+    """
+
+    value: Any
+    last: bool = False
+
+
+@attrs.frozen(eq=False)
+class GatherObjects:
+    """Every rank's picklable ``value``, in rank order, on rank ``dst`` (the
+    response there is ``(values,)``; elsewhere ``(None,)``).
+
+    Attributes:
+        value: this rank's value.
+        dst: the rank that receives them.
+        last: as for :class:`AllReduce`.
+    """
+
+    value: Any
+    dst: int
+    last: bool = False
+
+
+@attrs.frozen(eq=False)
+class BroadcastObject:
+    """Rank ``src``'s picklable ``value`` on every rank (the response is
+    ``(value,)``).
+
+    Attributes:
+        value: this rank's value (read on ``src`` only).
+        src: the rank whose value every rank receives.
+        last: as for :class:`AllReduce`.
+    """
+
+    value: Any
+    src: int
+    last: bool = False
+
+
+ObjectRequest: TypeAlias = AllGatherObjects | GatherObjects | BroadcastObject
+"""Collectives of picklable values: bookkeeping that is no tensor (optimizer
+states by index, verdicts, plans). Drivers run them to completion before the
+program goes on; they are never posted."""
 
 
 @attrs.frozen(eq=False)
@@ -220,9 +276,9 @@ class Collect:
     last: bool = False
 
 
-ProgramStep: TypeAlias = Request | Post | Collect
-"""What a program may yield: a request (waited for at once), or a request
-posted and later collected."""
+ProgramStep: TypeAlias = Request | ObjectRequest | Post | Collect
+"""What a program may yield: a request (waited for at once), a collective of
+objects, or a request posted and later collected."""
 
 
 CollectiveKind: TypeAlias = Literal[
@@ -283,9 +339,15 @@ def split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.
     return tuple(out)
 
 
-def describe(request: Request) -> str:
+def describe(request: Request | ObjectRequest) -> str:
     """A short account of ``request`` for messages: the collective, its
     payload and size, e.g. ``"all_reduce (sum) of 2 tensors, 8.0 KiB"``."""
+    if isinstance(request, AllGatherObjects):
+        return "all_gather_object"
+    if isinstance(request, GatherObjects):
+        return f"gather_object to rank {request.dst}"
+    if isinstance(request, BroadcastObject):
+        return f"broadcast_object_list from rank {request.src}"
     if isinstance(request, AllReduce):
         n = len(request.tensors)
         return f"all_reduce ({request.op}) of {n} tensor{'s' * (n != 1)}, {_size(request)}"
@@ -301,8 +363,9 @@ def describe(request: Request) -> str:
     return f"exchange of {len(request.segments)} segments by {via}, {_size(request)} in all"
 
 
-Response: TypeAlias = tuple[torch.Tensor, ...]
-"""What a program receives back for a request."""
+Response: TypeAlias = tuple[Any, ...]
+"""What a program receives back for a request: tensors, or for a collective
+of objects the one value it answers."""
 
 R = TypeVar("R")
 Program: TypeAlias = Generator[ProgramStep, Response, R]
@@ -311,13 +374,13 @@ collected), receives responses, returns ``R``."""
 
 
 def watched(program: Program[R], see: Callable[[Request], object]) -> Program[R]:
-    """``program`` unchanged, calling ``see`` on each request it makes (to
-    count or record them; a posted one when it is posted), before the
-    request goes out."""
+    """``program`` unchanged, calling ``see`` on each collective of tensors
+    it makes (to count or record them; a posted one when it is posted),
+    before the request goes out. Collectives of objects are bookkeeping: not seen."""
     try:
         request = next(program)
         while True:
-            if not isinstance(request, Collect):
+            if not isinstance(request, Collect | ObjectRequest):
                 see(request.request if isinstance(request, Post) else request)
             request = program.send((yield request))
     except StopIteration as stop:

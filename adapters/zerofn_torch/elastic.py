@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -47,7 +47,6 @@ from zerofn.zero.recovery_point import (
     recovery_point,
 )
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
-from zerofn.zero.regroup import Outbox, ParamState, adopt_carried_values, moves_program
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime.driver import drive
@@ -59,7 +58,7 @@ from zerofn_torch.runtime.heartbeat import (
     raise_alarm,
     running_heartbeat,
 )
-from zerofn_torch.runtime.object_collectives import all_gather_objects, broadcast_object
+from zerofn_torch.runtime.object_collectives import broadcast_object
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
@@ -184,20 +183,6 @@ def roll_call(
     return RollCall(alive, tuple(Position.from_text(answers[r]) for r in alive))
 
 
-def _moved(
-    program: Generator[Outbox, Sequence[Outbox], dict[int, ParamState]], group: Any, purpose: str
-) -> dict[int, ParamState]:
-    """Run the core's :func:`~zerofn.zero.regroup.moves_program` on ``group``:
-    its outbox all-gathered, every parameter's state this rank knows after."""
-    outbox = next(program)
-    try:
-        program.send(all_gather_objects(outbox, group, purpose))
-    except StopIteration as done:
-        known: dict[int, ParamState] = done.value
-        return known
-    raise AssertionError("moves_program yields once")
-
-
 def _timeout_s(group: Any) -> float:
     """``group``'s collective timeout in seconds (the new group keeps it)."""
     try:
@@ -308,14 +293,8 @@ def recover(
         )
         if new_rank in point.behind:
             zero.take_missed_local_step(grads)
-    if point.finish:
-        for gone in lost:
-            adopt_carried_values(old, params, gone)
-    known = _moved(
-        moves_program(old, regrouping, new_rank), group, "restoring redundancy after a loss"
-    )
     finished = point.finished_step(zero.position)
-    zero.regroup(group, regrouping, new_rank, known, finish_step=point.finish)
+    zero.regroup(group, regrouping, new_rank, finish_step=point.finish)
     if new_rank == 0:
         store.set(GENERATION, str(zero.regroups))
     verify_replicas(params, group, optimizer=zero)
@@ -502,12 +481,7 @@ def _grow(
     params = [p for g in zero.param_groups for p in g["params"]]
     with torch.no_grad():
         drive(_broadcast_params(params), group, "the joiners' parameters").wait()
-    known = _moved(
-        moves_program(zero.zero_rank, regrouping, rank),
-        group,
-        "the joiners' shards and carried copies",
-    )
-    zero.regroup(group, regrouping, rank, known, finish_step=False, generation=generation)
+    zero.regroup(group, regrouping, rank, finish_step=False, generation=generation)
     verify_replicas(params, group)
     return extra
 

@@ -44,13 +44,26 @@ survives any change of bucket layout) use the two steps on their own:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 import attrs
 import torch
 
-from zerofn.comm import AllGather, AllReduce, Collect, Post, Program, Request, Response
+from zerofn.comm import (
+    AllGather,
+    AllGatherObjects,
+    AllReduce,
+    BroadcastObject,
+    Collect,
+    GatherObjects,
+    ObjectRequest,
+    Post,
+    Program,
+    Request,
+    Response,
+)
 from zerofn.hooks.hook import BucketInfo, CommHook, WrappedCall, wrap
 
 __all__ = ["ErrorFeedbackState", "compensate", "error_feedback", "split_residual"]
@@ -146,8 +159,12 @@ def run_alone(program: Program[R]) -> R:
         return result
 
 
-def _fulfil_alone(request: Request) -> Response:
-    # The sum, mean and gather over one rank are that rank's own tensors.
+def _fulfil_alone(request: Request | ObjectRequest) -> Response:
+    # The sum, mean and gather over one rank are that rank's own tensors (values).
+    if isinstance(request, AllGatherObjects | GatherObjects):
+        return ([copy.deepcopy(request.value)],)
+    if isinstance(request, BroadcastObject):
+        return (copy.deepcopy(request.value),)
     if isinstance(request, AllGather):
         return (request.tensor.clone(),)
     assert isinstance(request, AllReduce)

@@ -14,6 +14,7 @@ processes, sockets or a process group::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -22,11 +23,15 @@ import torch
 
 from zerofn.comm import (
     AllGather,
+    AllGatherObjects,
     AllReduce,
     AllToAll,
     Broadcast,
+    BroadcastObject,
     Collect,
+    GatherObjects,
     GatherSegments,
+    ObjectRequest,
     Post,
     Program,
     ProgramStep,
@@ -47,7 +52,14 @@ from zerofn.hooks.hook import (
     init_hook_state,
 )
 
-__all__ = ["CollectiveMismatch", "Dropout", "fulfil", "run_programs", "simulate_iteration"]
+__all__ = [
+    "CollectiveMismatch",
+    "Dropout",
+    "fulfil",
+    "fulfil_objects",
+    "run_programs",
+    "simulate_iteration",
+]
 
 R = TypeVar("R")
 G = TypeVar("G")
@@ -201,7 +213,40 @@ def _answer(pending: Sequence[ProgramStep], posted: list[dict[int, Response]]) -
     if any(isinstance(p, Post | Collect) for p in pending):
         kinds = sorted({type(p).__name__ for p in pending})
         raise CollectiveMismatch(f"at one point the ranks yield different steps: {kinds}")
-    return fulfil([p for p in pending if not isinstance(p, Post | Collect)])
+    objects = [p for p in pending if isinstance(p, ObjectRequest)]
+    if objects:
+        if len(objects) != len(pending):
+            kinds = sorted({type(p).__name__ for p in pending})
+            raise CollectiveMismatch(f"at one point the ranks yield different steps: {kinds}")
+        return fulfil_objects(objects)
+    return fulfil([p for p in pending if not isinstance(p, Post | Collect | ObjectRequest)])
+
+
+def fulfil_objects(requests: Sequence[ObjectRequest]) -> list[Response]:
+    """Carry out one collective of objects: every rank receives copies, as
+    pickling gives them (no rank's answer shares a tensor with another's).
+
+    Raises:
+        CollectiveMismatch: if the ranks' requests differ in kind or root.
+    """
+    first = requests[0]
+    root = getattr(first, "dst", getattr(first, "src", None))
+    for rank, request in enumerate(requests):
+        if (
+            type(request) is not type(first)
+            or getattr(request, "dst", getattr(request, "src", None)) != root
+        ):
+            raise CollectiveMismatch(
+                f"rank {rank} asks for {type(request).__name__} where rank 0 asks for "
+                f"{type(first).__name__} (root {root})"
+            )
+    values = [r.value for r in requests]
+    if isinstance(first, AllGatherObjects):
+        return [(copy.deepcopy(values),) for _ in requests]
+    if isinstance(first, GatherObjects):
+        return [(copy.deepcopy(values) if r == first.dst else None,) for r in range(len(requests))]
+    assert isinstance(first, BroadcastObject)
+    return [(copy.deepcopy(values[first.src]),) for _ in requests]
 
 
 def _run(

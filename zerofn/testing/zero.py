@@ -36,7 +36,7 @@ from zerofn.zero.masters import Masters
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import ZeroRank, build_rank, local_step, resolve_options
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
-from zerofn.zero.regroup import adopt_carried_values, moves_program, regrouped
+from zerofn.zero.regroup import regroup_program
 from zerofn.zero.shards import Shards
 from zerofn.zero.step import Compressed, run_zero_step
 
@@ -244,17 +244,7 @@ def survivors_of(
     """
     regrouping = plan_after_loss(ranks[0].zero.plan, lost)
     alive = [ranks[old] for old in regrouping.survivors]
-    if interrupted:
-        for sim in alive:
-            for gone in lost:
-                adopt_carried_values(sim.zero, sim.params, gone)
-    rebuilt = _regrouped_world(alive, regrouping)
-    if interrupted:
-        programs = [
-            run_zero_step(sim.shards, sim.params, "broadcasts", lambda _: None) for sim in rebuilt
-        ]
-        run_programs(programs, purpose="finishing the interrupted step on the survivors")
-    return rebuilt
+    return _regrouped_world(alive, regrouping, finish_step=interrupted)
 
 
 def grown_by(ranks: Sequence[SimulatedRank], joiners: int) -> list[SimulatedRank]:
@@ -280,21 +270,21 @@ def grown_by(ranks: Sequence[SimulatedRank], joiners: int) -> list[SimulatedRank
     return _regrouped_world([*ranks, *newcomers], regrouping)
 
 
-def _regrouped_world(world: Sequence[SimulatedRank], regrouping: Regrouping) -> list[SimulatedRank]:
-    """Every rank of the new world rebuilt (new rank = position): the core's
-    :func:`~zerofn.zero.regroup.moves_program` on each, the outboxes handed
-    to all, then :func:`~zerofn.zero.regroup.regrouped`."""
-    programs = [moves_program(sim.zero, regrouping, new) for new, sim in enumerate(world)]
-    outboxes = [next(program) for program in programs]
-    rebuilt = []
-    for new, (sim, program) in enumerate(zip(world, programs, strict=True)):
-        try:
-            program.send(outboxes)
-        except StopIteration as done:
-            groups = _groups(regrouping.plan, sim.params)
-            zero = regrouped(sim.zero, groups, regrouping, new, done.value)
-            rebuilt.append(SimulatedRank(sim.params, zero))
-    return rebuilt
+def _regrouped_world(
+    world: Sequence[SimulatedRank], regrouping: Regrouping, *, finish_step: bool = False
+) -> list[SimulatedRank]:
+    """Every rank of the new world rebuilt (new rank = position) by the
+    core's :func:`~zerofn.zero.regroup.regroup_program`, which the adapter's
+    ``regroup`` drives too."""
+    programs = [
+        regroup_program(
+            sim.zero, _groups(regrouping.plan, sim.params), regrouping, new,
+            finish_step=finish_step,
+        )
+        for new, sim in enumerate(world)
+    ]  # fmt: skip
+    rebuilt = run_programs(programs, purpose="regrouping the simulated world")
+    return [SimulatedRank(sim.params, zero) for sim, zero in zip(world, rebuilt, strict=True)]
 
 
 def master_replica_gap(rank: SimulatedRank) -> tuple[torch.Tensor, torch.Tensor]:

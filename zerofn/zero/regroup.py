@@ -1,31 +1,36 @@
-"""A ZeRO rank rebuilt when its world changes (``redundancy=2``): what
-optimizer state it knows, what it sends to restore redundancy, the rank it
-becomes under :func:`zerofn.zero.redundancy.plan_after_loss`'s or
-:func:`~zerofn.zero.redundancy.plan_after_join`'s plan, and a lost shard's
-update finished from the carried copy. The adapter
-(``zerofn_torch.elastic``) and the simulated world run the same functions.
+"""A ZeRO rank rebuilt when its world changes (``redundancy=2``), as one
+communication program (:func:`regroup_program`): a lost shard's update
+finished from the carried copy, what the rank knows of the optimizer state
+sent where redundancy needs it, the rank it becomes under
+:func:`zerofn.zero.redundancy.plan_after_loss`'s or
+:func:`~zerofn.zero.redundancy.plan_after_join`'s plan, and the interrupted
+step's exchange on the new world. The adapter (``zerofn_torch.elastic``,
+through the optimizer's ``regroup``) drives it on a process group, the
+simulated world (:mod:`zerofn.testing.zero`) on simulated ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import attrs
 import torch
 
+from zerofn.comm import AllGatherObjects, Program
 from zerofn.zero.precision import MASTER_KEY
-from zerofn.zero.rank import ZeroRank, placed
+from zerofn.zero.rank import ZeroRank, flat_params, placed
 from zerofn.zero.rank_state import load_states
 from zerofn.zero.redundancy import Regrouping, carried_owner
+from zerofn.zero.step import run_zero_step
 
 __all__ = [
     "Outbox",
     "ParamState",
     "adopt_carried_values",
     "known_states",
-    "moves_program",
     "outgoing_states",
+    "regroup_program",
     "regrouped",
 ]
 
@@ -85,21 +90,6 @@ def outgoing_states(
     return out
 
 
-def moves_program(
-    rank: ZeroRank, regrouping: Regrouping, new: int
-) -> Generator[Outbox, Sequence[Outbox], dict[int, ParamState]]:
-    """The moves of a changing world, as rank ``new`` of it takes part: it
-    yields what it sends (:func:`outgoing_states` of what it knows), is sent
-    back every rank's outbox (an all-gather, in the adapter; handed over, in
-    the simulated world), and returns every parameter's state it knows then,
-    for :func:`regrouped`. A joiner knows nothing yet and sends nothing."""
-    known = known_states(rank)
-    every = yield outgoing_states(regrouping, new, known)
-    for outbox in every:
-        known.update(outbox.get(new, {}))
-    return known
-
-
 def adopt_carried_values(rank: ZeroRank, params: Sequence[torch.Tensor], lost: int) -> None:
     """Write the carried copy's values into the parameters, when it is the
     lost rank's: its step was taken here too, so what the lost owner would
@@ -138,4 +128,49 @@ def regrouped(
     if fresh.carried is not None:
         carried = partition.params_of(carried_owner(new, world))  # type: ignore[union-attr]
         load_states(fresh.carried.optim, carried, known, fresh.carried.masters)
+    return fresh
+
+
+def regroup_program(
+    rank: ZeroRank,
+    groups: Sequence[dict[str, Any]],
+    regrouping: Regrouping,
+    new: int,
+    *,
+    finish_step: bool = False,
+) -> Program[ZeroRank]:
+    """The whole change of world, as rank ``new`` of the new one takes part
+    (a survivor, a running rank the world grew around, or a joiner).
+
+    1. With ``finish_step`` (a loss inside a step's exchange, every local
+       step taken): the lost ranks' carried copies become the parameters
+       (:func:`adopt_carried_values`).
+    2. The moves: every rank's outbox (:func:`outgoing_states` of what it
+       knows) is all-gathered; this rank keeps what was sent to it.
+    3. The rank rebuilt from what it knows then (:func:`regrouped`).
+    4. With ``finish_step``: the step's exchange, run again on the new world.
+
+    Args:
+        rank: this rank as it was (a joiner: as its own optimizer built it).
+        groups: the param groups, in the optimizer's order (their parameters
+            are written by steps 1 and 4).
+        regrouping: the core's decision (the same on every rank).
+        new: this rank in the new world.
+        finish_step: finish an interrupted step (a loss only).
+
+    Returns:
+        The rebuilt rank.
+    """
+    params = flat_params(groups)
+    if finish_step:
+        lost = [r for r in range(rank.options.world_size) if r not in regrouping.survivors]
+        for gone in lost:
+            adopt_carried_values(rank, params, gone)
+    known = known_states(rank)
+    (every,) = yield AllGatherObjects(outgoing_states(regrouping, new, known))
+    for outbox in cast(list[Outbox], every):
+        known.update(outbox.get(new, {}))
+    fresh = regrouped(rank, groups, regrouping, new, known)
+    if finish_step:
+        yield from run_zero_step(fresh.shards, params, fresh.options.via, lambda _: None)
     return fresh

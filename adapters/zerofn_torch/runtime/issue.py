@@ -32,16 +32,19 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-import attrs
 import torch
 import torch.distributed as dist
 
 from zerofn.comm import (
     AllGather,
+    AllGatherObjects,
     AllReduce,
     AllToAll,
     Broadcast,
+    BroadcastObject,
+    GatherObjects,
     GatherSegments,
+    ObjectRequest,
     Reduce,
     Request,
     Response,
@@ -54,59 +57,8 @@ from zerofn_torch.runtime.foreign_hooks import Await
 from zerofn_torch.runtime.futures import all_of, failed, on_done, then
 from zerofn_torch.runtime.traffic import counted_as
 
-__all__ = ["AllGatherObjects", "BroadcastObject", "GatherObjects", "Step", "issue"]
+__all__ = ["Step", "issue"]
 
-
-@attrs.frozen(eq=False)
-class GatherObjects:
-    """Every rank's picklable ``value``, in rank order, on group rank ``dst``
-    (the response there is ``(values,)``; elsewhere ``(None,)``).
-
-    Attributes:
-        value: this rank's value.
-        dst: the group rank that receives them.
-        last: always the program's final request.
-    """
-
-    value: Any
-    dst: int
-    last: bool = True
-
-
-@attrs.frozen(eq=False)
-class AllGatherObjects:
-    """Every rank's picklable ``value``, in rank order, on every rank (the
-    response is ``(values,)``).
-
-    Attributes:
-        value: this rank's value.
-        last: always the program's final request.
-    """
-
-    value: Any
-    last: bool = True
-
-
-@attrs.frozen(eq=False)
-class BroadcastObject:
-    """Group rank ``src``'s picklable ``value`` on every rank (the response
-    is ``(value,)``).
-
-    Attributes:
-        value: this rank's value (read on ``src`` only).
-        src: the group rank whose value every rank receives.
-        last: always the program's final request.
-    """
-
-    value: Any
-    src: int
-    last: bool = True
-
-
-ObjectRequest = GatherObjects | AllGatherObjects | BroadcastObject
-"""Collectives of picklable values: bookkeeping the core does not express as
-requests (state dicts, file hashes, verdicts); blocking in PyTorch, so
-issued to completion."""
 
 Step = Request | Await | ObjectRequest
 """What a program run by the adapter's driver may yield."""
@@ -369,12 +321,6 @@ def _start(request: Step, group: Any) -> torch.futures.Future[Response]:
 def _describe(request: Step) -> str:
     if isinstance(request, Await):
         return f"the DDP hook {request.hook!r}"
-    if isinstance(request, AllGatherObjects):
-        return "all_gather_object"
-    if isinstance(request, GatherObjects):
-        return f"gather_object to rank {request.dst}"
-    if isinstance(request, BroadcastObject):
-        return f"broadcast_object_list from rank {request.src}"
     return describe(request)
 
 

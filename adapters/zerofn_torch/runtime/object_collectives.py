@@ -2,9 +2,9 @@
 
 Blocking, and only for bookkeeping, so the core does not express them as
 requests; each is one request of the adapter's own
-(:class:`~zerofn_torch.runtime.issue.GatherObjects`,
-:class:`~zerofn_torch.runtime.issue.AllGatherObjects`,
-:class:`~zerofn_torch.runtime.issue.BroadcastObject`) run by the driver like
+(:class:`~zerofn.comm.GatherObjects`,
+:class:`~zerofn.comm.AllGatherObjects`,
+:class:`~zerofn.comm.BroadcastObject`) run by the driver like
 every other, so it fails the way every collective does: with a
 :class:`zerofn.errors.CollectiveError` naming what it was for.
 """
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerofn.comm import AllGatherObjects, BroadcastObject, GatherObjects
 from zerofn_torch.runtime.driver import drive
-from zerofn_torch.runtime.issue import AllGatherObjects, BroadcastObject, GatherObjects, Step
+from zerofn_torch.runtime.issue import Step
 
 __all__ = ["all_gather_objects", "broadcast_object", "gather_objects"]
 

@@ -11,7 +11,7 @@ the pure core's; this module runs the collectives the core asks for.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ from zerofn.zero.rank_state import (
 )
 from zerofn.zero.recovery_point import Position, exchanged, stepped
 from zerofn.zero.redundancy import Regrouping
-from zerofn.zero.regroup import ParamState, regrouped
+from zerofn.zero.regroup import regroup_program
 from zerofn.zero.replan import sharded_by_owners, with_added_group
 from zerofn.zero.shard_state import validate_global
 from zerofn.zero.step import run_zero_step
@@ -566,14 +566,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         group: Any,
         regrouping: Regrouping,
         new_rank: int,
-        known: Mapping[int, ParamState],
         *,
         finish_step: bool,
         generation: int | None = None,
     ) -> None:
         """Go on as rank ``new_rank`` of ``group`` under ``regrouping``'s
-        plan, with the optimizer state ``known`` here (held and received).
-        Not for training loops: :mod:`zerofn_torch.elastic` calls it.
+        plan: the core's :func:`~zerofn.zero.regroup.regroup_program`, driven
+        on ``group`` (the moves that restore redundancy, the optimizer
+        rebuilt, and with ``finish_step`` the interrupted step finished).
+        Not for training loops: :mod:`zerofn_torch.elastic` calls it on
+        every rank of ``group``.
 
         Args:
             group: the new world's process group.
@@ -581,25 +583,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 (:func:`~zerofn.zero.redundancy.plan_after_loss`,
                 :func:`~zerofn.zero.redundancy.plan_after_join`).
             new_rank: this rank in ``group``.
-            known: every parameter's state this rank holds, by global index.
-            finish_step: run the interrupted step's exchange on ``group``
-                (the lost shards' updates are in their new owners' parameters).
+            finish_step: finish the step whose exchange a loss interrupted
+                (the lost shards' updates come from their carried copies).
             generation: the world's count of changes (a joiner takes the
                 job's); ``None``: one more than this optimizer's.
 
         Raises:
-            zerofn.errors.CollectiveError: the exchange on ``group`` failed.
+            zerofn.errors.CollectiveError: a collective on ``group`` failed.
         """
-        self._zero = zero = regrouped(self._zero, self.param_groups, regrouping, new_rank, known)
+        program = regroup_program(
+            self._zero, self.param_groups, regrouping, new_rank, finish_step=finish_step
+        )
+        self._zero = zero = drive(program, group, "regrouping the ZeRO optimizer").wait()
         self.process_group = group
         self.rank, self.world_size = zero.options.rank, zero.options.world_size
         self._regroups = self._regroups + 1 if generation is None else generation
         if self._heartbeat is not None:
             self._heartbeat.beat_as(self._regroups, self.rank, self.world_size)
-        if finish_step:
-            params = self._all_params
-            program = run_zero_step(zero.shards, params, zero.options.via, lambda _: None)
-            drive(program, group, "finishing the interrupted step on the survivors").wait()
         self._position = Position(0)  # a new world counts its own steps
         self._versions = self._read_versions()
 
