@@ -1,13 +1,15 @@
 """What a lost rank costs with the group's default timeout:
 ``examples/survive_a_lost_rank.py`` on 3, 4 and 8 gloo ranks, one rank lost
 in each phase of a step (in backward, inside the exchange, between steps),
-the last rank or a middle one, and one rank paused. Each run's survivors
+the last rank or a middle one, in each configuration (``plain``: fp32;
+``masters``: bf16 parameters, fp32 masters), and one rank paused. Each run's survivors
 time the recovery from the moment the lost rank went (it notes the moment in
 the job's store) to their next completed step. ``--quick``: 3 ranks, one
-loss of each phase."""
+loss of each phase per configuration."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -15,6 +17,7 @@ from report import Headline, Section, Spread, md_table, standalone_main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from survive_a_lost_rank import Kill, Pause, run_killed
+from train_elastic import CONFIGS, PLAIN, Config
 
 PHASES = ("backward", "exchange", "between")
 STEPS, AT = 8, 4
@@ -27,10 +30,16 @@ def _victims(world_size: int, quick: bool) -> tuple[int, ...]:
     return (world_size - 1,) if quick else tuple(sorted({1, world_size - 1}))
 
 
-def _one(world_size: int, kill: Kill | None, pause: Pause | None) -> tuple[float, int]:
+def _one(
+    world_size: int, kill: Kill | None, pause: Pause | None, config: Config = PLAIN
+) -> tuple[float, int]:
     """One run's recovery: its seconds and steps lost."""
     result = run_killed(
-        world_size, STEPS, () if kill is None else (kill,), pauses=() if pause is None else (pause,)
+        world_size,
+        STEPS,
+        () if kill is None else (kill,),
+        pauses=() if pause is None else (pause,),
+        config=config,
     )
     (recovery,) = result["recoveries"]
     return float(recovery["seconds"]), int(recovery["steps_lost"])
@@ -39,25 +48,27 @@ def _one(world_size: int, kill: Kill | None, pause: Pause | None) -> tuple[float
 def bench_recovery(quick: bool) -> Section:
     worlds = (3,) if quick else (3, 4, 8)
     rows, kills_seconds, lost_steps = [], [], []
-    for world_size in worlds:
+    for world_size, config in itertools.product(worlds, CONFIGS.values()):
         for phase in PHASES:
             for victim in _victims(world_size, quick):
-                seconds, lost = _one(world_size, Kill(victim, AT, phase), None)
+                seconds, lost = _one(world_size, Kill(victim, AT, phase), None, config)
                 kills_seconds.append(seconds)
                 lost_steps.append(lost)
-                rows.append([world_size, f"rank {victim} lost", phase, f"{seconds:.2f}", lost])
+                fault = f"rank {victim} lost"
+                rows.append([world_size, config.name, fault, phase, f"{seconds:.2f}", lost])
     pause = Pause(1, AT, 6.0)
     pause_seconds, pause_lost = _one(3, None, pause)
-    rows.append([3, "rank 1 paused 6 s", "between", f"{pause_seconds:.2f}", pause_lost])
+    rows.append([3, "plain", "rank 1 paused 6 s", "between", f"{pause_seconds:.2f}", pause_lost])
     spread = Spread.of(kills_seconds)
     worst = max(kills_seconds)
     body = (
         "DDP (zerofn's all-reduce hook) + `ZeroRedundancyOptimizer(Adam, redundancy=2)` on "
-        "`examples/train_elastic.py`'s model, gloo on CPU, the group's default timeout (30 "
+        "`examples/train_elastic.py`'s model (`plain`: fp32; `masters`: bf16 parameters, fp32 "
+        "masters), gloo on CPU, the group's default timeout (30 "
         "minutes) and `recover`'s default roll call; one rank ends (`os._exit`) in step "
         f"{AT} of {STEPS}. Seconds from the death to the survivors' next completed step (the "
         "step finished or redone), as the survivors' rank 0 saw it.\n\n"
-        + md_table(["ranks", "fault", "phase", "seconds", "steps lost"], rows)
+        + md_table(["ranks", "configuration", "fault", "phase", "seconds", "steps lost"], rows)
         + f"\n\nA loss costs {spread.median:.2f} s (median; {spread.q1:.2f} to {spread.q3:.2f}), "
         f"{worst:.2f} s at worst over {len(kills_seconds)} losses (target: at most "
         f"{TARGET_S} s); steps lost: {max(lost_steps)}. Most of it is the roll call declaring "
