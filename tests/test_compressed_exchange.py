@@ -282,7 +282,7 @@ def test_an_update_in_parts_gives_the_numbers_of_one_whole_step(
     def world_of(optimizer: type[torch.optim.Optimizer]) -> list[SimulatedRank]:
         return simulated_ranks(
             plan, params, optimizer, exchange_compression=compression,
-            piece_elements=piece_elements, lr=0.05, weight_decay=0.01,
+            piece_elements=piece_elements, elementwise=True, lr=0.05, weight_decay=0.01,
         )  # fmt: skip
 
     in_parts, whole = world_of(torch.optim.Adam), world_of(_AdamInOneStep)

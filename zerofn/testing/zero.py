@@ -33,8 +33,9 @@ from zerofn.testing.world import run_programs
 from zerofn.zero.compressed_exchange import PIECE_ELEMENTS, block_scales, local_spans
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters
+from zerofn.zero.options import resolve_options
 from zerofn.zero.plan import ShardPlan
-from zerofn.zero.rank import ZeroRank, build_rank, local_step, resolve_options
+from zerofn.zero.rank import ZeroRank, build_rank, local_step
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
 from zerofn.zero.regroup import regroup_program
 from zerofn.zero.shards import Shards
@@ -105,10 +106,11 @@ def simulated_ranks(
     exchange_compression: str | BlockQuantizer | None = None,
     piece_elements: int = PIECE_ELEMENTS,
     redundancy: int = 1,
+    elementwise: bool = False,
     **defaults: Any,
 ) -> list[SimulatedRank]:
     """``plan.world_size`` simulated ranks, each built by the optimizer's own
-    :func:`~zerofn.zero.rank.resolve_options` and
+    :func:`~zerofn.zero.options.resolve_options` and
     :func:`~zerofn.zero.rank.build_rank` (same mode record, local tensors,
     masters and payload buffers, same defaults).
 
@@ -124,11 +126,13 @@ def simulated_ranks(
             sends every segment in many pieces).
         redundancy: as ``ZeroRedundancyOptimizer``'s (2: each rank also
             steps a carried copy of the previous rank's shard).
+        elementwise: as ``ZeroRedundancyOptimizer``'s (a flat plan with an
+            optimizer class zerofn does not know to be element-wise).
         **defaults: the optimizer's hyperparameters.
 
     Raises:
-        ValueError, TypeError: a bad ``master_dtype``, compression or
-            hyperparameter.
+        ValueError, TypeError: what the optimizer's constructor refuses (a
+            bad ``master_dtype``, compression or hyperparameter, ...).
     """
     ranks = []
     for rank in range(plan.world_size):
@@ -139,7 +143,7 @@ def simulated_ranks(
             rank=rank, world_size=plan.world_size, via="broadcasts", bucket_view=bucket_view,
             overlap_with_ddp=False, partition=plan.mode, master_dtype=master_dtype,
             exchange_compression=exchange_compression, piece_elements=piece_elements,
-            redundancy=redundancy,
+            redundancy=redundancy, elementwise=elementwise,
         )  # fmt: skip
         ranks.append(SimulatedRank(mine, build_rank(groups, options, plan)))
     return ranks

@@ -9,50 +9,15 @@ from typing import Any
 
 import torch
 
-from zerofn.zero.optimizers import check_elementwise, check_optimizer_class
 from zerofn.zero.params import check_same_dense_type, normalize_params
 from zerofn.zero.plan import PlanMode, ShardPlan, plan_shards
 
 __all__ = [
     "check_added_group",
-    "check_arguments",
     "check_rank",
     "manual_indices",
     "plan_for",
 ]
-
-
-def check_arguments(
-    groups: Sequence[Mapping[str, Any]],
-    optimizer_class: type[torch.optim.Optimizer],
-    overlap_with_ddp: bool,
-    partition: str | Sequence[Sequence[torch.Tensor]],
-    elementwise: bool,
-) -> None:
-    """Refuse what the optimizer's constructor cannot build, before anything is built.
-
-    Raises:
-        TypeError: ``optimizer_class`` is not an optimizer class (a string,
-            a module class, ...).
-        ValueError: sparse or mixed-type parameters; ``overlap_with_ddp``
-            with a partition other than the default; ``partition="flat"``
-            with an optimizer not known to be element-wise.
-        RuntimeError: ``overlap_with_ddp`` with more than one param group.
-    """
-    check_optimizer_class(optimizer_class)
-    check_same_dense_type([p for g in groups for p in g["params"]])
-    if overlap_with_ddp and len(groups) != 1:
-        raise RuntimeError(
-            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
-            f"group, got {len(groups)}"
-        )
-    if overlap_with_ddp and partition != "greedy":
-        raise ValueError(
-            "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
-            "at its default"
-        )
-    if partition == "flat":
-        check_elementwise(optimizer_class, elementwise)
 
 
 def check_added_group(

@@ -1,11 +1,12 @@
-"""One ZeRO rank, built once: what the constructor fixed (:class:`ZeroOptions`)
-and the rank's whole state (:class:`ZeroRank`: plan, shards, masters,
-compressed exchange, local optimizer, who steps it), with the functions that
-build it, hand it a step's gradients and answer the step program's local step.
+"""One ZeRO rank, built once: the rank's whole state (:class:`ZeroRank`:
+plan, shards, masters, compressed exchange, local optimizer, who steps it,
+under the options :mod:`zerofn.zero.options` resolved), with the functions
+that build it, hand it a step's gradients and answer the step program's
+local step.
 
 ``zerofn_torch.ZeroRedundancyOptimizer`` and the simulated world
 (:mod:`zerofn.testing.zero`) build their ranks with the same
-:func:`resolve_options` and :func:`build_rank`, and answer the step program's
+:func:`~zerofn.zero.options.resolve_options` and :func:`build_rank`, and answer the step program's
 :class:`~zerofn.zero.step.LocalStep` with the same :func:`local_step`: what a
 property test of the simulated world checks is what training runs.
 
@@ -25,24 +26,18 @@ import attrs
 import torch
 from torch.optim import Optimizer
 
-from zerofn.blockquant import BlockQuantizer
 from zerofn.zero.compressed_exchange import (
-    PIECE_ELEMENTS,
     CompressedExchange,
     compressed_exchange,
-    compression_master_dtype,
-    resolve_compression,
 )
-from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters, make_masters
 from zerofn.zero.optimizers import steps_in_parts
+from zerofn.zero.options import ZeroOptions
 from zerofn.zero.params import hyperparameters
 from zerofn.zero.plan import ShardPlan, with_trainable
-from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.redundancy import (
     CarriedShard,
     carried_shard,
-    check_redundancy,
     hand_carried_grads,
     step_carried,
 )
@@ -51,10 +46,8 @@ from zerofn.zero.step import Compressed, LocalStep, finish_masters
 
 __all__ = [
     "OverlapMode",
-    "ZeroOptions",
     "ZeroRank",
     "build_rank",
-    "check_local_optimizer",
     "drop_master_grads",
     "extend_local_optimizer",
     "flat_params",
@@ -63,11 +56,9 @@ __all__ = [
     "master_grads",
     "memory_bytes",
     "placed",
-    "resolve_options",
     "step_grads",
     "sync_hyperparameters",
     "synced_hyperparameters",
-    "via_for_backend",
     "with_current_trainable",
 ]
 
@@ -81,141 +72,6 @@ fixed its buckets, each rank keeping its own (``"sharded"``)."""
 def flat_params(groups: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
     """Every parameter of ``groups``, in the optimizer's (global index) order."""
     return [p for g in groups for p in g["params"]]
-
-
-@attrs.frozen
-class ZeroOptions:
-    """What the constructor fixed, for the optimizer's life.
-
-    Attributes:
-        optimizer_class: the local optimizer's class (or a factory of one).
-        defaults: the keyword arguments it gets.
-        rank: this rank in the process group.
-        world_size: ranks in the process group.
-        bucket_view: parameters are views of the exchange buffers.
-        master_dtype: the masters' dtype (``None``: no masters).
-        quantizer: the compressed exchange's codec (``None``: exact).
-        device: the parameters' device, where scalar collectives run.
-        via: how the exchange moves shards.
-        piece_elements: the compressed exchange's piece length.
-        redundancy: on how many ranks each shard's state lives (1 or 2; see
-            :mod:`zerofn.zero.redundancy`).
-    """
-
-    optimizer_class: type[Optimizer]
-    defaults: dict[str, Any]
-    rank: int
-    world_size: int
-    bucket_view: bool
-    master_dtype: torch.dtype | None
-    quantizer: BlockQuantizer | None
-    device: torch.device
-    via: ExchangeVia
-    piece_elements: int = PIECE_ELEMENTS
-    redundancy: int = 1
-
-
-def via_for_backend(backend: str) -> ExchangeVia:
-    """How the exchange moves shards on ``backend``: gloo's all-gather
-    measured 2-3.5x slower than broadcasts of the same bytes on CPU; NCCL's
-    all-gather is its best path."""
-    return "broadcasts" if backend == "gloo" else "all_gather"
-
-
-def check_local_optimizer(
-    groups: Sequence[Mapping[str, Any]],
-    optimizer_class: type[Optimizer],
-    defaults: dict[str, Any],
-    probe: torch.Tensor,
-) -> None:
-    """Let ``optimizer_class`` check its hyperparameters before anything is built.
-
-    The local optimizer is made last, after the exchange buffers, and with
-    ``parameters_as_bucket_view`` the parameters' storage has moved into
-    them by then; so its own checks (a negative ``lr``, an unknown option)
-    run first here, on one throwaway tensor per param group, each group
-    with its own options as the local optimizer will see them.
-
-    Args:
-        groups: the param groups (their tensors are not touched).
-        optimizer_class: the local optimizer's class.
-        defaults: the keyword arguments it will get.
-        probe: a one-element tensor of the local optimizer's dtype and
-            device (each group gets a copy).
-
-    Raises:
-        ValueError: ``optimizer_class`` refuses a value (``torch.optim``'s
-            checks: a negative ``lr``, ``betas`` out of range, ...).
-        TypeError: ``optimizer_class`` takes no option of that name, or
-            (a factory rather than a class) builds no ``torch.optim.Optimizer``.
-    """
-    probes = [{**hyperparameters(g), "params": [probe.clone()]} for g in groups]
-    built = optimizer_class(probes, **defaults)
-    if not isinstance(built, Optimizer):
-        raise TypeError(
-            f"optimizer_class={optimizer_class!r} built a {type(built).__name__}, not a "
-            "torch.optim.Optimizer; pass an optimizer class such as torch.optim.AdamW"
-        )
-
-
-def resolve_options(
-    groups: Sequence[Mapping[str, Any]],
-    optimizer_class: type[Optimizer],
-    defaults: dict[str, Any],
-    *,
-    rank: int,
-    world_size: int,
-    via: ExchangeVia,
-    bucket_view: bool | None,
-    overlap_with_ddp: bool,
-    partition: object,
-    master_dtype: torch.dtype | None,
-    exchange_compression: str | BlockQuantizer | None,
-    piece_elements: int = PIECE_ELEMENTS,
-    redundancy: int = 1,
-) -> ZeroOptions:
-    """The constructor's options, resolved and checked before anything is built
-    (the arguments are ``zerofn_torch.ZeroRedundancyOptimizer``'s).
-
-    Returns:
-        The options record: the codec, the masters' dtype, whether parameters
-        are bucket views (by default with ``partition="flat"`` only; never
-        with ``overlap_with_ddp``).
-
-    Raises:
-        ValueError: an unknown compression, or of non-float parameters;
-            ``master_dtype`` narrower than the parameters; a value
-            ``optimizer_class`` refuses.
-        TypeError: ``optimizer_class`` takes no option of a name in ``defaults``.
-    """
-    check_redundancy(
-        redundancy, world_size, partition, compressed=exchange_compression is not None,
-        overlap_with_ddp=overlap_with_ddp,
-    )  # fmt: skip
-    first = flat_params(groups)[0]
-    quantizer = resolve_compression(exchange_compression, first.dtype)
-    wide = (
-        resolve_master_dtype(first.dtype, master_dtype)
-        if quantizer is None
-        else compression_master_dtype(first.dtype, master_dtype)
-    )
-    probe = torch.zeros(1, dtype=wide or first.dtype, device=first.device)
-    check_local_optimizer(groups, optimizer_class, defaults, probe)
-    if bucket_view is None:
-        bucket_view = partition == "flat"
-    return ZeroOptions(
-        optimizer_class=optimizer_class,
-        defaults=defaults,
-        rank=rank,
-        world_size=world_size,
-        bucket_view=bucket_view and not overlap_with_ddp,
-        master_dtype=wide,
-        quantizer=quantizer,
-        device=first.device,
-        via=via,
-        piece_elements=piece_elements,
-        redundancy=redundancy,
-    )
 
 
 @attrs.frozen(eq=False)

@@ -22,9 +22,10 @@ from torch.optim import Optimizer
 from zerofn.blockquant import BlockQuantizer
 from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
-from zerofn.zero.arguments import check_added_group, check_arguments, check_rank, plan_for
+from zerofn.zero.arguments import check_added_group, check_rank, plan_for
 from zerofn.zero.hook_driven import OverlapBinding
 from zerofn.zero.local_step import LocalStep
+from zerofn.zero.options import resolve_options, via_for_backend
 from zerofn.zero.outside_writes import (
     owned_parameters,
     parameter_versions,
@@ -41,10 +42,8 @@ from zerofn.zero.rank import (
     flat_params,
     local_step,
     memory_bytes,
-    resolve_options,
     sync_hyperparameters,
     synced_hyperparameters,
-    via_for_backend,
     with_current_trainable,
 )
 from zerofn.zero.rank_state import (
@@ -177,14 +176,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         groups = normalize_params(params)
-        check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
         group = process_group if process_group is not None else dist.group.WORLD
         options = resolve_options(
             groups, optimizer_class, defaults,
             rank=dist.get_rank(group), world_size=dist.get_world_size(group),
             via=via_for_backend(dist.get_backend(group)), bucket_view=parameters_as_bucket_view,
             overlap_with_ddp=overlap_with_ddp, partition=partition, master_dtype=master_dtype,
-            exchange_compression=exchange_compression, redundancy=redundancy,
+            exchange_compression=exchange_compression, elementwise=elementwise,
+            redundancy=redundancy,
         )  # fmt: skip
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)

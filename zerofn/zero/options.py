@@ -1,0 +1,204 @@
+"""The ZeRO optimizer's options, resolved in one place: every constructor
+argument in, the options record out (:class:`ZeroOptions`), or one clear
+error before anything is built.
+
+:func:`resolve_options` runs every check there is on the arguments, the
+optimizer's own included, each kept with the idea it checks: the
+optimizer class and element-wise promise (:mod:`zerofn.zero.optimizers`),
+the parameters (:mod:`zerofn.zero.params`), redundancy
+(:func:`~zerofn.zero.redundancy.check_redundancy`), the codec
+(:func:`~zerofn.zero.compressed_exchange.resolve_compression`) and the
+masters' dtype (:func:`~zerofn.zero.precision.resolve_master_dtype`).
+``zerofn_torch.ZeroRedundancyOptimizer`` and the simulated world
+(:mod:`zerofn.testing.zero`) both call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.optim import Optimizer
+
+from zerofn.blockquant import BlockQuantizer
+from zerofn.zero.compressed_exchange import (
+    PIECE_ELEMENTS,
+    compression_master_dtype,
+    resolve_compression,
+)
+from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.optimizers import check_elementwise, check_optimizer_class
+from zerofn.zero.params import check_same_dense_type, hyperparameters
+from zerofn.zero.precision import resolve_master_dtype
+from zerofn.zero.redundancy import check_redundancy
+
+__all__ = ["ZeroOptions", "check_local_optimizer", "resolve_options", "via_for_backend"]
+
+
+@attrs.frozen
+class ZeroOptions:
+    """What the constructor fixed, for the optimizer's life.
+
+    Attributes:
+        optimizer_class: the local optimizer's class (or a factory of one).
+        defaults: the keyword arguments it gets.
+        rank: this rank in the process group.
+        world_size: ranks in the process group.
+        bucket_view: parameters are views of the exchange buffers.
+        master_dtype: the masters' dtype (``None``: no masters).
+        quantizer: the compressed exchange's codec (``None``: exact).
+        device: the parameters' device, where scalar collectives run.
+        via: how the exchange moves shards.
+        piece_elements: the compressed exchange's piece length.
+        redundancy: on how many ranks each shard's state lives (1 or 2; see
+            :mod:`zerofn.zero.redundancy`).
+    """
+
+    optimizer_class: type[Optimizer]
+    defaults: dict[str, Any]
+    rank: int
+    world_size: int
+    bucket_view: bool
+    master_dtype: torch.dtype | None
+    quantizer: BlockQuantizer | None
+    device: torch.device
+    via: ExchangeVia
+    piece_elements: int = PIECE_ELEMENTS
+    redundancy: int = 1
+
+
+def via_for_backend(backend: str) -> ExchangeVia:
+    """How the exchange moves shards on ``backend``: gloo's all-gather
+    measured 2-3.5x slower than broadcasts of the same bytes on CPU; NCCL's
+    all-gather is its best path."""
+    return "broadcasts" if backend == "gloo" else "all_gather"
+
+
+def check_local_optimizer(
+    groups: Sequence[Mapping[str, Any]],
+    optimizer_class: type[Optimizer],
+    defaults: dict[str, Any],
+    probe: torch.Tensor,
+) -> None:
+    """Let ``optimizer_class`` check its hyperparameters before anything is built.
+
+    The local optimizer is made last, after the exchange buffers, and with
+    ``parameters_as_bucket_view`` the parameters' storage has moved into
+    them by then; so its own checks (a negative ``lr``, an unknown option)
+    run first here, on one throwaway tensor per param group, each group
+    with its own options as the local optimizer will see them.
+
+    Args:
+        groups: the param groups (their tensors are not touched).
+        optimizer_class: the local optimizer's class.
+        defaults: the keyword arguments it will get.
+        probe: a one-element tensor of the local optimizer's dtype and
+            device (each group gets a copy).
+
+    Raises:
+        ValueError: ``optimizer_class`` refuses a value (``torch.optim``'s
+            checks: a negative ``lr``, ``betas`` out of range, ...).
+        TypeError: ``optimizer_class`` takes no option of that name, or
+            (a factory rather than a class) builds no ``torch.optim.Optimizer``.
+    """
+    probes = [{**hyperparameters(g), "params": [probe.clone()]} for g in groups]
+    built = optimizer_class(probes, **defaults)
+    if not isinstance(built, Optimizer):
+        raise TypeError(
+            f"optimizer_class={optimizer_class!r} built a {type(built).__name__}, not a "
+            "torch.optim.Optimizer; pass an optimizer class such as torch.optim.AdamW"
+        )
+
+
+def resolve_options(
+    groups: Sequence[Mapping[str, Any]],
+    optimizer_class: type[Optimizer],
+    defaults: dict[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    via: ExchangeVia,
+    bucket_view: bool | None,
+    overlap_with_ddp: bool,
+    partition: str | Sequence[Sequence[torch.Tensor]],
+    master_dtype: torch.dtype | None,
+    exchange_compression: str | BlockQuantizer | None,
+    elementwise: bool = False,
+    piece_elements: int = PIECE_ELEMENTS,
+    redundancy: int = 1,
+) -> ZeroOptions:
+    """The constructor's options, resolved and checked before anything is built
+    (the arguments are ``zerofn_torch.ZeroRedundancyOptimizer``'s).
+
+    Returns:
+        The options record: the codec, the masters' dtype, whether parameters
+        are bucket views (by default with ``partition="flat"`` only; never
+        with ``overlap_with_ddp``).
+
+    Raises:
+        TypeError: ``optimizer_class`` is not an optimizer class (a string, a
+            module class, ...), or takes no option of a name in ``defaults``.
+        ValueError: sparse or mixed-type parameters; ``overlap_with_ddp``
+            with a partition other than the default; ``partition="flat"``
+            with an optimizer not known to be element-wise; an unknown
+            compression, or of non-float parameters; ``master_dtype``
+            narrower than the parameters; a ``redundancy`` the optimizer
+            cannot keep; a value ``optimizer_class`` refuses.
+        RuntimeError: ``overlap_with_ddp`` with more than one param group.
+    """
+    _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
+    check_redundancy(
+        redundancy, world_size, partition, compressed=exchange_compression is not None,
+        overlap_with_ddp=overlap_with_ddp,
+    )  # fmt: skip
+    first = next(p for g in groups for p in g["params"])
+    quantizer = resolve_compression(exchange_compression, first.dtype)
+    wide = (
+        resolve_master_dtype(first.dtype, master_dtype)
+        if quantizer is None
+        else compression_master_dtype(first.dtype, master_dtype)
+    )
+    probe = torch.zeros(1, dtype=wide or first.dtype, device=first.device)
+    check_local_optimizer(groups, optimizer_class, defaults, probe)
+    if bucket_view is None:
+        bucket_view = partition == "flat"
+    return ZeroOptions(
+        optimizer_class=optimizer_class,
+        defaults=defaults,
+        rank=rank,
+        world_size=world_size,
+        bucket_view=bucket_view and not overlap_with_ddp,
+        master_dtype=wide,
+        quantizer=quantizer,
+        device=first.device,
+        via=via,
+        piece_elements=piece_elements,
+        redundancy=redundancy,
+    )
+
+
+def _check_arguments(
+    groups: Sequence[Mapping[str, Any]],
+    optimizer_class: type[torch.optim.Optimizer],
+    overlap_with_ddp: bool,
+    partition: str | Sequence[Sequence[torch.Tensor]],
+    elementwise: bool,
+) -> None:
+    """The arguments' own checks, before any option is resolved (see
+    :func:`resolve_options`)."""
+    check_optimizer_class(optimizer_class)
+    check_same_dense_type([p for g in groups for p in g["params"]])
+    if overlap_with_ddp and len(groups) != 1:
+        raise RuntimeError(
+            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
+            f"group, got {len(groups)}"
+        )
+    if overlap_with_ddp and partition != "greedy":
+        raise ValueError(
+            "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
+            "at its default"
+        )
+    if partition == "flat":
+        check_elementwise(optimizer_class, elementwise)
