@@ -1,38 +1,38 @@
 """What ``redundancy=2`` costs per step, and what losing a rank costs with it.
 
-1. **The cost per step** (2 and 3 gloo ranks on CPU, one thread each; an MLP
-   of ~4M parameters; DDP + ``zerofn_torch.ZeroRedundancyOptimizer(Adam)``).
-   One process group holds two copies of the model, one trained with
+1. **The cost per step** (2 and 3 gloo ranks on CPU, one thread each; an MLP of
+   ~4M parameters, in fp32 (``plain``) and in bf16 with fp32 masters
+   (``masters``); DDP + ``zerofn_torch.ZeroRedundancyOptimizer(Adam)``). One
+   process group holds two copies of the model, one trained with
    ``redundancy=1`` and one with ``redundancy=2``; their iterations (forward,
    backward with DDP's all-reduce, the ZeRO step) take turns round by round
    with the floor of what ``redundancy=2`` adds: a plain ``torch.optim.Adam``
-   step over fresh tensors of the carried shard's shapes (the extra local
-   step, 1/W of the parameters). Separate rounds time the optimizer step
-   alone (``zero.step()`` over the gradients the last iteration left), with
-   the same floor. The two copies take the same iterations on the same data,
-   so they must end with the same parameters (checked). Bytes per iteration
-   are counted for both (``collective_traffic``; DDP runs zerofn's all-reduce
-   hook so that its all-reduce is counted too) and must be equal; memory from
-   ``memory_bytes()`` (its ``carried`` key) against
-   ``plan_footprint(..., redundancy=2)``. In the same rounds,
-   ``verify_replicas`` over the model: its cost when it runs every
-   :data:`VERIFY_EVERY` steps is one check over that many iterations.
-2. **A loss** (3 gloo ranks, the same model, ``redundancy=2``): rank 2 exits
-   at step :data:`LOST_AT`, before its step or inside the step's exchange
-   (right after its local step): ``examples/train_elastic.py``'s two modes,
-   with a roll-call deadline of :data:`DEADLINE_S` s. The dying rank writes
-   the time in the store first; the survivors time from then: until their
-   collective failed, the roll call (a dead rank never answers, so it lasts
-   the deadline), the rest of ``recover`` (the survivors' group, the moves,
-   the rebuilt optimizer, and after a loss inside the exchange the exchange
-   again), DDP's rebuild, and the step redone, up to their next completed
-   step; the state bytes moved to restore redundancy (the outboxes of
-   ``outgoing_states``) against the model's optimizer state; steps lost (the
-   steps done before the loss that the state the survivors go on from lacks,
-   by Adam's step count in it).
-   Beside it, the restart path's figures, read from the kill-and-restart
-   soak's block on ``docs/resilience.md`` (``bench_soak_restart.py``; ``make
-   bench`` runs it first).
+   step over fresh tensors of the carried shard's shapes (the extra local step,
+   1/W of the parameters). Separate rounds time the optimizer step alone
+   (``zero.step()`` over the gradients the last iteration left), with the same
+   floor. The two copies take the same iterations on the same data, so they
+   must end with the same parameters (checked). Bytes per iteration are counted
+   for both (``collective_traffic``; DDP runs zerofn's all-reduce hook so that
+   its all-reduce is counted too) and must be equal; memory from
+   ``memory_bytes()`` (its ``carried`` key) against ``plan_footprint(...,
+   redundancy=2)``. In the same rounds, ``verify_replicas`` over the model: its
+   cost when it runs every :data:`VERIFY_EVERY` steps is one check over that
+   many iterations.
+2. **A loss** (3 gloo ranks, the same model, ``redundancy=2``): rank 2 exits at
+   step :data:`LOST_AT`, before its step or inside the step's exchange (right
+   after its local step): ``examples/train_elastic.py``'s two modes, with a
+   roll-call deadline of :data:`DEADLINE_S` s. The dying rank writes the time
+   in the store first; the survivors time from then: until their collective
+   failed, the roll call (a dead rank never answers: it ends once the rank's
+   heartbeat has been silent long enough), the rest of ``recover`` (the
+   survivors' group, the moves, the rebuilt optimizer, and after a loss inside
+   the exchange the exchange again), DDP's rebuild, and the step redone, up to
+   their next completed step; the state bytes moved to restore redundancy (the
+   outboxes of ``outgoing_states``) against the model's optimizer state; steps
+   lost (the steps done before the loss that the state the survivors go on from
+   lacks, by Adam's step count in it). Beside it, the restart path's figures,
+   read from the kill-and-restart soak's block on ``docs/resilience.md``
+   (``bench_soak_restart.py``; ``make bench`` runs it first).
 3. **A join** (2 gloo ranks and a new process, the same model,
    ``redundancy=2``): after the job's first step rank 0 starts a fresh
    interpreter (``python -c``) that calls ``zerofn_torch.elastic.join``;
@@ -93,7 +93,7 @@ from report import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer, verify_replicas
-from zerofn_torch.elastic import admit, join, recover
+from zerofn_torch.elastic import SILENT_AFTER_S, admit, join, recover
 from zerofn_torch.hooks import allreduce_hook
 from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.traffic import collective_traffic
@@ -136,18 +136,32 @@ def model_size(quick: bool) -> tuple[int, int]:
     return (256, 3) if quick else (1024, 4)
 
 
-def make_model(quick: bool) -> torch.nn.Module:
+CONFIGS = ("plain", "masters")
+"""The costs' configurations: fp32 parameters, or bf16 parameters with fp32
+masters (the carrier then keeps the owner's masters too)."""
+
+
+def make_model(quick: bool, config: str = "plain") -> torch.nn.Module:
     torch.manual_seed(0)
     width, depth = model_size(quick)
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers).to(_dtype(config))
 
 
-def batch(seed: int, quick: bool) -> torch.Tensor:
+def _dtype(config: str) -> torch.dtype:
+    return torch.bfloat16 if config == "masters" else torch.float32
+
+
+def _options(config: str) -> dict[str, Any]:
+    return {"master_dtype": torch.float32} if config == "masters" else {}
+
+
+def batch(seed: int, quick: bool, config: str = "plain") -> torch.Tensor:
     width, _ = model_size(quick)
-    return torch.randn(BATCH, width, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(seed))
+    return x.to(_dtype(config))
 
 
 def iteration(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor) -> Callable[[], None]:
@@ -164,39 +178,45 @@ def iteration(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor) -> Calla
 # ----- 1. the cost per step ------------------------------------------------------------
 
 
-def copies_alone(shapes: Sequence[tuple[int, ...]]) -> Callable[[], None]:
+def copies_alone(shapes: Sequence[tuple[int, ...]], config: str = "plain") -> Callable[[], None]:
     """What the carrier does besides its Adam step (``step_carried``): its
     tensors of ``shapes`` set to the parameters' values, and each parameter's
-    gradient cloned for them."""
+    gradient cloned for them; with masters (which it keeps from step to
+    step), only each bf16 gradient upcast for them."""
     gen = torch.Generator().manual_seed(3)
     sources = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen).to(_dtype(config)) for s in shapes]
     targets = [torch.empty(s) for s in shapes]
 
     def run() -> None:
         with torch.no_grad():
             for target, source, grad in zip(targets, sources, grads, strict=True):
-                target.copy_(source)
-                target.grad = grad.clone()
+                if config == "plain":
+                    target.copy_(source)
+                target.grad = grad.to(torch.float32, copy=True)
         for target in targets:
             target.grad = None
 
     return run
 
 
-def _cost_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int) -> Any:
-    x = batch(rank, quick)
+def _cost_rank(
+    rank: int, world_size: int, quick: bool, rounds: int, warmup: int, config: str
+) -> Any:
+    x = batch(rank, quick, config)
     models, zeros, iterations = {}, {}, {}
     for r in (1, 2):
-        model = make_model(quick)
-        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=r, lr=1e-3)
+        model = make_model(quick, config)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, redundancy=r, lr=1e-3, **_options(config)
+        )
         ddp = DDP(model)
         ddp.register_comm_hook(None, allreduce_hook)  # the same all-reduce, visible to the count
         models[r], zeros[r], iterations[r] = model, zero, iteration(ddp, zero, x)
     carried = zeros[2].zero_rank.carried
     assert carried is not None
     shapes = [tuple(t.shape) for t in carried.tensors()]
-    parts = {ADAM: update_alone(shapes), COPIES: copies_alone(shapes)}
+    parts = {ADAM: update_alone(shapes), COPIES: copies_alone(shapes, config)}
     # Iterations only, so both copies take the same steps on the same data;
     # the check reads the parameters and changes nothing.
     iterations_s = take_turns(
@@ -219,8 +239,13 @@ def _cost_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int
             iterations[r]()
         traffic[r] = {"calls": counted.total_calls, "sent": counted.sent_bytes(world_size)}
     steps_s = take_turns({STEP[1]: zeros[1].step, STEP[2]: zeros[2].step, **parts}, rounds, warmup)
+    wide = {"param_dtype": torch.bfloat16, "master_dtype": torch.float32}
     planned = {
-        r: attrs.asdict(plan_footprint(models[r], world_size, redundancy=r).ranks[rank])
+        r: attrs.asdict(
+            plan_footprint(
+                models[r], world_size, redundancy=r, **(wide if config == "masters" else {})
+            ).ranks[rank]
+        )
         for r in (1, 2)
     }
     return {
@@ -238,11 +263,13 @@ def _cost_rank(rank: int, world_size: int, quick: bool, rounds: int, warmup: int
 
 @attrs.frozen
 class Cost:
-    """One world size's cost of ``redundancy=2``: what every rank returned
-    (its rounds aligned with the others' by ``take_turns``' barriers)."""
+    """One world size's and configuration's cost of ``redundancy=2``: what
+    every rank returned (its rounds aligned with the others' by
+    ``take_turns``' barriers)."""
 
     world_size: int
     results: Sequence[Mapping[str, Any]]
+    config: str = "plain"
 
     def times(self, timed: str, redundancy: int) -> list[float]:
         """Rank 0's seconds per round of ``timed`` (``"iterations"`` or
@@ -312,6 +339,7 @@ def cost_tables(costs: Sequence[Cost]) -> tuple[str, str, list[str]]:
             time_rows.append(
                 [
                     c.world_size,
+                    c.config,
                     label,
                     Spread.of(one).scaled(1e3).fmt(1),
                     Spread.of(two).scaled(1e3).fmt(1),
@@ -321,10 +349,12 @@ def cost_tables(costs: Sequence[Cost]) -> tuple[str, str, list[str]]:
                     paired_ratios(round_sums(one, floor), one).fmt(),
                 ]
             )
-            lines.append(bound_line(f"{c.world_size} ranks, {label}", one, two, adam, copies))
+            what = f"{c.world_size} ranks, {c.config}, {label}"
+            lines.append(bound_line(what, one, two, adam, copies))
     times = md_table(
         [
             "ranks",
+            "configuration",
             "timed (rank 0)",
             "redundancy=1 (ms)",
             "redundancy=2 (ms)",
@@ -343,6 +373,7 @@ def cost_tables(costs: Sequence[Cost]) -> tuple[str, str, list[str]]:
         memory_rows.append(
             [
                 c.world_size,
+                c.config,
                 fmt_bytes(sent[1]["sent"]),
                 fmt_bytes(sent[2]["sent"]),
                 f"{sent[1]['calls']} / {sent[2]['calls']}",
@@ -358,6 +389,7 @@ def cost_tables(costs: Sequence[Cost]) -> tuple[str, str, list[str]]:
     memory = md_table(
         [
             "ranks",
+            "configuration",
             "bytes sent / iteration / rank, redundancy=1",
             "redundancy=2",
             "collectives / iteration (=1 / =2)",
@@ -374,9 +406,9 @@ def measure_costs(quick: bool) -> tuple[list[Cost], int, int]:
     rounds, warmup = (5, 1) if quick else (20, 3)
     costs = []
     for world_size in (2,) if quick else (2, 3):
-        costs.append(
-            Cost(world_size, run_local_world(_cost_rank, world_size, quick, rounds, warmup))
-        )
+        for config in CONFIGS:
+            results = run_local_world(_cost_rank, world_size, quick, rounds, warmup, config)
+            costs.append(Cost(world_size, results, config))
     return costs, rounds, warmup
 
 
@@ -655,8 +687,9 @@ def loss_summary(losses: Sequence[Loss], restart: tuple[str, str] | None) -> str
     line = (
         f"From a loss to the survivors' next completed step: "
         f"{span([x.total_s for x in losses], 2)} s, of which the roll call "
-        f"{span([x.roll_call_s for x in losses], 2)} s (its {DEADLINE_S:g} s deadline: a dead "
-        f"rank never answers) and everything else {span(rest, 2)} s (the failed collective "
+        f"{span([x.roll_call_s for x in losses], 2)} s (a dead rank never answers: it is "
+        f"declared lost once its heartbeat has been silent for {SILENT_AFTER_S:g} s, counted "
+        f"from the last beat seen) and everything else {span(rest, 2)} s (the failed collective "
         f"{span([x.detect_s for x in losses], 2)} s, the rest of `recover` "
         f"{span([x.recover_rest_s for x in losses], 2)} s, DDP's rebuild "
         f"{span([x.ddp_s for x in losses], 2)} s). Once the loss is detected (the failed "
@@ -1112,7 +1145,7 @@ def _headlines(
     for c in costs:
         name = (
             f"redundancy=2 (DDP + ZeRO Adam, MLP {numel / 1e6:.1f}M params, "
-            f"{c.world_size} gloo ranks)"
+            f"{c.world_size} gloo ranks, {c.config})"
         )
         sent = c.results[0]["traffic"]
         carried = sum(r["memory"][2]["carried"] for r in c.results)
@@ -1122,13 +1155,13 @@ def _headlines(
                 name,
                 "iteration time: redundancy=2 / redundancy=1",
                 paired_ratios(c.times("iterations", 2), c.times("iterations", 1)),
-                short=f"redundancy=2, {c.world_size} ranks",
+                short=f"redundancy=2, {c.world_size} ranks, {c.config}",
             ),
             Headline(
                 name,
                 "optimizer step time: redundancy=2 / redundancy=1",
                 paired_ratios(c.times("steps", 2), c.times("steps", 1)),
-                short=f"redundancy=2, {c.world_size} ranks",
+                short=f"redundancy=2, {c.world_size} ranks, {c.config}",
             ),
             Headline(
                 name,
@@ -1151,7 +1184,7 @@ def _headlines(
                 c.verify_share().scaled(100),
                 "<= 1",
                 c.verify_share().median <= 0.01,
-                short=f"verify_replicas, {c.world_size} ranks",
+                short=f"verify_replicas, {c.world_size} ranks, {c.config}",
                 why=(
                     f"a check takes {statistics.median(c.checks()) * 1e3:.1f} ms (hashing "
                     f"the model's {c.results[0]['numel'] / 1e6:.1f}M parameters on each rank, "
@@ -1226,7 +1259,8 @@ def verify_line(costs: Sequence[Cost]) -> str:
     parts = []
     for c in costs:
         parts.append(
-            f"{c.world_size} ranks: a check takes {Spread.of(c.checks()).scaled(1e3).fmt(2)} ms, "
+            f"{c.world_size} ranks, {c.config}: a check takes "
+            f"{Spread.of(c.checks()).scaled(1e3).fmt(2)} ms, "
             f"{c.verify_share().scaled(100).fmt(2)} % of an iteration"
         )
     tensors = costs[0].results[0]["tensors"]
@@ -1256,8 +1290,10 @@ def elastic_block(
     )
     diff = max(r["max_diff"] for c in costs for r in c.results)
     repeats = len(losses) // len(MODES)
-    r0 = costs[0].results[0]
-    per_param = r0["memory"][2]["carried"] / r0["carried_numel"]
+    per_param = {
+        c.config: c.results[0]["memory"][2]["carried"] / c.results[0]["carried_numel"]
+        for c in costs
+    }
     planned = all(
         r["memory"][2]["carried"] == r["planned"][2]["carried"] for c in costs for r in c.results
     )
@@ -1266,12 +1302,14 @@ def elastic_block(
     return "\n\n".join(
         [
             f"**What `redundancy=2` costs a step.** DDP + `ZeroRedundancyOptimizer(Adam)` on "
-            f"an MLP of {numel / 1e6:.1f}M parameters, batch {BATCH} per rank, gloo on CPU, "
+            f"an MLP of {numel / 1e6:.1f}M parameters (`plain`: fp32; `masters`: bf16 with fp32 "
+            f"masters), batch {BATCH} per rank, gloo on CPU, "
             f"one thread per rank{shared}: a copy of the model with `redundancy=1` and one "
             f"with `redundancy=2` in the same process group, taking turns with the floor of "
             f"what `redundancy=2` adds, the heaviest carrier's extra work alone (a plain Adam "
             f"step over fresh tensors of its carried shard's shapes, and the copies it makes "
-            f"before that step: the parameters' values in, their gradients cloned); "
+            f"before that step: the parameters' values in, their gradients cloned; with "
+            f"masters, which it keeps, the gradients upcast only); "
             f"{warmup} warm-up and {rounds} timed rounds, median [q1, q3]; the optimizer step "
             f"alone (`zero.step()` over the last gradients) in separate rounds.",
             times,
@@ -1282,9 +1320,11 @@ def elastic_block(
             memory,
             f"Bytes sent per iteration (DDP's all-reduce and the ZeRO exchange, "
             f"`collective_traffic`): **{'equal' if same else 'NOT equal'}** with and without "
-            f"`redundancy=2`. The carried copy is the memory it costs (its values and Adam "
-            f"state, {per_param:.1f} bytes per carried parameter on rank 0), "
-            f"{'as planned' if planned else '**NOT as planned**'}. "
+            f"`redundancy=2`. The carried copy is the memory it costs (its values, or "
+            f"masters, and Adam state; bytes per carried parameter on rank 0: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in per_param.items())
+            + "), "
+            + f"{'as planned' if planned else '**NOT as planned**'}. "
             f"The two copies of the model ended {diff:.3g} apart (the same iterations on the "
             "same data).",
             verify_line(costs),
