@@ -273,7 +273,7 @@ BEYOND: tuple[Beyond, ...] = (
             "ErrorFeedbackState",
             "error_feedback",
             "remembered_error",
-            "decode_alone",
+            "decoded_on_one_rank",
             "run_alone",
             "_fulfil_alone",
         ),

@@ -28,7 +28,7 @@ from zerofn.testing.zero import (
     survivors_of,
 )
 from zerofn.zero.plan import ShardPlan, plan_shards
-from zerofn.zero.rank import local_step
+from zerofn.zero.rank import answer_local_step
 from zerofn.zero.redundancy import (
     carried_owner,
     carrier_of,
@@ -218,7 +218,7 @@ def interrupt_in_exchange(ranks: list[SimulatedRank], grads: list[torch.Tensor])
     for r, sim in enumerate(ranks):
         for p, g in zip(sim.params, grads, strict=True):
             p.grad = g.clone()
-        local_step(sim.zero, sim.params, lambda optim: optim.step())(LocalStep(r))
+        answer_local_step(sim.zero, sim.params, lambda optim: optim.step())(LocalStep(r))
 
 
 @given(worlds(), st.sampled_from(sorted(OPTIMIZERS)), st.data())

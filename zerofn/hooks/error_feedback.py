@@ -111,7 +111,9 @@ def error_feedback(inner: CommHook[G, B]) -> CommHook[G, ErrorFeedbackState[B]]:
         # in place. With one rank, the real run is the run alone.
         error = None
         if bucket.world_size > 1:
-            alone = decode_alone(inner, compensated, bucket, call.global_state, call.inner_state)
+            alone = decoded_on_one_rank(
+                inner, compensated, bucket, call.global_state, call.inner_state
+            )
             error = compensated - alone
         result, inner_state = yield from inner_program
         if error is None:
@@ -130,7 +132,7 @@ def remembered_error(
     return state.error.to(grad.dtype)
 
 
-def decode_alone(
+def decoded_on_one_rank(
     hook: CommHook[G, B], x: torch.Tensor, bucket: BucketInfo, g: G, b: B | None
 ) -> torch.Tensor:
     """``hook``'s result for input ``x`` in a world of one rank: what ``x``

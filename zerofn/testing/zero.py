@@ -35,7 +35,7 @@ from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters
 from zerofn.zero.options import resolve_options
 from zerofn.zero.plan import ShardPlan
-from zerofn.zero.rank import ZeroRank, build_rank, local_step
+from zerofn.zero.rank import ZeroRank, answer_local_step, build_rank
 from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
 from zerofn.zero.regroup import regroup_program
 from zerofn.zero.shards import Shards
@@ -88,12 +88,12 @@ class SimulatedRank:
 
     def program(self, grads: Sequence[torch.Tensor | None], via: ExchangeVia) -> Program[Any]:
         """This rank's step program, its local step answered as the optimizer
-        answers it (:func:`~zerofn.zero.rank.local_step`), after this step's
+        answers it (:func:`~zerofn.zero.rank.answer_local_step`), after this step's
         gradients land in the parameters' ``.grad`` (what DDP leaves)."""
         for param, grad in zip(self.params, grads, strict=True):
             param.grad = None if grad is None else grad.clone()
         zero = self.zero
-        answer = local_step(zero, self.params, lambda optim: optim.step())
+        answer = answer_local_step(zero, self.params, lambda optim: optim.step())
         return run_zero_step(zero.shards, self.params, via, answer, zero.compressed)
 
 

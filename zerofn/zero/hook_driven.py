@@ -23,7 +23,7 @@ __all__ = [
     "check_overlap_initialized",
     "check_stepped_here",
     "send_compressed",
-    "step_with_grads",
+    "step_rank_with_gradients",
 ]
 
 
@@ -122,7 +122,9 @@ def send_compressed(rank: ZeroRank, params: Sequence[torch.Tensor]) -> SendCompr
     return SendCompressed(rank.options.quantizer, masters)
 
 
-def step_with_grads(rank: ZeroRank, groups: list[dict[str, Any]], request: StepGradients) -> None:
+def step_rank_with_gradients(
+    rank: ZeroRank, groups: list[dict[str, Any]], request: StepGradients
+) -> None:
     """Answer the overlapped step's :class:`~zerofn.overlap.orders.StepGradients`
     with the local optimizer (:func:`zerofn.overlap.orders.step_with_gradients`),
     its hyperparameters synced from the param groups first."""

@@ -7,7 +7,7 @@ local step.
 ``zerofn_torch.ZeroRedundancyOptimizer`` and the simulated world
 (:mod:`zerofn.testing.zero`) build their ranks with the same
 :func:`~zerofn.zero.options.resolve_options` and :func:`build_rank`, and answer the step program's
-:class:`~zerofn.zero.step.LocalStep` with the same :func:`local_step`: what a
+:class:`~zerofn.zero.step.LocalStep` with the same :func:`answer_local_step`: what a
 property test of the simulated world checks is what training runs.
 
 A :class:`ZeroRank` is replaced whole when its plan, masters, optimizer or
@@ -47,17 +47,17 @@ from zerofn.zero.step import Compressed, LocalStep, finish_masters
 __all__ = [
     "OverlapMode",
     "ZeroRank",
+    "answer_local_step",
     "build_rank",
+    "copy_hyperparameters",
     "drop_master_grads",
     "extend_local_optimizer",
     "flat_params",
     "hand_grads",
-    "local_step",
     "master_grads",
     "memory_bytes",
-    "placed",
-    "step_grads",
-    "sync_hyperparameters",
+    "owned_grads",
+    "placed_rank",
     "synced_hyperparameters",
     "with_current_trainable",
 ]
@@ -119,7 +119,7 @@ class ZeroRank:
         return [t for g in self.optim.param_groups for t in g["params"]]
 
 
-def placed(
+def placed_rank(
     groups: Sequence[dict[str, Any]],
     options: ZeroOptions,
     plan: ShardPlan,
@@ -188,7 +188,7 @@ def build_rank(
     """A new rank: its shards, exchange buffers, masters and a fresh local
     optimizer over its shard of ``groups`` under ``plan`` (the constructor's,
     and each simulated rank's)."""
-    return placed(groups, options, plan, overlap, masters=None, optim=None, rebuilt=False)
+    return placed_rank(groups, options, plan, overlap, masters=None, optim=None, rebuilt=False)
 
 
 def extend_local_optimizer(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> ZeroRank:
@@ -219,13 +219,13 @@ def with_current_trainable(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> 
     if trainable == rank.plan.trainable:
         return rank
     plan = with_trainable(rank.plan, trainable)  # may refuse: then nothing changed
-    return placed(
+    return placed_rank(
         groups, rank.options, plan, rank.overlap,
         masters=rank.masters, optim=rank.optim, rebuilt=True, carried=rank.carried,
     )  # fmt: skip
 
 
-def sync_hyperparameters(
+def copy_hyperparameters(
     source: Sequence[Mapping[str, Any]], target: Sequence[dict[str, Any]]
 ) -> None:
     """Copy each group's options (all but ``params``) from ``source`` into ``target``.
@@ -246,11 +246,11 @@ def synced_hyperparameters(groups: Sequence[dict[str, Any]], rank: ZeroRank) -> 
     """``groups``' options reach the rank's local optimizer (and its carried
     copy's) on entry; the local optimizer's come back when the block ends
     without an error (as after ``torch.optim``'s step)."""
-    sync_hyperparameters(groups, rank.optim.param_groups)
+    copy_hyperparameters(groups, rank.optim.param_groups)
     if rank.carried is not None:
-        sync_hyperparameters(groups, rank.carried.optim.param_groups)
+        copy_hyperparameters(groups, rank.carried.optim.param_groups)
     yield
-    sync_hyperparameters(rank.optim.param_groups, groups)
+    copy_hyperparameters(rank.optim.param_groups, groups)
 
 
 def hand_grads(rank: ZeroRank, params: Sequence[torch.Tensor], unscale: float = 1.0) -> None:
@@ -284,7 +284,7 @@ def drop_master_grads(rank: ZeroRank) -> None:
             masters.drop_grads()
 
 
-def step_grads(rank: ZeroRank, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def owned_grads(rank: ZeroRank, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients this rank's step reads, for the elements it owns, in
     the parameters' global order (a norm over them adds as PyTorch's does):
     the masters' (handed over now if not yet), or views into the
@@ -311,7 +311,7 @@ def _position(piece: Any) -> tuple[int, int]:
     return piece.param, piece.start
 
 
-def local_step(
+def answer_local_step(
     rank: ZeroRank, params: Sequence[torch.Tensor], run: Callable[[Optimizer], Any]
 ) -> Callable[[LocalStep], Any]:
     """The answer to the step program's :class:`~zerofn.zero.step.LocalStep`:

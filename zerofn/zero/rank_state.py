@@ -16,7 +16,7 @@ from zerofn.zero.masters import Masters, with_masters, without_masters
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
 from zerofn.zero.partition import Piece
 from zerofn.zero.precision import MASTER_KEY
-from zerofn.zero.rank import ZeroRank, flat_params, sync_hyperparameters
+from zerofn.zero.rank import ZeroRank, copy_hyperparameters, flat_params
 from zerofn.zero.shard_state import consolidate, shard
 
 __all__ = [
@@ -69,7 +69,7 @@ def local_state_dict(rank: ZeroRank) -> StateDict:
 def local_state_cpu(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> StateDict:
     """:func:`local_state_dict` with the live groups' options, copied to the
     CPU: what this rank sends when the shards are joined."""
-    sync_hyperparameters(groups, rank.optim.param_groups)
+    copy_hyperparameters(groups, rank.optim.param_groups)
     sd: StateDict = cpu_copy(local_state_dict(rank))
     return sd
 
@@ -133,7 +133,7 @@ def load_global_state(
         load_states(carried.optim, carried.indices, state_dict["state"], carried.masters)
     for live, saved in zip(groups, state_dict["param_groups"], strict=True):
         live.update(hyperparameters(saved))
-    sync_hyperparameters(groups, optim.param_groups)
+    copy_hyperparameters(groups, optim.param_groups)
 
 
 def load_states(

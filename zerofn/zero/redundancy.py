@@ -154,7 +154,7 @@ def carried_shard(
     :func:`carried_owner`, over fresh copies of its parameters (in
     ``master_dtype``, if given: the owner's masters as it makes them),
     grouped as the owner's local optimizer groups them (same options, same order)."""
-    partition = _whole(plan)
+    partition = _whole_tensor_partition(plan)
     owner = carried_owner(rank, partition.world_size)
     params = [p for g in groups for p in g["params"]]
 
@@ -221,7 +221,7 @@ def reseed_carried(
             tensor.copy_(params[index])
 
 
-def _whole(plan: ShardPlan) -> Partition:
+def _whole_tensor_partition(plan: ShardPlan) -> Partition:
     if isinstance(plan.partition, FlatPartition):
         raise ValueError("redundancy=2 needs a whole-tensor partition (greedy, balanced or manual)")
     return plan.partition
@@ -301,7 +301,7 @@ def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
             lost (a transient failure) gives the same world again: the same
             owners and carriers, no moves.
     """
-    partition = _whole(plan)
+    partition = _whole_tensor_partition(plan)
     world = partition.world_size
     gone = sorted(set(lost))
     if any(not 0 <= r < world for r in gone):
@@ -336,7 +336,7 @@ def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
     return Regrouping(survivors, new_plan, tuple(moves))
 
 
-def _lightened(
+def _give_joiner_params(
     assignment: list[list[list[int]]], sizes: Sequence[int], target: int, joiner: int
 ) -> None:
     """Move whole parameters from the heaviest ranks to ``joiner`` (in place)
@@ -386,7 +386,7 @@ def plan_after_join(plan: ShardPlan, joiners: int) -> Regrouping:
     Raises:
         ValueError: fewer than one joiner.
     """
-    partition = _whole(plan)
+    partition = _whole_tensor_partition(plan)
     if joiners < 1:
         raise ValueError(f"plan_after_join needs at least one joiner, got {joiners}")
     world = partition.world_size
@@ -397,7 +397,7 @@ def plan_after_join(plan: ShardPlan, joiners: int) -> Regrouping:
     sizes = partition.sizes
     target = sum(sizes) // size
     for joiner in range(world, size):
-        _lightened(assignment, sizes, target, joiner)
+        _give_joiner_params(assignment, sizes, target, joiner)
     frozen = tuple(tuple(tuple(g) for g in ranks) for ranks in assignment)
     new_plan = ShardPlan(
         "manual", Partition(size, partition.group_sizes, frozen), plan.keys, plan.trainable

@@ -19,7 +19,7 @@ import torch
 
 from zerofn.comm import AllGatherObjects, Program
 from zerofn.zero.precision import MASTER_KEY
-from zerofn.zero.rank import ZeroRank, flat_params, placed
+from zerofn.zero.rank import ZeroRank, flat_params, placed_rank
 from zerofn.zero.rank_state import load_states
 from zerofn.zero.redundancy import Regrouping, carried_owner
 from zerofn.zero.step import run_zero_step
@@ -121,7 +121,9 @@ def regrouped(
     """
     world = len(regrouping.old_ranks)
     options = attrs.evolve(rank.options, rank=new, world_size=world)
-    fresh = placed(groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True)
+    fresh = placed_rank(
+        groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True
+    )
     partition = regrouping.plan.partition
     own = partition.params_of(new)  # type: ignore[union-attr]
     load_states(fresh.optim, own, known, fresh.masters)

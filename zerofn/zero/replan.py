@@ -12,10 +12,10 @@ from zerofn.zero.arguments import plan_for
 from zerofn.zero.params import StateDict, hyperparameters
 from zerofn.zero.rank import (
     ZeroRank,
+    copy_hyperparameters,
     extend_local_optimizer,
     flat_params,
-    placed,
-    sync_hyperparameters,
+    placed_rank,
 )
 from zerofn.zero.rank_state import load_global_state, local_state_dict, regroup
 
@@ -42,18 +42,18 @@ def with_added_group(
         groups[-1].setdefault(name, default)
     plan = plan_for(groups, rank.options.world_size, rank.plan.mode)
     if old_state is None:
-        rank = placed(
+        rank = placed_rank(
             groups, rank.options, plan, rank.overlap,
             masters=rank.masters, optim=rank.optim, rebuilt=True,
         )  # fmt: skip
         rank = extend_local_optimizer(rank, groups)
     else:
-        rank = placed(
+        rank = placed_rank(
             groups, rank.options, plan, rank.overlap, masters=None, optim=None, rebuilt=True
         )
         old_state["param_groups"].append({**hyperparameters(groups[-1]), "params": []})
         load_global_state(rank, groups, regroup(groups, old_state))
-    sync_hyperparameters(rank.optim.param_groups, groups)
+    copy_hyperparameters(rank.optim.param_groups, groups)
     return rank
 
 
@@ -79,7 +79,7 @@ def sharded_by_owners(
     trainable = tuple(i in synced for i in range(len(params)))
     partition = [[params[i] for i in ranks] for ranks in owned]
     plan = plan_for(groups, rank.options.world_size, partition, trainable)
-    sharded = placed(
+    sharded = placed_rank(
         groups, rank.options, plan, "sharded", masters=rank.masters, optim=None, rebuilt=False
     )
     load_global_state(sharded, groups, full_state)

@@ -20,7 +20,7 @@ from zerofn_torch.runtime.issue import Step
 __all__ = ["all_gather_objects", "broadcast_object", "gather_objects"]
 
 
-def _one(request: Step, group: Any, purpose: str) -> Any:
+def _run_request(request: Step, group: Any, purpose: str) -> Any:
     def program() -> Any:
         (answer,) = yield request
         return answer
@@ -34,7 +34,7 @@ def all_gather_objects(value: Any, group: Any, purpose: str) -> list[Any]:
     Raises:
         zerofn.errors.CollectiveError: the collective failed.
     """
-    gathered: list[Any] = _one(AllGatherObjects(value), group, purpose)
+    gathered: list[Any] = _run_request(AllGatherObjects(value), group, purpose)
     return gathered
 
 
@@ -45,7 +45,7 @@ def gather_objects(value: Any, dst: int, group: Any, purpose: str) -> list[Any] 
     Raises:
         zerofn.errors.CollectiveError: the collective failed.
     """
-    gathered: list[Any] | None = _one(GatherObjects(value, dst), group, purpose)
+    gathered: list[Any] | None = _run_request(GatherObjects(value, dst), group, purpose)
     return gathered
 
 
@@ -55,4 +55,4 @@ def broadcast_object(value: Any, src: int, group: Any, purpose: str) -> Any:
     Raises:
         zerofn.errors.CollectiveError: the collective failed.
     """
-    return _one(BroadcastObject(value, src), group, purpose)
+    return _run_request(BroadcastObject(value, src), group, purpose)

@@ -1,6 +1,6 @@
 """The gradients a ZeRO step reads, clipped by the whole model's norm and
 unscaled for a loss scaler. Each rank reads only what it owns
-(:func:`zerofn.zero.rank.step_grads`); the global answers are the core's
+(:func:`zerofn.zero.rank.owned_grads`); the global answers are the core's
 programs (:func:`~zerofn.zero.precision.clip_program`,
 :func:`~zerofn.zero.precision.nonfinite_program`, the same the overlapped
 step's hook asks), one all-reduce of one number each, which this module drives."""
@@ -14,7 +14,7 @@ import torch
 
 from zerofn.zero.hook_driven import check_stepped_here
 from zerofn.zero.precision import clip_program, nonfinite_program
-from zerofn.zero.rank import ZeroRank, hand_grads, master_grads, step_grads
+from zerofn.zero.rank import ZeroRank, hand_grads, master_grads, owned_grads
 from zerofn_torch.runtime.driver import drive
 
 __all__ = ["clip_grad_norm", "unscale_gradients"]
@@ -32,7 +32,7 @@ def clip_grad_norm(
     :meth:`zerofn_torch.zero.optimizer.ZeroRedundancyOptimizer.clip_grad_norm_`,
     which says what it returns and raises."""
     check_stepped_here(rank, "clip_grad_norm_")
-    grads = step_grads(rank, params)
+    grads = owned_grads(rank, params)
     program = clip_program(grads, max_norm, float(norm_type), rank.options.device)
     total, coefficient = drive(program, group, "clip_grad_norm_'s global norm").wait()
     if error_if_nonfinite and not math.isfinite(total):
@@ -78,7 +78,7 @@ def unscale_gradients(
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(factor)
-        grads = step_grads(rank, params)
+        grads = owned_grads(rank, params)
     program = nonfinite_program(grads, rank.options.device)
     result: bool = drive(program, group, "loss scaling's inf/nan check").wait()
     return result

@@ -37,12 +37,12 @@ from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import (
     OverlapMode,
     ZeroRank,
+    answer_local_step,
     build_rank,
+    copy_hyperparameters,
     drop_master_grads,
     flat_params,
-    local_step,
     memory_bytes,
-    sync_hyperparameters,
     synced_hyperparameters,
     with_current_trainable,
 )
@@ -203,7 +203,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         plan = plan_for(self.param_groups, self.world_size, partition)
         mode: OverlapMode = "unattached" if overlap_with_ddp else "off"
         self._zero = build_rank(self.param_groups, options, plan, mode)
-        sync_hyperparameters(self.optim.param_groups, self.param_groups)
+        copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
         # Until a step or a load gives it state, every rank knows the whole
         # (empty) state: state_dict() answers without consolidating, as
@@ -286,7 +286,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         def run(optim: Optimizer) -> Any:
             return optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
 
-        answer = self._counted(local_step(zero, params, run))
+        answer = self._counted(answer_local_step(zero, params, run))
         purpose = "the ZeRO step's exchange of updated shards"
         with synced_hyperparameters(self.param_groups, zero):
             program = run_zero_step(zero.shards, params, zero.options.via, answer, zero.compressed)
@@ -550,7 +550,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with torch.no_grad():
             for param, grad in zip(params, grads, strict=True):
                 param.grad = None if grad is None else grad.to(param.device, param.dtype).clone()
-        answer = self._counted(local_step(self._zero, params, lambda optim: optim.step()))
+        answer = self._counted(answer_local_step(self._zero, params, lambda optim: optim.step()))
         with synced_hyperparameters(self.param_groups, self._zero):
             answer(LocalStep(self.rank))
 
@@ -616,11 +616,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             RuntimeError: another hook drives it already.
         """
         self._zero = hook_driven.attach(self._zero)
-        return OverlapBinding(self._step_with_grads, self._adopt_owners, self._send_compressed)
+        return OverlapBinding(self._step_with_gradients, self._adopt_owners, self._send_compressed)
 
-    def _step_with_grads(self, request: StepGradients) -> None:
+    def _step_with_gradients(self, request: StepGradients) -> None:
         self._untouched = False
-        hook_driven.step_with_grads(self._zero, self.param_groups, request)
+        hook_driven.step_rank_with_gradients(self._zero, self.param_groups, request)
 
     def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
         self._zero = sharded_by_owners(self._zero, self.param_groups, owned)
