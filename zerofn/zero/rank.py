@@ -6,14 +6,22 @@ local step.
 
 ``zerofn_torch.ZeroRedundancyOptimizer`` and the simulated world
 (:mod:`zerofn.testing.zero`) build their ranks with the same
-:func:`~zerofn.zero.options.resolve_options` and :func:`build_rank`, and answer the step program's
-:class:`~zerofn.zero.step.LocalStep` with the same :func:`answer_local_step`: what a
-property test of the simulated world checks is what training runs.
+:func:`~zerofn.zero.options.resolve_options` and :func:`build_rank`, and
+answer the step program's :class:`~zerofn.zero.step.LocalStep` with the same
+:func:`answer_local_step`: what a property test of the simulated world checks
+is what training runs.
 
-A :class:`ZeroRank` is replaced whole when its plan, masters, optimizer or
-overlap mode change (the functions here return a new one); the tensors it
-refers to (exchange buffers, masters, the local optimizer's state) change in
-place every step, as training needs.
+Two layers, and this module is where they meet. The planning layer is frozen
+data and pure functions: the options (:class:`~zerofn.zero.options.ZeroOptions`),
+the plan (:class:`~zerofn.zero.plan.ShardPlan`, partitions, layouts), the
+moves and codecs; equal inputs give equal records. A :class:`ZeroRank` is
+not of that layer: it is the rank's *stateful part*, the handles to live
+torch state (the local optimizer, master copies, exchange buffers, a carried
+copy) bundled with the plan they were built for. Its fields are never
+reassigned (a change of plan, masters, optimizer or overlap mode builds a
+new one, which the functions here return), but what they refer to changes in
+place every step, as training needs: it compares by identity, and the
+functions that take it say which of its tensors they write.
 """
 
 from __future__ import annotations
@@ -76,7 +84,8 @@ def flat_params(groups: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
 
 @attrs.frozen(eq=False)
 class ZeroRank:
-    """One rank's ZeRO state, consistent as a whole.
+    """One rank's ZeRO state, consistent as a whole: the stateful part of a
+    rank (live handles, written in place by steps and loads), not a value.
 
     Attributes:
         options: what the constructor fixed.
