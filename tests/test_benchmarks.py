@@ -540,7 +540,7 @@ def test_a_replica_check_is_charged_its_slowest_rank_over_its_interval() -> None
     assert cost.verify_share().median == pytest.approx((0.03 / 0.1 + 0.02 / 0.2) / 2 / every)
     line = bench_elastic.verify_line([cost])
     assert "each of the model's 8 tensors" in line
-    assert "2 ranks: a check takes 25.00 [22.50, 27.50] ms, 0.20 [0.15, 0.25] %" in line
+    assert "2 ranks, plain: a check takes 25.00 [22.50, 27.50] ms, 0.20 [0.15, 0.25] %" in line
 
 
 def _grown(
