@@ -431,3 +431,68 @@ def test_the_planner_counts_carried_masters() -> None:
         counted = memory_bytes(sim.zero, sim.params)
         assert counted["carried"] == carried.ranks[r].carried
         assert counted["master_weights"] == carried.ranks[r].master_weights
+
+
+@given(worlds(), st.sampled_from(sorted(OPTIMIZERS)), st.integers(1, 3), st.data())
+@SETTINGS
+def test_a_group_added_under_redundancy_is_carried_too(
+    world: tuple[ShardPlan, list[torch.Tensor]], name: str, added: int, data: st.DataObject
+) -> None:
+    """``add_param_group`` on every rank (greedy keeps owners and grows the
+    carried copies; balanced moves the whole state, carried copies included),
+    then more steps: every parameter and state as the unsharded optimizer's,
+    which got the same group at the same step, and every carried copy its
+    owner's."""
+    from zerofn.zero.rank_state import joined_state, local_state_cpu
+    from zerofn.zero.replan import with_added_group
+
+    plan, params = world
+    before, after = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    generator = torch.Generator().manual_seed(added)
+    extra = [torch.randn(3 + i, generator=generator).to(params[0].dtype) for i in range(added)]
+    every = [*params, *extra]
+    grads = grads_for(every, before + after, seed=before)
+    ranks = world_of(plan, params, name)
+    for step in grads[:before]:
+        step_simulated(ranks, [g for g in step[: len(params)]])
+    cls, options = OPTIMIZERS[name]
+
+    def groups_of(sim: SimulatedRank, params_now: list[torch.Tensor]) -> list[dict[str, Any]]:
+        sizes = [len(g) for g in sim.zero.plan.partition.group_sizes]
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        return [
+            {**options, "params": params_now[a : a + n]} for a, n in zip(starts, sizes, strict=True)
+        ]
+
+    old = None
+    if plan.mode != "greedy":
+        states = [local_state_cpu(sim.zero, groups_of(sim, sim.params)) for sim in ranks]
+        old = joined_state(ranks[0].zero, groups_of(ranks[0], ranks[0].params), states)
+    grown = []
+    for sim in ranks:
+        # The grown plan gives an owner to what requires grad, as the optimizer's does.
+        mine = [p.requires_grad_() for p in (*sim.params, *(e.detach().clone() for e in extra))]
+        groups = [*groups_of(sim, mine), {"params": mine[len(params) :]}]
+        zero = with_added_group(sim.zero, groups, copy.deepcopy(old))
+        grown.append(SimulatedRank(mine, zero))
+    for step in grads[before:]:
+        step_simulated(grown, step)
+    # The reference: the unsharded optimizer, the group added after ``before`` steps.
+    wide = master_dtype_for(params) or params[0].dtype
+    mine = [p.detach().to(wide, copy=True) for p in every]
+    reference = cls(mine[: len(params)], **options)
+    for s, step in enumerate(grads):
+        if s == before:
+            reference.add_param_group({"params": mine[len(params) :]})
+        live = mine if s >= before else mine[: len(params)]
+        for p, g in zip(live, step, strict=False):
+            p.grad = g.to(wide, copy=True)
+        reference.step()
+    expected = [m.to(params[0].dtype) for m in mine]
+    for sim in grown:
+        assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
+        carried = sim.zero.carried
+        assert carried is not None
+        owner = grown[carried.owner]
+        assert same_state(carried.optim, owner.optimizer)
+        assert same_values(carried.optim, owner.optimizer)

@@ -10,6 +10,7 @@ from typing import Any
 
 from zerofn.zero.arguments import plan_for
 from zerofn.zero.params import StateDict, hyperparameters
+from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import (
     ZeroRank,
     copy_hyperparameters,
@@ -17,7 +18,9 @@ from zerofn.zero.rank import (
     flat_params,
     placed_rank,
 )
-from zerofn.zero.rank_state import load_global_state, local_state_dict, regroup
+from zerofn.zero.rank_state import load_global_state, load_states, local_state_dict, regroup
+from zerofn.zero.redundancy import CarriedShard, carried_shard
+from zerofn.zero.regroup import known_states
 
 __all__ = ["sharded_by_owners", "with_added_group"]
 
@@ -33,7 +36,8 @@ def with_added_group(
             filled in from the local optimizer's defaults).
         old_state: the global state gathered before the group was added, to
             move to the new owners; ``None`` with the greedy partition, which
-            keeps every owner (the local optimizer is then grown in place).
+            keeps every owner (the local optimizer is then grown in place,
+            and a carried copy keeps its state beside its new parameters).
 
     Returns:
         The new rank; ``groups`` get the local optimizer's options back.
@@ -42,9 +46,10 @@ def with_added_group(
         groups[-1].setdefault(name, default)
     plan = plan_for(groups, rank.options.world_size, rank.plan.mode)
     if old_state is None:
+        carried = None if rank.carried is None else _grown_carried(rank, groups, plan)
         rank = placed_rank(
             groups, rank.options, plan, rank.overlap,
-            masters=rank.masters, optim=rank.optim, rebuilt=True,
+            masters=rank.masters, optim=rank.optim, rebuilt=True, carried=carried,
         )  # fmt: skip
         rank = extend_local_optimizer(rank, groups)
     else:
@@ -55,6 +60,19 @@ def with_added_group(
         load_global_state(rank, groups, regroup(groups, old_state))
     copy_hyperparameters(rank.optim.param_groups, groups)
     return rank
+
+
+def _grown_carried(rank: ZeroRank, groups: list[dict[str, Any]], plan: ShardPlan) -> CarriedShard:
+    """The carried copy (``redundancy=2``) once the greedy plan grew by a
+    group: the same owner's shard, its new parameters added fresh (no state
+    yet, masters from their values), its old ones' state and masters kept."""
+    options = rank.options
+    carried = carried_shard(
+        plan, options.rank, groups, options.optimizer_class, options.defaults,
+        options.master_dtype,
+    )  # fmt: skip
+    load_states(carried.optim, carried.indices, known_states(rank), carried.masters)
+    return carried
 
 
 def sharded_by_owners(

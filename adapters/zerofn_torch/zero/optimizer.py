@@ -433,11 +433,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         The greedy partition places the new parameters after the old ones,
         which keep their owners; other modes re-partition and move the
-        optimizer state to its new owners (a collective).
+        optimizer state to its new owners (a collective). With
+        ``redundancy=2`` the carried copies follow: each carrier holds its
+        owner's new shard too.
 
         Raises:
-            RuntimeError: with ``overlap_with_ddp=True``, a manual partition
-                or ``redundancy=2``.
+            RuntimeError: with ``overlap_with_ddp=True`` or a manual partition.
             TypeError, ValueError: a malformed group, or tensors of another
                 layout, dtype or device.
         """
@@ -447,11 +448,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         (param_group,) = normalize_params([param_group])  # a generator is read once
         check_added_group(zero.plan.mode, zero.stepped_by_hook, self._all_params, param_group)
-        if zero.carried is not None:
-            raise RuntimeError(
-                "add_param_group with redundancy=2: the carried copies would need the new "
-                "group's state too; pass every param group to the constructor"
-            )
         groups = self.param_groups
         old = None
         if zero.plan.mode != "greedy":  # the state moves to new owners
