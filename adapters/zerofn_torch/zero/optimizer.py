@@ -141,7 +141,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             the owner's arithmetic: the copies stay bitwise equal and no byte
             more is sent; so :func:`zerofn_torch.elastic.recover` can go on
             without a lost rank (see ``docs/resilience.md``). Whole-tensor
-            partitions, the plain step, no master copies or compression.
+            partitions, the plain step and the exact exchange; master copies
+            are carried too.
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
