@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from _world import run_world
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch import LossScaler, ZeroRedundancyOptimizer
+from zerofn_torch import LossScaler, ZeroRedundancyOptimizer, verify_replicas
 from zerofn_torch.checkpoint import load_sharded, save_sharded
 from zerofn_torch.hooks import allreduce_hook, hook_with_zero_step
 
@@ -150,14 +150,21 @@ def _overlapped(rank: int, max_norm: float | None = None) -> int:
     return _mismatch(model, ref_model)
 
 
+CLIPPED = (("flat", 1), ("greedy", 1), ("greedy", 2))
+"""The partitions clipped, and their redundancy (2: the carried masters are
+clipped by the same coefficient as their owner's)."""
+
+
 def _clipped(rank: int) -> dict[str, float]:
-    """clip_grad_norm_ across shards beside clipping the whole model."""
+    """clip_grad_norm_ across shards beside clipping the whole model; with
+    ``redundancy=2`` every carried copy checked against its owner's after."""
     out = {}
-    for mode in ("flat", "greedy"):
+    for mode, redundancy in CLIPPED:
         model, ref = make_model(torch.bfloat16), Reference(make_model(torch.bfloat16))
         opt = ZeroRedundancyOptimizer(
-            model.parameters(), torch.optim.Adam, lr=LR, partition=mode, master_dtype=torch.float32
-        )
+            model.parameters(), torch.optim.Adam, lr=LR, partition=mode,
+            master_dtype=torch.float32, redundancy=redundancy,
+        )  # fmt: skip
         norms = []
         for step in range(5):
             for m in (model, ref.model):
@@ -168,8 +175,11 @@ def _clipped(rank: int) -> dict[str, float]:
             ref.step(max_norm=0.5)
         expected = [p.grad.float() for p in ref.model.parameters()]  # type: ignore[union-attr]
         whole = float(torch.linalg.vector_norm(torch.stack([e.norm() for e in expected])))
-        out[f"{mode}/norm_error"] = abs(norms[-1] - whole) / whole
-        out[f"{mode}/mismatch"] = float(_mismatch(model, ref.model))
+        key = f"{mode}/redundancy={redundancy}"
+        out[f"{key}/norm_error"] = abs(norms[-1] - whole) / whole
+        out[f"{key}/mismatch"] = float(_mismatch(model, ref.model))
+        if redundancy == 2:  # raises ReplicaMismatch if a carried master or state differs
+            verify_replicas(model, optimizer=opt)
     return out
 
 
@@ -206,9 +216,10 @@ def test_clipping_across_shards_equals_clipping_the_whole_model(
     bf16: list[dict[str, Any]],
 ) -> None:
     for rank_out in bf16:
-        for mode in ("flat", "greedy"):
-            assert rank_out["clip"][f"{mode}/norm_error"] < 1e-5
-            assert rank_out["clip"][f"{mode}/mismatch"] == 0
+        for mode, redundancy in CLIPPED:
+            key = f"{mode}/redundancy={redundancy}"
+            assert rank_out["clip"][f"{key}/norm_error"] < 1e-5
+            assert rank_out["clip"][f"{key}/mismatch"] == 0
 
 
 @pytest.mark.timeout(240)
