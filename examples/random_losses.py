@@ -111,7 +111,10 @@ def train_with_fault(
             if "left behind" not in str(fenced):
                 raise
             return {"fenced": str(fenced), "done": done}
-        points += [(r.lost, r.point, step, r.finished_step) for r, _ in recovered]
+        points += [
+            (r.recovered.lost, r.recovered.point, step, r.recovered.finished_step)
+            for r in recovered
+        ]
         done += 1
     if timer is not None:  # the rank outlived its timer: nothing happened to it
         timer.cancel()

@@ -75,10 +75,10 @@ from train_elastic import (
     make_ddp,
     make_model,
     make_zero,
-    train_step,
+    step_surviving,
 )
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.elastic import DEADLINE_S, recover
+from zerofn_torch.elastic import DEADLINE_S
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
@@ -294,34 +294,22 @@ def _done(recovery: Recovery, zero: ZeroRedundancyOptimizer, step: int) -> None:
 def _step_surviving(
     ddp: DDP, model: torch.nn.Module, zero: ZeroRedundancyOptimizer, step: int, job: Segment
 ) -> tuple[DDP, list[Recovery]]:
-    """Run ``step`` until it completes, recovering from each rank lost on the way.
+    """Run ``step`` until it completes, recovering from each rank lost on the
+    way (``train_elastic.step_surviving``), each recovery timed from the
+    moment the lost rank went.
 
     Returns:
         The DDP to go on with (rebuilt on the survivors' group after a loss)
         and the recoveries this step needed.
     """
-    recoveries: list[Recovery] = []
-    while True:
-        try:
-            train_step(ddp, zero, step)
-            break
-        except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
-            caught, generation, before = time.time(), zero.regroups, zero.world_size
-            survivors = recover(zero, error, deadline_s=job.deadline_s)
-            gone_at = _gone_at(generation)
-            began = caught if gone_at is None else gone_at
-            ddp = make_ddp(model, survivors.group)
-            recoveries.append(
-                Recovery(
-                    step,
-                    survivors.lost,
-                    survivors.finished_step,
-                    (before, survivors.world_size),
-                    began,
-                )
-            )
-            if survivors.finished_step:
-                break  # the step was finished from the carried copies
+    ddp, survived = step_surviving(ddp, model, zero, step, job.deadline_s)
+    recoveries = []
+    for s in survived:
+        gone_at = _gone_at(s.generation)
+        began = s.caught if gone_at is None else gone_at
+        r = s.recovered
+        sizes = (s.world_size, r.world_size)
+        recoveries.append(Recovery(step, r.lost, r.finished_step, sizes, began))
     for recovery in recoveries:
         _done(recovery, zero, step)
     return ddp, recoveries

@@ -165,30 +165,55 @@ def fresh_phase(
     }
 
 
+@dataclass(frozen=True)
+class Survived:
+    """One recovery, as a surviving rank saw it.
+
+    Attributes:
+        recovered: what :func:`recover` returned.
+        caught: when the failure was caught (wall clock, ``time.time()``).
+        generation: the failed world's count of changes (``zero.regroups``).
+        world_size: the failed world's size.
+        seconds: how long :func:`recover` took.
+    """
+
+    recovered: Recovered
+    caught: float
+    generation: int
+    world_size: int
+    seconds: float
+
+
 def step_surviving(
-    ddp: DDP, model: torch.nn.Module, zero: ZeroRedundancyOptimizer, step: int
-) -> tuple[DDP, list[tuple[Recovered, float]]]:
+    ddp: DDP,
+    model: torch.nn.Module,
+    zero: ZeroRedundancyOptimizer,
+    step: int,
+    deadline_s: float = DEADLINE_S,
+) -> tuple[DDP, list[Survived]]:
     """Run ``step`` until it is complete, recovering from each loss on the
     way (a step the survivors finished is not redone).
 
     Returns:
         The DDP to go on with (rebuilt on the survivors' group after a
-        loss), and each recovery with the seconds it took.
+        loss), and each recovery.
 
     Raises:
         zerofn.errors.CollectiveError: what :func:`recover` raises (this
             rank left behind, or no consistent point).
     """
-    recoveries: list[tuple[Recovered, float]] = []
+    recoveries: list[Survived] = []
     while True:
         try:
             train_step(ddp, zero, step)
             return ddp, recoveries
         except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
+            caught, generation, world_size = time.time(), zero.regroups, zero.world_size
             began = time.perf_counter()
-            survivors = recover(zero, error, deadline_s=DEADLINE_S)
+            survivors = recover(zero, error, deadline_s=deadline_s)
             ddp = make_ddp(model, survivors.group)
-            recoveries.append((survivors, time.perf_counter() - began))
+            seconds = time.perf_counter() - began
+            recoveries.append(Survived(survivors, caught, generation, world_size, seconds))
             if survivors.finished_step:
                 return ddp, recoveries
 
@@ -239,11 +264,11 @@ def train(
         recoveries += [
             {
                 "step": step,
-                "lost": survivors.lost,
-                "finished_step": survivors.finished_step,
-                "seconds": seconds,
+                "lost": r.recovered.lost,
+                "finished_step": r.recovered.finished_step,
+                "seconds": r.seconds,
             }
-            for survivors, seconds in recovered
+            for r in recovered
         ]
     zero.consolidate_state_dict(to=0)
     return {
