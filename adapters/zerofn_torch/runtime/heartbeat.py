@@ -98,7 +98,6 @@ class Heartbeat:
         self._generation, self._rank, self._world_size = generation, rank, world_size
         self._view: BeatView | None = None
         self._alarm: str | None = None
-        self._gave_up = False
         self._woken: set[threading.Event] = set()
         self._failing: dict[int, torch.futures.Future[Any]] = {}
         self._stopped = threading.Event()
@@ -111,12 +110,6 @@ class Heartbeat:
         """Why this world's alarm was raised; ``None`` while it is not."""
         return self._alarm
 
-    @property
-    def gave_up(self) -> bool:
-        """Whether the alarm ended a wait of this world's (its collective
-        is left pending in its group)."""
-        return self._gave_up
-
     def view_of(self, generation: int) -> BeatView | None:
         """What this rank's watching has seen of the other ranks' beats in
         the world of ``generation`` (``None``: nothing yet, or another world)."""
@@ -128,7 +121,7 @@ class Heartbeat:
         ranks) from now on, the world having changed, and watch that world."""
         with self._lock:
             self._generation, self._rank, self._world_size = generation, rank, world_size
-            self._alarm, self._gave_up, self._view = None, False, None
+            self._alarm, self._view = None, None
 
     def raise_alarm(self, why: str) -> None:
         """Tell every rank of this world that a collective failed."""
@@ -158,7 +151,6 @@ class Heartbeat:
                 self._alarm = why
             woken, self._woken = self._woken, set()
             failing, self._failing = self._failing, {}
-            self._gave_up = self._gave_up or bool(woken) or bool(failing)
         for event in woken:
             event.set()
         for fut in failing.values():
