@@ -65,7 +65,8 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
-from zerofn.testing.zero import master_replica_gap, simulated_ranks, step_simulated
+from zerofn.testing.compressed import master_replica_gap
+from zerofn.testing.zero import simulated_ranks, step_simulated
 from zerofn.zero.chunks import chunk_sizes
 from zerofn.zero.compressed_exchange import add_difference, exchange_bytes
 from zerofn.zero.plan import ShardPlan, plan_shards

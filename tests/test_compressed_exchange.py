@@ -17,13 +17,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.comm import Broadcast, GatherSegments
+from zerofn.testing.compressed import master_replica_gap
 from zerofn.testing.overlap import simulate_overlapped_step
-from zerofn.testing.zero import (
-    SimulatedRank,
-    master_replica_gap,
-    simulated_ranks,
-    step_simulated,
-)
+from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
 from zerofn.zero.compressed_exchange import (
     compression_master_dtype,
     exchange_bytes,
