@@ -60,9 +60,12 @@ import tokenize
 
 import attrs
 import torch
+from blocks import rewrite_block
 from report import md_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE, BLOCK = "docs/design.md", "code-lines"
+"""Where the table is quoted: the page and its block."""
 """The repository root, where zerofn's paths start."""
 
 TORCH = os.path.dirname(torch.__file__)
@@ -595,9 +598,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(table())
     if args.write:
-        from generated_blocks import rewrite_counted  # it imports this module
-
-        print(f"(written into {', '.join(rewrite_counted(ROOT))})")
+        rewrite_block(os.path.join(ROOT, PAGE), BLOCK, table())
+        print(f"(written into {PAGE})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ README and the docs quote measured numbers only inside marked blocks::
     ... written by make bench ...
     <!-- bench:NAME:end -->
 
-:func:`rewrite_text` replaces what stands between the markers, so no page
+:func:`blocks.rewrite_text` replaces what stands between the markers, so no page
 keeps a number a later run contradicts; a page without the block is an
 error (a block named in code but not on the page would silently not update).
 
@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import code_lines
+from blocks import rewrite_block
 from report import Headline, Section, headline_table, md_table
 
 __all__ = [
@@ -46,10 +47,8 @@ __all__ = [
     "readme_block",
     "readme_block_from_page",
     "readme_table",
-    "rewrite_block",
     "rewrite_counted",
     "rewrite_readme",
-    "rewrite_text",
     "summary_rows",
 ]
 
@@ -75,7 +74,7 @@ starts to pay) that section's Markdown; any other name one benchmark's
 summary rows (a key of ``run_all.BENCHES``)."""
 
 COUNTED: dict[str, tuple[str, Callable[[], str]]] = {
-    "docs/design.md": ("code-lines", code_lines.table),
+    code_lines.PAGE: (code_lines.BLOCK, code_lines.table),
 }
 """Each page with a block that is counted rather than measured: the block's
 name and what makes its contents (no benchmark runs)."""
@@ -251,35 +250,6 @@ def rewrite_readme(root: str) -> None:
     with open(os.path.join(root, BENCHMARKS_PAGE), encoding="utf-8") as f:
         page = f.read()
     rewrite_block(os.path.join(root, "README.md"), "headlines", readme_block_from_page(page))
-
-
-def _pattern(name: str) -> re.Pattern[str]:
-    return re.compile(
-        rf"(<!-- bench:{re.escape(name)}:begin -->\n).*?(<!-- bench:{re.escape(name)}:end -->)",
-        re.DOTALL,
-    )
-
-
-def rewrite_text(text: str, name: str, body: str) -> str:
-    """``text`` with block ``name``'s contents replaced by ``body``.
-
-    Raises:
-        ValueError: ``text`` holds no block ``name``, or more than one.
-    """
-    pattern = _pattern(name)
-    found = len(pattern.findall(text))
-    if found != 1:
-        raise ValueError(f"expected one block 'bench:{name}', found {found}")
-    inside = body.strip("\n") + "\n" if body.strip("\n") else ""
-    return pattern.sub(lambda m: m.group(1) + inside + m.group(2), text)
-
-
-def rewrite_block(path: str, name: str, body: str) -> None:
-    """Rewrite block ``name`` of the file at ``path`` (see :func:`rewrite_text`)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(rewrite_text(text, name, body))
 
 
 def _body(rows: str, when: str) -> str:

@@ -30,6 +30,7 @@ import bench_overlap
 import bench_precision
 import bench_soak
 import bench_zero
+import blocks
 import generated_blocks
 from report import (
     Headline,
@@ -241,12 +242,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_a_block_is_rewritten_between_its_markers_only() -> None:
     text = "a 0.64\n<!-- bench:x:begin -->\nold 1.13\n<!-- bench:x:end -->\nz\n"
-    new = generated_blocks.rewrite_text(text, "x", "| new |\n")
+    new = blocks.rewrite_text(text, "x", "| new |\n")
     assert new == "a 0.64\n<!-- bench:x:begin -->\n| new |\n<!-- bench:x:end -->\nz\n"
     with pytest.raises(ValueError, match="found 0"):
-        generated_blocks.rewrite_text(text, "y", "")
+        blocks.rewrite_text(text, "y", "")
     with pytest.raises(ValueError, match="found 2"):
-        generated_blocks.rewrite_text(text + text, "x", "")
+        blocks.rewrite_text(text + text, "x", "")
 
 
 @pytest.mark.parametrize("page", sorted(generated_blocks.QUOTED))
@@ -254,7 +255,7 @@ def test_every_page_that_quotes_figures_has_its_generated_blocks(page: str) -> N
     with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         text = f.read()
     for name in generated_blocks.QUOTED[page]:
-        generated_blocks.rewrite_text(text, name, "")  # raises unless exactly one block
+        blocks.rewrite_text(text, name, "")  # raises unless exactly one block
 
 
 def test_a_target_without_a_verdict_is_refused() -> None:
@@ -320,7 +321,7 @@ def test_readmes_headline_block_is_made_from_the_benchmark_page() -> None:
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     expected = generated_blocks.readme_block_from_page(page)
-    assert generated_blocks.rewrite_text(readme, "headlines", expected) == readme, (
+    assert blocks.rewrite_text(readme, "headlines", expected) == readme, (
         "README's headline table is not what docs/benchmarks.md makes: "
         "run python benchmarks/generated_blocks.py"
     )
