@@ -8,29 +8,20 @@ the group, with the transport's error as its cause. Besides the core's
 requests it answers an :class:`~zerofn_torch.runtime.foreign_hooks.Await` of a DDP
 hook the core cannot see into.
 
-Every tensor handed to a collective gets a second C++ reference here,
-released at a later collective once nothing else holds the tensor: a gloo
-worker thread lets go of a finished collective (its tensors among it) after
-running the collective's callbacks, and when that leaves a tensor that has a
-Python object with one C++ reference, PyTorch releases the Python object there,
-taking the GIL on that thread; CPython ends such a thread once the interpreter
-has begun to finalize (SIGABRT; :mod:`zerofn_torch.runtime.futures` says how, and
-waits for the callbacks themselves). With the second reference the worker's
-release never is that one. At exit the references still needed are kept for
-good. For the same reason a collective is started without the Python object
-backward stashes in the thread's state (gloo keeps that state with the
-collective, and the worker thread drops it too).
+The collectives it starts, and the callbacks it adds to their futures, go
+through the workarounds of :mod:`zerofn_torch.runtime.torch_workarounds`: a
+gloo worker thread that finishes a collective must never need the GIL once
+the interpreter has begun to finalize (it would abort the process), so each
+tensor handed to a collective keeps a second C++ reference (kept for good at
+exit), and a collective starts without the Python object backward stashes in
+the thread's state.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
-import os
-import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +43,7 @@ from zerofn.comm import (
     split_like,
 )
 from zerofn.errors import CollectiveError
+from zerofn_torch.runtime import torch_workarounds
 from zerofn_torch.runtime.collective_errors import collective_error, describe_group
 from zerofn_torch.runtime.foreign_hooks import Await
 from zerofn_torch.runtime.futures import all_of, failed, on_done, then
@@ -64,91 +56,9 @@ Step = Request | Await | ObjectRequest
 """What a program run by the adapter's driver may yield."""
 
 
-class _Given(NamedTuple):
-    """A tensor handed to a collective, and a second C++ reference to it (a
-    one-element ``ScriptList``: not a view, which would hold the root of a
-    view's base, nor a Python reference, which PyTorch's count leaves out)."""
-
-    tensor: torch.Tensor
-    reference: Any
-
-
-# By the tensor's identity: the tensors handed to collectives and not yet let
-# go of by everything else (a collective in flight, or not yet released by
-# its worker thread, holds them, and so does a view of one that is no view).
-_GIVEN: dict[int, _Given] = {}
-_GIVEN_LOCK = threading.Lock()
-# PyTorch's own count of a tensor's C++ references (private; a torch without
-# it keeps nothing here).
-_COUNTS = hasattr(torch.Tensor, "_use_count")
-
-
-def _use_count(tensor: torch.Tensor) -> int:
-    count: int = tensor._use_count()  # type: ignore[attr-defined]
-    return count
-
-
-def _new_lock_in_child() -> None:
-    global _GIVEN_LOCK
-    _GIVEN_LOCK = threading.Lock()  # another thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
-
-
-def _keep_given(tensors: Iterable[torch.Tensor]) -> None:
-    """Give each of ``tensors`` (handed to a collective) a second C++
-    reference, and release those given earlier that nothing else holds any
-    more (their use count is 2: their Python object and that reference)."""
-    if not _COUNTS:
-        return
-    with _GIVEN_LOCK:
-        free = [key for key, given in _GIVEN.items() if _use_count(given.tensor) <= 2]
-        released = [_GIVEN.pop(key) for key in free]
-        for tensor in tensors:
-            _GIVEN[id(tensor)] = _Given(tensor, torch._C.ScriptList([tensor]))
-    # Released here, by this thread (which holds the GIL), outside the lock:
-    # the references first (each its tensor's last C++ one but its Python
-    # object's), then the tensors.
-    references = [given.reference for given in released]
-    let_go = [given.tensor for given in released]
-    del released
-    del references
-    del let_go
-
-
-@atexit.register
-def _keep_given_for_good() -> None:
-    # A worker thread may still let go of a collective after this: what it
-    # holds keeps its second reference through the interpreter's teardown too
-    # (which would otherwise release them, the worker's release then being
-    # the last but the Python object's): never released.
-    _keep_given(())
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GIVEN))
-
-
-@contextmanager
-def _capturing_no_python_object() -> Iterator[None]:
-    """Start collectives inside without the ``contextvars.Context`` backward
-    stashes in this thread's state (``torch.autograd.graph``'s
-    ``_engine_run_backward``, while a DDP hook runs): gloo keeps a copy of the
-    issuing thread's state with each collective, and if that copy were the
-    Context's last holder, the worker thread letting go of the collective
-    would release the Context, taking the GIL. Put back afterwards (a torch
-    that stashes nothing there, or cannot remove it, is left as it is)."""
-    if not (
-        hasattr(torch._C, "_remove_obj_from_tls")
-        and hasattr(torch._C, "_is_key_in_tls")
-        and torch._C._is_key_in_tls("context")
-    ):
-        yield
-        return
-    context = torch._C._get_obj_in_tls("context")
-    torch._C._remove_obj_from_tls("context")
-    try:
-        yield
-    finally:
-        torch._C._stash_obj_in_tls("context", context)
+# What the second references hold, by tensor identity (tests read it).
+_GIVEN = torch_workarounds.HELD
+atexit.register(torch_workarounds.keep_held_for_good)
 
 
 def _work_future(
@@ -160,7 +70,7 @@ def _work_future(
         done: torch.futures.Future[Any] = torch.futures.Future()
         done.set_result(None)
         return done
-    _keep_given(given)
+    torch_workarounds.hold_second_references(given)
     return work.get_future()
 
 
@@ -349,7 +259,7 @@ def issue(
     # itself could make it the last reference (see describe_group).
     group_name = describe_group(group)
     try:
-        with _capturing_no_python_object():
+        with torch_workarounds.without_backward_context():
             started = _start(request, group)
     except Exception as e:  # a transport that fails at once, when posting
         return failed(collective_error(what, purpose, group_name, e))
