@@ -93,6 +93,14 @@ class Masters:
                 else:
                     master.copy_(low)
 
+    def load(self, saved: Mapping[int, torch.Tensor]) -> None:
+        """Set the masters from ``saved`` (index -> value); a master not
+        there is copied up from its low tensor."""
+        self.reseed([i for i in range(len(self.master)) if i not in saved])
+        with torch.no_grad():
+            for index, value in saved.items():
+                self.master[index].copy_(value)
+
     def extended(self, other: Masters) -> Masters:
         """These masters followed by ``other``'s (a param group was added)."""
         if other.dtype != self.dtype:

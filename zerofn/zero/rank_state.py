@@ -15,7 +15,6 @@ from torch.optim import Optimizer
 from zerofn.zero.masters import Masters, with_masters, without_masters
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
 from zerofn.zero.partition import Piece
-from zerofn.zero.precision import MASTER_KEY
 from zerofn.zero.rank import ZeroRank, copy_hyperparameters, flat_params
 from zerofn.zero.shard_state import consolidate, shard
 
@@ -149,16 +148,11 @@ def load_states(
     master without one is copied up from its parameter."""
     saved = optim.state_dict()
     chosen = {local: states[i] for local, i in enumerate(indices) if i in states}
-    loaded = {local: {k: v for k, v in s.items() if k != MASTER_KEY} for local, s in chosen.items()}
-    saved["state"] = {local: cpu_copy(s) for local, s in loaded.items() if s}
+    rest, found = without_masters({"state": chosen, "param_groups": saved["param_groups"]})
+    saved["state"] = cpu_copy(rest["state"])
     optim.load_state_dict(saved)
-    if masters is None:
-        return
-    found = {local: s[MASTER_KEY] for local, s in chosen.items() if MASTER_KEY in s}
-    masters.reseed([local for local in range(len(indices)) if local not in found])
-    with torch.no_grad():
-        for local, value in found.items():
-            masters.master[local].copy_(value)
+    if masters is not None:
+        masters.load(found)
 
 
 def _load_masters(
@@ -170,11 +164,7 @@ def _load_masters(
     if rank.masters is None:
         return
     rank.shards.refresh(flat_params(groups))
-    missing = [i for i in range(len(rank.masters.master)) if i not in saved]
-    rank.masters.reseed(missing)
-    with torch.no_grad():
-        for index, master in saved.items():
-            rank.masters.master[index].copy_(master)
+    rank.masters.load(saved)
 
 
 def regroup(groups: Sequence[Mapping[str, Any]], state: StateDict) -> StateDict:
