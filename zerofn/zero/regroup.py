@@ -28,6 +28,7 @@ __all__ = [
     "Outbox",
     "ParamState",
     "adopt_carried_values",
+    "carried_states",
     "known_states",
     "outgoing_states",
     "regroup_program",
@@ -69,11 +70,19 @@ def known_states(rank: ZeroRank) -> dict[int, ParamState]:
     parameter never stepped has no optimizer state."""
     partition = rank.plan.partition
     own = partition.params_of(rank.options.rank)  # type: ignore[union-attr]
-    masters = rank.masters is not None
-    known = _states_by_global(rank.optim, own, masters)
-    if rank.carried is not None:
-        known.update(_states_by_global(rank.carried.optim, rank.carried.indices, masters))
+    known = _states_by_global(rank.optim, own, rank.masters is not None)
+    known.update(carried_states(rank))
     return known
+
+
+def carried_states(rank: ZeroRank) -> dict[int, ParamState]:
+    """The carried copy's per-parameter states (copies), by global index,
+    with their masters' values where there are master copies; empty
+    without a carried copy."""
+    carried = rank.carried
+    if carried is None:
+        return {}
+    return _states_by_global(carried.optim, carried.indices, carried.masters is not None)
 
 
 def outgoing_states(

@@ -20,7 +20,7 @@ from zerofn.zero.rank import (
 )
 from zerofn.zero.rank_state import load_global_state, load_states, local_state_dict, regroup
 from zerofn.zero.redundancy import CarriedShard, carried_shard
-from zerofn.zero.regroup import known_states
+from zerofn.zero.regroup import carried_states
 
 __all__ = ["sharded_by_owners", "with_added_group"]
 
@@ -71,7 +71,7 @@ def _grown_carried(rank: ZeroRank, groups: list[dict[str, Any]], plan: ShardPlan
         plan, options.rank, groups, options.optimizer_class, options.defaults,
         options.master_dtype,
     )  # fmt: skip
-    load_states(carried.optim, carried.indices, known_states(rank), carried.masters)
+    load_states(carried.optim, carried.indices, carried_states(rank), carried.masters)
     return carried
 
 
