@@ -102,6 +102,9 @@ from zerofn.errors import CollectiveError
 from zerofn.footprint import OPTIMIZERS, plan_footprint
 from zerofn.zero import regroup
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+from train_elastic import CONFIGS, PLAIN, Config
+
 DEADLINE_S = 1.0
 """The roll call's deadline: realistic for a small job on one machine (the
 default is 5 s)."""
@@ -136,32 +139,19 @@ def model_size(quick: bool) -> tuple[int, int]:
     return (256, 3) if quick else (1024, 4)
 
 
-CONFIGS = ("plain", "masters")
-"""The costs' configurations: fp32 parameters, or bf16 parameters with fp32
-masters (the carrier then keeps the owner's masters too)."""
-
-
-def make_model(quick: bool, config: str = "plain") -> torch.nn.Module:
+def make_model(quick: bool, config: Config = PLAIN) -> torch.nn.Module:
     torch.manual_seed(0)
     width, depth = model_size(quick)
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers).to(_dtype(config))
+    return torch.nn.Sequential(*layers).to(config.dtype)
 
 
-def _dtype(config: str) -> torch.dtype:
-    return torch.bfloat16 if config == "masters" else torch.float32
-
-
-def _options(config: str) -> dict[str, Any]:
-    return {"master_dtype": torch.float32} if config == "masters" else {}
-
-
-def batch(seed: int, quick: bool, config: str = "plain") -> torch.Tensor:
+def batch(seed: int, quick: bool, config: Config = PLAIN) -> torch.Tensor:
     width, _ = model_size(quick)
     x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(seed))
-    return x.to(_dtype(config))
+    return x.to(config.dtype)
 
 
 def iteration(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor) -> Callable[[], None]:
@@ -178,20 +168,20 @@ def iteration(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor) -> Calla
 # ----- 1. the cost per step ------------------------------------------------------------
 
 
-def copies_alone(shapes: Sequence[tuple[int, ...]], config: str = "plain") -> Callable[[], None]:
+def copies_alone(shapes: Sequence[tuple[int, ...]], config: Config = PLAIN) -> Callable[[], None]:
     """What the carrier does besides its Adam step (``step_carried``): its
     tensors of ``shapes`` set to the parameters' values, and each parameter's
     gradient cloned for them; with masters (which it keeps from step to
     step), only each bf16 gradient upcast for them."""
     gen = torch.Generator().manual_seed(3)
     sources = [torch.randn(s, generator=gen) for s in shapes]
-    grads = [torch.randn(s, generator=gen).to(_dtype(config)) for s in shapes]
+    grads = [torch.randn(s, generator=gen).to(config.dtype) for s in shapes]
     targets = [torch.empty(s) for s in shapes]
 
     def run() -> None:
         with torch.no_grad():
             for target, source, grad in zip(targets, sources, grads, strict=True):
-                if config == "plain":
+                if config.master_dtype is None:
                     target.copy_(source)
                 target.grad = grad.to(torch.float32, copy=True)
         for target in targets:
@@ -201,14 +191,14 @@ def copies_alone(shapes: Sequence[tuple[int, ...]], config: str = "plain") -> Ca
 
 
 def _cost_rank(
-    rank: int, world_size: int, quick: bool, rounds: int, warmup: int, config: str
+    rank: int, world_size: int, quick: bool, rounds: int, warmup: int, config: Config
 ) -> Any:
     x = batch(rank, quick, config)
     models, zeros, iterations = {}, {}, {}
     for r in (1, 2):
         model = make_model(quick, config)
         zero = ZeroRedundancyOptimizer(
-            model.parameters(), torch.optim.Adam, redundancy=r, lr=1e-3, **_options(config)
+            model.parameters(), torch.optim.Adam, redundancy=r, lr=1e-3, **dict(config.options)
         )
         ddp = DDP(model)
         ddp.register_comm_hook(None, allreduce_hook)  # the same all-reduce, visible to the count
@@ -239,13 +229,9 @@ def _cost_rank(
             iterations[r]()
         traffic[r] = {"calls": counted.total_calls, "sent": counted.sent_bytes(world_size)}
     steps_s = take_turns({STEP[1]: zeros[1].step, STEP[2]: zeros[2].step, **parts}, rounds, warmup)
-    wide = {"param_dtype": torch.bfloat16, "master_dtype": torch.float32}
+    dtypes = {"param_dtype": config.dtype, "master_dtype": config.master_dtype}
     planned = {
-        r: attrs.asdict(
-            plan_footprint(
-                models[r], world_size, redundancy=r, **(wide if config == "masters" else {})
-            ).ranks[rank]
-        )
+        r: attrs.asdict(plan_footprint(models[r], world_size, redundancy=r, **dtypes).ranks[rank])
         for r in (1, 2)
     }
     return {
@@ -406,9 +392,9 @@ def measure_costs(quick: bool) -> tuple[list[Cost], int, int]:
     rounds, warmup = (5, 1) if quick else (20, 3)
     costs = []
     for world_size in (2,) if quick else (2, 3):
-        for config in CONFIGS:
+        for config in CONFIGS.values():
             results = run_local_world(_cost_rank, world_size, quick, rounds, warmup, config)
-            costs.append(Cost(world_size, results, config))
+            costs.append(Cost(world_size, results, config.name))
     return costs, rounds, warmup
 
 

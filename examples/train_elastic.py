@@ -76,6 +76,12 @@ class Config:
     dtype: torch.dtype = torch.float32
     options: tuple[tuple[str, Any], ...] = ()
 
+    @property
+    def master_dtype(self) -> torch.dtype | None:
+        """The masters' dtype (``None``: no master copies)."""
+        dtype: torch.dtype | None = dict(self.options).get("master_dtype")
+        return dtype
+
 
 CONFIGS = {
     config.name: config
