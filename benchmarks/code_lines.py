@@ -257,6 +257,7 @@ BEYOND: tuple[Beyond, ...] = (
             "ZeroRedundancyOptimizer.take_missed_local_step",
             "ZeroRedundancyOptimizer._counted",
             "ZeroRedundancyOptimizer.regroups",
+            "ZeroRedundancyOptimizer.generation",
             "ZeroRedundancyOptimizer.regroup",
         ),
     ),

@@ -214,7 +214,7 @@ def _note_gone(zero: ZeroRedundancyOptimizer) -> None:
     """Note the moment this rank goes (wall clock, one machine) in the job's
     store: the survivors time their recovery from it."""
     store = dist.distributed_c10d._get_default_store()
-    store.set(_gone_key(zero.regroups), repr(time.time()))
+    store.set(_gone_key(zero.generation), repr(time.time()))
 
 
 def _die(zero: ZeroRedundancyOptimizer) -> None:

@@ -178,7 +178,7 @@ class Survived:
     Attributes:
         recovered: what :func:`recover` returned.
         caught: when the failure was caught (wall clock, ``time.time()``).
-        generation: the failed world's count of changes (``zero.regroups``).
+        generation: the failed world's number in the job (``zero.generation``).
         world_size: the failed world's size.
         seconds: how long :func:`recover` took.
     """
@@ -214,7 +214,7 @@ def step_surviving(
             train_step(ddp, zero, step)
             return ddp, recoveries
         except (CollectiveError, RuntimeError) as error:  # DDP raises RuntimeError
-            caught, generation, world_size = time.time(), zero.regroups, zero.world_size
+            caught, generation, world_size = time.time(), zero.generation, zero.world_size
             began = time.perf_counter()
             survivors = recover(zero, error, deadline_s=deadline_s)
             ddp = make_ddp(model, survivors.group)

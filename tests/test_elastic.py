@@ -209,6 +209,22 @@ def _recover_with_everyone_alive(rank: int, world_size: int) -> None:
     survivors = recover(zero, transient, deadline_s=2.0)
     assert survivors.lost == () and survivors.world_size == 2 and not survivors.finished_step
     assert zero.world_size == 2 and zero.regroups == 1 and survivors.group is not None
+    assert zero.generation == 1
+    # A second optimizer in the same job is a world of its own: the first
+    # one's alarm (raised by recover) and roll call are not its, so its steps
+    # run and its own transient failure is recovered from its own roll call.
+    dist.barrier(survivors.group)
+    second = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, process_group=survivors.group, redundancy=2,
+        lr=0.01,
+    )  # fmt: skip
+    assert second.generation == 2 and second.regroups == 0
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    second.step()
+    again = recover(second, transient, deadline_s=2.0)
+    assert again.lost == () and second.generation == 3 and second.regroups == 1
+    second.step()
 
 
 # ----- under torchrun, one agent per node -------------------------------------------

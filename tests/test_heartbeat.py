@@ -96,3 +96,17 @@ def test_a_new_world_does_not_see_the_old_worlds_alarm(store: dist.TCPStore) -> 
         assert beat.wait(fresh, "a wait") == 3
     finally:
         beat.stop()
+
+
+def test_a_rank_that_moved_to_a_new_world_is_not_silent_in_the_old_one() -> None:
+    """Rank 1 goes on in world 1 while rank 0 is still in world 0 (about to
+    follow): rank 0 is not to mistake rank 1's moving on for silence."""
+    job = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
+    mover, stayer = Heartbeat(job, 0, 1, 2), Heartbeat(job, 0, 0, 2)
+    try:
+        mover.beat_as(1, 0, 1)
+        time.sleep(WATCH_SILENT_S + 0.5)
+        assert stayer.alarm is None and mover.alarm is None
+    finally:
+        mover.stop()
+        stayer.stop()

@@ -19,33 +19,58 @@ readings = st.lists(
 )
 
 
-def watched(steps: list[tuple[float, list[int | None]]]) -> tuple[BeatView, float]:
+def watched(
+    steps: list[tuple[float, list[int | None]]], max_gap: float = float("inf")
+) -> tuple[BeatView, float]:
     view, now = None, 0.0
     for gap, counts in steps:
         now += gap
-        view = seen_beats(view, counts, now)
+        view = seen_beats(view, counts, now, max_gap)
     assert view is not None
     return view, now
 
 
-@given(readings, st.floats(0.0, 2.0, allow_nan=False))
-def test_silent_means_unchanged_for_longer_than_the_limit(
-    steps: list[tuple[float, list[int | None]]], limit: float
+@given(
+    readings,
+    st.floats(0.0, 2.0, allow_nan=False),
+    st.one_of(st.just(float("inf")), st.floats(0.05, 1.0)),
+)
+def test_silent_means_unchanged_for_longer_than_the_limit_while_watched(
+    steps: list[tuple[float, list[int | None]]], limit: float, max_gap: float
 ) -> None:
-    view, now = watched(steps)
+    """A rank is silent exactly when its counter stood still over more than
+    ``limit`` of readings, none of them more than ``max_gap`` after the one
+    before (a watcher that was away knows nothing of that time)."""
+    view, now = watched(steps, max_gap)
     silent = silent_ranks(view, now, limit)
     for r in range(3):
-        # When rank r's last value was first read, from the readings themselves.
+        # When rank r's last value was first read in an unbroken watch, from
+        # the readings themselves.
         times, t = [], 0.0
         for gap, counts in steps:
             t += gap
-            times.append((t, counts[r]))
-        last, first_at = times[-1][1], times[-1][0]
-        for at, value in reversed(times):
+            times.append((t, gap, counts[r]))
+        last, first_at = times[-1][2], times[-1][0]
+        for i in range(len(times) - 1, -1, -1):
+            at, gap, value = times[i]
             if value != last:
                 break
             first_at = at
+            if i == 0 or gap > max_gap:  # the watch began (again) here
+                break
         assert (r in silent) == (last is not None and now - first_at > limit)
+
+
+def test_a_watcher_that_was_away_declares_nobody_silent() -> None:
+    """Standing still across one long gap in the watching is no silence; the
+    same stillness watched closely is."""
+    close = seen_beats(seen_beats(None, [5], 0.0, 0.5), [5], 0.4, 0.5)
+    close = seen_beats(close, [5], 0.8, 0.5)
+    assert silent_ranks(close, 0.8, 0.75) == (0,)
+    away = seen_beats(seen_beats(None, [5], 0.0, 0.5), [5], 0.8, 0.5)
+    assert silent_ranks(away, 0.8, 0.75) == ()
+    with pytest.raises(ValueError, match="max_gap_s must be positive"):
+        seen_beats(None, [5], 0.0, 0.0)
 
 
 @given(readings)

@@ -73,8 +73,9 @@ __all__ = [
 ]
 
 GENERATION = "zerofn/elastic/generation"
-"""The job's count of recoveries, in its store: a rank whose own count is
-lower was left behind (paused past its peers' recovery) and must fail alone."""
+"""The job's newest world after a recovery (its generation), in its store: a
+rank in an older world was left behind (paused past its peers' recovery) and
+must fail alone."""
 
 DEADLINE_S = 5.0
 """How long the roll call waits at most for a rank to say it is alive (one
@@ -168,7 +169,7 @@ def roll_call(
     end = time.monotonic() + deadline_s
     while undecided := [r for r in range(world_size) if not store.check([keys[r]])]:
         now = time.monotonic()
-        view = seen_beats(view, [beat_count(store, k) for k in beats], now)
+        view = seen_beats(view, [beat_count(store, k) for k in beats], now, silent_after_s / 3)
         lost = silent_ranks(view, now, silent_after_s) if now < end else range(world_size)
         for r in set(undecided).intersection(lost):
             store.compare_set(keys[r], "", LOST)
@@ -253,13 +254,13 @@ def recover(
     # may stay pending (a wait the alarm ended, or a peer that gave up): its
     # destructor would wait for that, so it is kept for good.
     abandon(zero.process_group)
-    _refuse_if_left_behind(store, zero.regroups, error)
+    _refuse_if_left_behind(store, zero.generation, error)
     # Every rank still waiting on a collective of this world ends its wait.
     raise_alarm(f"rank {zero.rank} of {zero.world_size}: {type(error).__name__}")
-    prefix = f"zerofn/elastic/{zero.regroups}"
+    prefix = f"zerofn/elastic/{zero.generation}"
     call = roll_call(
         store, prefix, zero.rank, zero.world_size, zero.position, deadline_s,
-        generation=zero.regroups,
+        generation=zero.generation,
     )  # fmt: skip
     try:
         point = recovery_point(call.positions)
@@ -291,7 +292,7 @@ def recover(
     finished = point.finished_step(zero.position)
     zero.regroup(group, regrouping, new_rank, finish_step=point.finish)
     if new_rank == 0:
-        store.set(GENERATION, str(zero.regroups))
+        store.set(GENERATION, str(zero.generation))
     verify_replicas(params, group, optimizer=zero)
     return Recovered(group, new_rank, len(regrouping.survivors), lost, finished, point)
 
@@ -312,8 +313,8 @@ def _refuse_if_left_behind(store: Any, generation: int, error: BaseException) ->
     """Refuse to recover a rank the job recovered without.
 
     Raises:
-        zerofn.errors.CollectiveError: the job's count of recoveries is past
-            this rank's.
+        zerofn.errors.CollectiveError: the job recovered into a newer world
+            than this rank's.
     """
     current = int(store.get(GENERATION).decode()) if store.check([GENERATION]) else 0
     if current > generation:
@@ -321,6 +322,6 @@ def _refuse_if_left_behind(store: Any, generation: int, error: BaseException) ->
             "the roll call",
             "going on without the lost ranks",
             GENERATION,
-            f"this rank was left behind: the job went on without it (its world changed "
-            f"{current} times, this rank saw {generation}); it ends here and touches nothing",
+            f"this rank was left behind: the job went on without it (it is in world "
+            f"{current}, this rank in world {generation}); it ends here and touches nothing",
         ) from error

@@ -239,7 +239,7 @@ def admit(
     tickets: tuple[int, ...] = broadcast_object(decided, 0, group, "who joins")
     if not tickets:
         return None
-    world, generation = zero.world_size, zero.regroups + 1
+    world, generation = zero.world_size, zero.generation + 1
     prefix = f"zerofn/world/{generation}"
     size = world + len(tickets)
     if zero.rank == 0:

@@ -57,6 +57,7 @@ __all__ = [
     "beat_key",
     "destroy_process_groups",
     "interruptible",
+    "next_generation",
     "raise_alarm",
     "running_heartbeat",
     "start_heartbeat",
@@ -116,12 +117,23 @@ class Heartbeat:
         with self._lock:
             return self._view if generation == self._generation else None
 
+    @property
+    def generation(self) -> int:
+        """The world this rank beats in."""
+        return self._generation
+
     def beat_as(self, generation: int, rank: int, world_size: int) -> None:
         """Beat as ``rank`` of the world's ``generation`` (of ``world_size``
-        ranks) from now on, the world having changed, and watch that world."""
+        ranks) from now on, the world having changed, and watch that world;
+        in the world left, this rank ended cleanly (nobody still there
+        mistakes its moving on for silence)."""
         with self._lock:
+            left = (self._generation, self._rank)
             self._generation, self._rank, self._world_size = generation, rank, world_size
             self._alarm, self._view = None, None
+        if left != (generation, rank):
+            with contextlib.suppress(Exception):  # a store gone: nobody is watching
+                self._store.set(done_key(*left), "")
 
     def raise_alarm(self, why: str) -> None:
         """Tell every rank of this world that a collective failed."""
@@ -195,7 +207,10 @@ class Heartbeat:
         with self._lock:
             if generation != self._generation:
                 return ()
-            self._view = view = seen_beats(self._view, counts, time.monotonic())
+            # A thread that was not scheduled for a while (a starved
+            # machine) starts timing again, rather than blame the watched rank.
+            now = time.monotonic()
+            self._view = view = seen_beats(self._view, counts, now, WATCH_SILENT_S / 3)
         silent = silent_ranks(view, time.monotonic(), WATCH_SILENT_S)
         return tuple(r for r in silent if not store.check([done_key(generation, r)]))
 
@@ -249,6 +264,15 @@ _RUNNING: list[Heartbeat] = []  # this process's heartbeat, once started
 def beat_count(store: Any, key: str) -> int | None:
     """The heartbeat counter under ``key``; ``None`` if it never beat there."""
     return int(store.get(key)) if store.check([key]) else None
+
+
+def next_generation() -> int:
+    """The generation a new world of this process starts at (a new optimizer
+    with ``redundancy=2``): one past the running heartbeat's, else 0. Every
+    rank of the world went through the same worlds before it (a joiner takes
+    the job's generation when it joins), so they agree without a word, and
+    a new world never meets an old one's alarm, beats or roll call."""
+    return _RUNNING[0].generation + 1 if _RUNNING else 0
 
 
 def start_heartbeat(generation: int, rank: int, world_size: int) -> Heartbeat | None:

@@ -60,7 +60,7 @@ from zerofn.zero.shard_state import validate_global
 from zerofn.zero.step import run_zero_step
 from zerofn_torch.join import Join, JoinHook
 from zerofn_torch.runtime.driver import drive
-from zerofn_torch.runtime.heartbeat import start_heartbeat, wait
+from zerofn_torch.runtime.heartbeat import next_generation, start_heartbeat, wait
 from zerofn_torch.zero.gradients import clip_grad_norm, unscale_gradients
 from zerofn_torch.zero.state_dicts import consolidate_on, gather_global_state
 
@@ -214,9 +214,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._regroups = 0
         self._versions = self._read_versions()
         # With every shard on two ranks the job can go on without a lost rank:
-        # the others tell this one is alive by its heartbeat (zerofn_torch.elastic).
+        # the others tell this one is alive by its heartbeat (zerofn_torch.elastic),
+        # in a world of its own (no earlier optimizer's alarm or roll call).
+        self._generation = next_generation() if redundancy == 2 else 0
         self._heartbeat = (
-            start_heartbeat(0, self.rank, self.world_size) if redundancy == 2 else None
+            start_heartbeat(self._generation, self.rank, self.world_size)
+            if redundancy == 2
+            else None
         )
 
     # ----- what the shell holds -----------------------------------------------
@@ -557,6 +561,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (:mod:`zerofn_torch.elastic`: a loss, or a join)."""
         return self._regroups
 
+    @property
+    def generation(self) -> int:
+        """This world's number in the job (``redundancy=2``): where its
+        heartbeats, alarm and roll call live in the job's store. One more at
+        each change of world; a new optimizer starts one past the last
+        world this process was in, so it never meets an old world's keys."""
+        return self._generation
+
     def regroup(
         self,
         group: Any,
@@ -581,8 +593,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             new_rank: this rank in ``group``.
             finish_step: finish the step whose exchange a loss interrupted
                 (the lost shards' updates come from their carried copies).
-            generation: the world's count of changes (a joiner takes the
-                job's); ``None``: one more than this optimizer's.
+            generation: the new world's number in the job (a joiner takes
+                the job's); ``None``: one more than this optimizer's.
 
         Raises:
             zerofn.errors.CollectiveError: a collective on ``group`` failed.
@@ -593,9 +605,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._zero = zero = drive(program, group, "regrouping the ZeRO optimizer").wait()
         self.process_group = group
         self.rank, self.world_size = zero.options.rank, zero.options.world_size
-        self._regroups = self._regroups + 1 if generation is None else generation
+        self._regroups += 1
+        self._generation = self._generation + 1 if generation is None else generation
         if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._regroups, self.rank, self.world_size)
+            self._heartbeat.beat_as(self._generation, self.rank, self.world_size)
         self._position = Position(0)  # a new world counts its own steps
         self._versions = self._read_versions()
 
