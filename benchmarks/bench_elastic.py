@@ -752,9 +752,17 @@ def _grown_outbox(outboxes: Sequence[Any]) -> dict[str, Any]:
         )
     (out,) = outboxes
     return {
-        "to": {t: {i: _tensor_bytes(s) for i, s in states.items()} for t, states in out.items()},
+        "to": {t: _bytes_by_param(states) for t, states in out.items()},
         "pickled": len(pickle.dumps(out)),
     }
+
+
+def _bytes_by_param(states: Mapping[Any, Any]) -> dict[int, int]:
+    """Tensor bytes of an outbox's states (by piece), summed per parameter."""
+    out: dict[int, int] = {}
+    for piece, state in states.items():
+        out[piece.param] = out.get(piece.param, 0) + _tensor_bytes(state)
+    return out
 
 
 def planned_state_bytes(sizes: Sequence[int], indices: Sequence[int]) -> int:

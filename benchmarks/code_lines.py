@@ -106,7 +106,9 @@ FEATURES: tuple[Feature, ...] = (
             "zerofn/zero/checkpoint_manifest.py",
             "zerofn/zero/checkpoint_run.py",
             "zerofn/zero/compressed_exchange.py",
+            "zerofn/zero/carried.py",
             "zerofn/zero/redundancy.py",
+            "zerofn/zero/piece_state.py",
             "zerofn/zero/regroup.py",
             "zerofn/zero/loss_scale.py",
             "adapters/zerofn_torch/zero/loss_scaling.py",
@@ -192,7 +194,7 @@ BEYOND: tuple[Beyond, ...] = (
             *_in("zerofn/zero/partition.py", "Piece", "FlatPartition", "flat_partition"),
             *_in("zerofn/zero/shards.py", "FlatShards"),
             *_in(
-                "zerofn/zero/shard_state.py", "_consolidate_flat", "_shard_flat", "_is_elementwise"
+                "zerofn/zero/shard_state.py", "_consolidate_flat", "_shard_flat", "is_elementwise"
             ),
             *_in(
                 "zerofn/zero/optimizers.py",

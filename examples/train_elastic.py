@@ -88,11 +88,14 @@ CONFIGS = {
     for config in (
         Config("plain"),
         Config("masters", torch.bfloat16, (("master_dtype", torch.float32),)),
+        Config("flat", options=(("partition", "flat"),)),
     )
 }
 """The configurations a lost rank is survived in, by name: ``plain`` (fp32
-parameters, Adam's state sharded) and ``masters`` (bf16 parameters, fp32
-masters and Adam's state sharded, as a mixed-precision job trains)."""
+parameters, Adam's state sharded by whole parameters), ``masters`` (bf16
+parameters, fp32 masters and Adam's state sharded, as a mixed-precision job
+trains) and ``flat`` (fp32, every rank an equal range of the elements,
+the parameters views of the exchange buffer)."""
 PLAIN = CONFIGS["plain"]
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zerofn_torch import LossScaler, ZeroRedundancyOptimizer
+from zerofn_torch import LossScaler, ZeroRedundancyOptimizer, verify_replicas
 from zerofn_torch.averaging import DiLoCoOptimizer, PeriodicModelAverager, PostLocalSGDOptimizer
 from zerofn_torch.checkpoint import load_sharded, save_sharded
 from zerofn_torch.hooks import (
@@ -300,6 +300,8 @@ def _check(built: dict[str, Any], features: frozenset[str], step: int) -> None:
     if "post_local" in features and step > 2 and step % 2:
         return  # the local phase, between averagings
     _agree(built["model"], groups.world, f"after step {step}")
+    if "redundancy" in features:
+        verify_replicas(built["model"], groups.world, optimizer=built["zero"])
 
 
 def run_configuration(features: Iterable[str], groups: Groups, rank: int, folder: str) -> str:
@@ -335,6 +337,8 @@ def run_configuration(features: Iterable[str], groups: Groups, rank: int, folder
         return f"refused: {e}"
     if not {"diloco", "post_local"} & chosen:
         _agree(built["model"], groups.world, "at the end")
+    if "redundancy" in chosen:  # every carried copy is still its owner's state
+        verify_replicas(built["model"], groups.world, optimizer=built["zero"])
     return "works"
 
 

@@ -43,6 +43,7 @@ from report import (
 )
 
 from zerofn.model_shapes import MODELS
+from zerofn.zero.partition import Piece
 
 samples = st.lists(st.floats(0.001, 1e3, allow_nan=False), min_size=1, max_size=50)
 
@@ -623,7 +624,11 @@ def test_a_join_that_went_wrong_is_refused() -> None:
         bench_elastic.Join.of(alone)
     with pytest.raises(RuntimeError, match="made 0 outboxes"):
         bench_elastic._grown_outbox([])
-    sized = bench_elastic._grown_outbox([{2: {5: {"exp_avg": torch.zeros(4), "step": 1}}}])
+    halves = {
+        Piece(5, 0, 2): {"exp_avg": torch.zeros(2)},
+        Piece(5, 2, 4): {"exp_avg": torch.zeros(2)},
+    }
+    sized = bench_elastic._grown_outbox([{2: halves}])
     assert sized["to"] == {2: {5: 16}} and sized["pickled"] > 16
     command = bench_elastic._joiner_command("/tmp/job", "/tmp/out.pt", True)
     assert (

@@ -110,3 +110,16 @@ def test_a_rank_that_moved_to_a_new_world_is_not_silent_in_the_old_one() -> None
     finally:
         mover.stop()
         stayer.stop()
+
+
+def test_a_rank_has_beaten_in_its_world_once_it_is_placed_there(store: dist.TCPStore) -> None:
+    """A rank that dies right after joining a world must already have beaten
+    there, or the roll call would find it missing (never silent) and wait
+    for its deadline."""
+    beat = Heartbeat(store, 0, 0, 2)
+    try:
+        assert store.check([beat_key(0, 0)])
+        beat.beat_as(1, 1, 2)
+        assert store.check([beat_key(1, 1)])
+    finally:
+        beat.stop()

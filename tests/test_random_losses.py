@@ -22,7 +22,8 @@ from zerofn_torch.runtime.launch import run_local_world
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    ("world_size", "config"), [(3, "plain"), (4, "plain"), (3, "masters"), (4, "masters")]
+    ("world_size", "config"),
+    [(3, "plain"), (4, "plain"), (3, "masters"), (4, "masters"), (4, "flat")],
 )
 def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, config: str) -> None:
     seed = int.from_bytes(os.urandom(4), "little")

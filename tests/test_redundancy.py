@@ -27,9 +27,12 @@ from zerofn.testing.zero import (
     step_simulated,
     survivors_of,
 )
+from zerofn.zero.partition import FlatPartition, Piece
+from zerofn.zero.piece_state import state_of, whole_pieces
 from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.rank import answer_local_step
 from zerofn.zero.redundancy import (
+    Regrouping,
     carried_owner,
     carrier_of,
     check_redundancy,
@@ -60,7 +63,7 @@ def worlds(draw: st.DrawFn) -> tuple[ShardPlan, list[torch.Tensor]]:
     sizes = draw(st.lists(st.integers(1, 40), min_size=world, max_size=12))
     split = draw(st.integers(0, len(sizes)))
     groups = [g for g in (sizes[:split], sizes[split:]) if g]
-    mode = draw(st.sampled_from(["greedy", "balanced"]))
+    mode = draw(st.sampled_from(["greedy", "balanced", "flat"]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))  # bf16: fp32 masters
     n = len(sizes)
     plan = plan_shards(groups, [f"cpu/{dtype}"] * n, [True] * n, world, mode)
@@ -106,9 +109,15 @@ def world_of(plan: ShardPlan, params: list[torch.Tensor], name: str) -> list[Sim
     )
 
 
+def stepped(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors ``optim`` steps, but for a flat shard's placeholder for a
+    group it has no element of (a carried copy has none)."""
+    return [t for g in optim.param_groups for t in g["params"] if t.numel()]
+
+
 def same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
-    left = [a.state[t] for g in a.param_groups for t in g["params"]]
-    right = [b.state[t] for g in b.param_groups for t in g["params"]]
+    left = [a.state[t] for t in stepped(a)]
+    right = [b.state[t] for t in stepped(b)]
     return len(left) == len(right) and all(
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
         for x, y in zip(left, right, strict=True)
@@ -117,8 +126,7 @@ def same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
 
 def same_values(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
     """The two optimizers step equal tensors (a carried copy's masters and its owner's)."""
-    left = [t for g in a.param_groups for t in g["params"]]
-    right = [t for g in b.param_groups for t in g["params"]]
+    left, right = stepped(a), stepped(b)
     return len(left) == len(right) and all(map(torch.equal, left, right))
 
 
@@ -142,6 +150,48 @@ def test_carried_copies_equal_their_owners_bit_for_bit(
         assert all(torch.equal(p, e) for p, e in zip(sim.params, expected, strict=True))
 
 
+Elements = set[tuple[int, int]]
+"""Elements of parameters, as (parameter, element)."""
+
+
+def elements(pieces: Any) -> Elements:
+    return {(p.param, e) for p in pieces for e in range(p.start, p.stop)}
+
+
+def owned_by(partition: Any, rank: int) -> Elements:
+    return elements(partition.pieces_of(rank))
+
+
+def check_moves(regrouping: Regrouping, old: Any, world: int) -> None:
+    """After the moves every new owner holds the state of what it owns and
+    every new carrier the state of what it carries; nothing is sent to a
+    rank that held it; each move's source held it; values travel exactly
+    to a new owner that did not hold them (after a loss)."""
+    new = regrouping.plan.partition
+    size = len(regrouping.old_ranks)
+
+    def held(was: int | None) -> Elements:
+        if was is None:
+            return set()
+        return owned_by(old, was) | owned_by(old, carried_owner(was, world))
+
+    for rank, was in enumerate(regrouping.old_ranks):
+        moves = [m for m in regrouping.moves if m.target == rank]
+        moved = elements(p for m in moves for p in m.pieces)
+        mine, carried = owned_by(new, rank), owned_by(new, carried_owner(rank, size))
+        assert mine | carried <= held(was) | moved
+        assert not moved & held(was)  # nothing sent that was there already
+        for move in moves:
+            source = regrouping.old_ranks[move.source]
+            assert elements(move.pieces) <= held(source)
+            lost_owner = any(
+                old_rank not in regrouping.old_ranks
+                for old_rank in range(world)
+                if elements(move.pieces) & owned_by(old, old_rank)
+            )
+            assert move.values == (elements(move.pieces) <= mine and lost_owner)
+
+
 @given(worlds(), st.data())
 @SETTINGS
 def test_the_plan_after_a_loss_keeps_every_shard_and_moves_only_what_is_missing(
@@ -155,24 +205,18 @@ def test_the_plan_after_a_loss_keeps_every_shard_and_moves_only_what_is_missing(
     regrouping = plan_after_loss(plan, lost)
     old, new = plan.partition, regrouping.plan.partition
     assert regrouping.survivors == tuple(r for r in range(size) if r not in lost)
+    assert type(new) is type(old)
     for j, survivor in enumerate(regrouping.survivors):
-        taken = set(new.params_of(j))  # type: ignore[union-attr]
-        assert set(old.params_of(survivor)) <= taken  # type: ignore[union-attr]
-        carried = {r for r in lost if carrier_of(r, size) == survivor}
-        owned = set().union(*(old.params_of(r) for r in carried | {survivor}))  # type: ignore[union-attr]
-        assert taken == owned
-    # After the moves each new carrier holds its new owner's whole shard.
-    world_size = len(regrouping.survivors)
-    for j in range(world_size):
-        target = carrier_of(j, world_size)
-        survivor = regrouping.survivors[target]
-        held = set(old.params_of(survivor)) | set(  # type: ignore[union-attr]
-            old.params_of(carried_owner(survivor, size))  # type: ignore[union-attr]
-        )
-        moved = {i for m in regrouping.moves if m.target == target for i in m.indices}
-        needed = set(new.params_of(j))  # type: ignore[union-attr]
-        assert needed <= held | moved
-        assert not moved & held  # nothing sent that was there already
+        # Each survivor keeps what it owned and takes lost shards of its
+        # neighbours: the one it carried, or under a flat partition the
+        # last rank's, next to its own range.
+        taken = {r for r in lost if carrier_of(r, size) == survivor}
+        if isinstance(old, FlatPartition) and size - 1 in lost and survivor == size - 2:
+            taken = (taken - {size - 1}) | {size - 1}
+        if isinstance(old, FlatPartition) and size - 1 in lost and survivor == 0:
+            taken.discard(size - 1)
+        assert owned_by(new, j) == set().union(*(owned_by(old, r) for r in taken | {survivor}))
+    check_moves(regrouping, old, size)
 
 
 def test_a_loss_that_leaves_a_shard_nowhere_is_refused() -> None:
@@ -197,20 +241,17 @@ def test_a_loss_of_nobody_keeps_the_world_as_it_is() -> None:
     [
         ({"redundancy": 3}, "must be 1"),
         ({"world_size": 1}, "one rank"),
-        ({"partition": "flat"}, "flat shard"),
         ({"compressed": True}, "use the exact exchange"),
         ({"overlap_with_ddp": True}, "plain step"),
     ],
 )
 def test_redundancy_where_it_cannot_be_kept_is_refused(options: dict[str, Any], match: str) -> None:
     kwargs: dict[str, Any] = {
-        "redundancy": 2, "world_size": 2, "partition": "greedy", "compressed": False,
-        "overlap_with_ddp": False, **options,
+        "redundancy": 2, "world_size": 2, "compressed": False, "overlap_with_ddp": False,
+        **options,
     }  # fmt: skip
     with pytest.raises(ValueError, match=match):
-        check_redundancy(
-            kwargs.pop("redundancy"), kwargs.pop("world_size"), kwargs.pop("partition"), **kwargs
-        )
+        check_redundancy(kwargs.pop("redundancy"), kwargs.pop("world_size"), **kwargs)
 
 
 def interrupt_in_exchange(ranks: list[SimulatedRank], grads: list[torch.Tensor]) -> None:
@@ -302,20 +343,30 @@ def check_holdings(ranks: list[SimulatedRank], reference: torch.optim.Optimizer)
     """Every parameter's state lives on its owner and on its owner's carrier,
     equal to the unsharded optimizer's."""
     size = len(ranks)
-    by_index = {i: reference.state[p] for i, p in enumerate(reference.param_groups[0]["params"])}
+    masters = reference.param_groups[0]["params"]
+    by_index = {i: reference.state[p] for i, p in enumerate(masters)}
     for j, sim in enumerate(ranks):
         carried = sim.zero.carried
         assert carried is not None and carried.owner == carried_owner(j, size)
         assert same_state(carried.optim, ranks[carried.owner].optimizer)
         assert same_values(carried.optim, ranks[carried.owner].optimizer)
-        owned = sim.zero.plan.partition.params_of(j)  # type: ignore[union-attr]
+        sources = sim.zero.shards.local_sources(sim.params)
         local = [t for g in sim.optimizer.param_groups for t in g["params"]]
-        for index, tensor in zip(owned, local, strict=True):
-            mine, theirs = sim.optimizer.state[tensor], by_index.get(index, {})
-            assert mine.keys() == theirs.keys()
-            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        for source, tensor in zip(sources, local, strict=True):
+            if source is None:
+                continue
+            piece = Piece(source[0], source[1], source[1] + source[2])
+            mine = sim.optimizer.state[tensor]
+            theirs = state_of(whole_pieces(by_index, sizes_of(masters)), piece, tensor.shape)
+            assert mine.keys() == (theirs or {}).keys()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)  # type: ignore[index]
             if sim.zero.masters is not None:  # the master itself, as the reference's
-                assert torch.equal(tensor, reference.param_groups[0]["params"][index])
+                flat = masters[piece.param].reshape(-1)[piece.start : piece.stop]
+                assert torch.equal(tensor, flat.view(tensor.shape))
+
+
+def sizes_of(tensors: list[torch.Tensor]) -> list[int]:
+    return [t.numel() for t in tensors]
 
 
 @given(worlds(), st.integers(1, 3))
@@ -329,22 +380,16 @@ def test_the_plan_after_a_join_keeps_owners_and_sends_only_what_is_missing(
     old, new = plan.partition, regrouping.plan.partition
     total = size + joiners
     assert regrouping.old_ranks == (*range(size), *([None] * joiners))
-    for r in range(size):  # running ranks keep what they do not give away
-        assert set(new.params_of(r)) <= set(old.params_of(r))  # type: ignore[union-attr]
-    loads = new.loads()
-    target = sum(old.loads()) // total
-    assert all(loads[j] <= target for j in range(size, total))
-    held = [
-        set(old.params_of(r)) | set(old.params_of(carried_owner(r, size)))  # type: ignore[union-attr]
-        for r in range(size)
-    ] + [set() for _ in range(joiners)]
-    for rank in range(total):
-        for target_rank in (rank, carrier_of(rank, total)):
-            moved = {i for m in regrouping.moves if m.target == target_rank for i in m.indices}
-            assert set(new.params_of(rank)) <= held[target_rank] | moved  # type: ignore[union-attr]
-            assert not moved & held[target_rank]
-    for move in regrouping.moves:  # each from the old owner, who holds the state
-        assert all(old.owners[i] == move.source for i in move.indices)  # type: ignore[union-attr]
+    if isinstance(old, FlatPartition):  # cut evenly again
+        assert new.bounds == tuple(r * new.bounds[-1] // total for r in range(total + 1))
+    else:
+        for r in range(size):  # running ranks keep what they do not give away
+            assert set(new.params_of(r)) <= set(old.params_of(r))  # type: ignore[union-attr]
+        loads = new.loads()
+        target = sum(old.loads()) // total
+        assert all(loads[j] <= target for j in range(size, total))
+    check_moves(regrouping, old, size)
+    assert not any(move.values for move in regrouping.moves)  # every rank holds the values
 
 
 @given(worlds(), st.sampled_from(sorted(OPTIMIZERS)), st.integers(1, 2), st.data())

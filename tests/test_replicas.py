@@ -64,3 +64,33 @@ def test_agreeing_replicas_pass_and_a_perturbed_one_fails_on_every_rank() -> Non
         assert "1.bias differ across ranks" in message and "[0]" in message and "[1]" in message
     with pytest.raises(ValueError, match="every must be at least 1"):
         verify_replicas([torch.zeros(1)], every=0)
+
+
+def test_the_copies_check_names_a_diverged_copy_and_a_parameter_counted_twice() -> None:
+    """Carried copies are compared piece by piece with their owners'; step
+    counts are compared per parameter, as a parameter's pieces step
+    together while parameters may count different steps (a group added
+    later)."""
+    from zerofn.replicas import copies_disagreement, state_digest
+    from zerofn.zero.partition import Piece
+
+    def digest(step: int, value: float) -> Any:
+        return state_digest({"step": torch.tensor(float(step)), "exp_avg": torch.full((2,), value)})
+
+    low, high, later = Piece(0, 0, 2), Piece(0, 2, 4), Piece(1, 0, 2)
+    fine = [
+        ({low: digest(3, 1.0), later: digest(1, 5.0)}, {high: digest(3, 2.0)}),
+        ({high: digest(3, 2.0)}, {low: digest(3, 1.0), later: digest(1, 5.0)}),
+    ]
+    assert copies_disagreement(fine) is None
+    diverged = [fine[0], ({high: digest(3, 2.0)}, {low: digest(3, 1.5), later: digest(1, 5.0)})]
+    assert "rank 1's copy of the optimizer state of parameter 0 (elements 0..2)" in str(
+        copies_disagreement(diverged)
+    )
+    behind = [
+        ({low: digest(3, 1.0)}, {high: digest(2, 2.0)}),
+        ({high: digest(2, 2.0)}, {low: digest(3, 1.0)}),
+    ]
+    assert copies_disagreement(behind) == (
+        "the pieces of parameter 0 (on ranks [0, 1]) count 2 different steps"
+    )

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from zerofn.comm import AllGather, Program
+from zerofn.zero.partition import Piece
 
 __all__ = [
     "Disagreement",
@@ -102,34 +103,45 @@ def state_digest(state: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
 
 
 def copies_disagreement(
-    per_rank: Sequence[tuple[Mapping[int, Any], Mapping[int, Any]]],
+    per_rank: Sequence[tuple[Mapping[Piece, Any], Mapping[Piece, Any]]],
 ) -> str | None:
     """What is wrong with the ranks' copies of optimizer state, or ``None``.
 
     Args:
-        per_rank: per rank, the :func:`state_digest` of each parameter it
-            owns and of each it carries (``redundancy=2``), by global index.
+        per_rank: per rank, the :func:`state_digest` of each piece of a
+            parameter it owns and of each it carries (``redundancy=2``; a
+            carrier's pieces are cut as its owner's).
 
     Returns:
         A sentence naming the first carried copy that differs from its
-        owner's state, or the ranks whose step counts differ; ``None`` when
-        every copy equals its owner's and one step count holds everywhere.
+        owner's state, or the ranks whose step counts of one parameter
+        differ; ``None`` when every copy equals its owner's and each
+        parameter has one step count everywhere.
     """
     owned = {i: (r, d) for r, (mine, _) in enumerate(per_rank) for i, d in mine.items()}
     for rank, (_, carried) in enumerate(per_rank):
-        for index, digest in carried.items():
-            owner, expected = owned.get(index, (None, ()))
+        for piece, digest in carried.items():
+            owner, expected = owned.get(piece, (None, ()))
             if digest != expected:
                 return (
-                    f"rank {rank}'s copy of parameter {index}'s optimizer state differs from "
-                    f"its owner's (rank {owner})"
+                    f"rank {rank}'s copy of the optimizer state of parameter {piece.param} "
+                    f"(elements {piece.start}..{piece.stop}) differs from its owner's "
+                    f"(rank {owner})"
                 )
-    steps: dict[int, set[int]] = {}
+    # Every piece of one parameter steps together, wherever it lives (a flat
+    # partition cuts a parameter over ranks; a group added later, or a
+    # parameter without gradients, may count fewer steps than another).
+    steps: dict[int, dict[Any, set[int]]] = {}
     for rank, (mine, carried) in enumerate(per_rank):
-        for digest in (*mine.values(), *carried.values()):
+        for piece, digest in (*mine.items(), *carried.items()):
             for name, value in digest:
                 if name == "step":
-                    steps.setdefault(value, set()).add(rank)
-    if len(steps) > 1:
-        return f"the ranks' step counts differ: {sorted(sorted(r) for r in steps.values())}"
+                    steps.setdefault(piece.param, {}).setdefault(value, set()).add(rank)
+    for param, counts in sorted(steps.items()):
+        if len(counts) > 1:
+            ranks = sorted(set().union(*counts.values()))
+            return (
+                f"the pieces of parameter {param} (on ranks {ranks}) count "
+                f"{len(counts)} different steps"
+            )
     return None

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn.comm import Broadcast, Program
+from zerofn.zero.partition import FlatPartition
 from zerofn.zero.redundancy import Regrouping, plan_after_join
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
@@ -56,6 +57,8 @@ class Fingerprint:
         redundancy: copies of each shard.
         shapes: every parameter's shape and dtype, in order.
         master_dtype: the masters' dtype, as text (``"None"``: no masters).
+        flat: the optimizer's partition is flat (element ranges), not whole
+            parameters.
     """
 
     optimizer: str
@@ -63,6 +66,7 @@ class Fingerprint:
     redundancy: int
     shapes: tuple[tuple[tuple[int, ...], str], ...]
     master_dtype: str = "None"
+    flat: bool = False
 
     def refusal(self, joiner: Fingerprint) -> str | None:
         """Why ``joiner`` cannot join a job of this fingerprint (``None``: it can)."""
@@ -82,11 +86,14 @@ def fingerprint(
     defaults: Mapping[str, Any],
     redundancy: int,
     master_dtype: torch.dtype | None = None,
+    flat: bool = False,
 ) -> Fingerprint:
     """The :class:`Fingerprint` of a model's parameters and optimizer options."""
     name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
     shapes = tuple((tuple(p.shape), str(p.dtype)) for p in params)
-    return Fingerprint(name, repr(sorted(defaults.items())), redundancy, shapes, str(master_dtype))
+    return Fingerprint(
+        name, repr(sorted(defaults.items())), redundancy, shapes, str(master_dtype), flat
+    )
 
 
 def _fingerprint_of(zero: ZeroRedundancyOptimizer) -> Fingerprint:
@@ -94,7 +101,7 @@ def _fingerprint_of(zero: ZeroRedundancyOptimizer) -> Fingerprint:
     params = [p for g in zero.param_groups for p in g["params"]]
     return fingerprint(
         params, options.optimizer_class, options.defaults, options.redundancy,
-        options.master_dtype,
+        options.master_dtype, isinstance(zero.shard_plan.partition, FlatPartition),
     )  # fmt: skip
 
 
@@ -263,6 +270,7 @@ def join(
     *,
     redundancy: int = 2,
     master_dtype: torch.dtype | None = None,
+    partition: str = "greedy",
     timeout_s: float = 120.0,
     **defaults: Any,
 ) -> Joined:
@@ -278,6 +286,8 @@ def join(
         optimizer_class: the job's local optimizer class.
         redundancy: the job's redundancy.
         master_dtype: the job's master copies' dtype (``None``: none).
+        partition: ``"flat"`` for a job whose partition is flat; else any
+            whole-tensor one (the joiner's share comes from the job's plan).
         timeout_s: how long to wait to be admitted, and the group's timeout.
         **defaults: the job's optimizer options.
 
@@ -290,7 +300,9 @@ def join(
         TimeoutError: nobody admitted it within ``timeout_s``.
     """
     params = list(model.parameters())
-    mine = fingerprint(params, optimizer_class, defaults, redundancy, master_dtype)
+    mine = fingerprint(
+        params, optimizer_class, defaults, redundancy, master_dtype, partition == "flat"
+    )
     # Before announcing: the options are checked while the job is untouched,
     # and the optimizer's lazy imports are paid before the running ranks wait.
     optimizer_class([torch.zeros(1, dtype=master_dtype or params[0].dtype)], **defaults)
@@ -306,7 +318,8 @@ def join(
         raise ValueError(f"the running job refused this joiner: {answer['refused']}")
     group = _new_world(store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s)
     zero = ZeroRedundancyOptimizer(
-        params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype, **defaults
-    )
+        params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype,
+        partition=partition, **defaults,
+    )  # fmt: skip
     extra = _grow(zero, group, None, 0, None)  # type: ignore[arg-type]
     return Joined(zero, answer["rank"], answer["world_size"], extra)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn.replicas import ReplicaMismatch, copies_disagreement, replicas_program, state_digest
+from zerofn.zero.partition import Piece
 from zerofn.zero.precision import MASTER_KEY
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
@@ -43,7 +44,7 @@ def verify_replicas(
         step: the training step (with ``every``).
         optimizer: a ZeRO optimizer whose optimizer state to check too:
             with ``redundancy=2`` each carrier's copy against its owner's
-            state, and one step count on every rank (one all-gather of a
+            state, and one step count a parameter (one all-gather of a
             digest per state tensor).
 
     Returns:
@@ -82,9 +83,9 @@ def verify_replicas(
 
 def _state_digests(
     optimizer: ZeroRedundancyOptimizer,
-) -> tuple[dict[int, Any], dict[int, Any]]:
-    """This rank's :func:`~zerofn.replicas.state_digest` of each parameter it
-    owns and of each it carries, by global index."""
+) -> tuple[dict[Piece, Any], dict[Piece, Any]]:
+    """This rank's :func:`~zerofn.replicas.state_digest` of each piece it
+    owns and of each it carries (a carrier's pieces are cut as its owner's)."""
     rank = optimizer.zero_rank
     masters = rank.masters is not None
 
@@ -95,17 +96,17 @@ def _state_digests(
 
     sources = rank.shards.local_sources([p for g in optimizer.param_groups for p in g["params"]])
     mine = {
-        source[0]: digest(rank.optim, t)
-        for source, t in zip(sources, rank.local_tensors(), strict=True)
-        if source is not None and source[1] == 0
+        Piece(s[0], s[1], s[1] + s[2]): digest(rank.optim, t)
+        for s, t in zip(sources, rank.local_tensors(), strict=True)
+        if s is not None and s[2]
     }
     carried = rank.carried
     copies = (
         {}
         if carried is None
         else {
-            i: digest(carried.optim, t)
-            for i, t in zip(carried.indices, carried.tensors(), strict=True)
+            piece: digest(carried.optim, t)
+            for piece, t in zip(carried.pieces, carried.tensors(), strict=True)
         }
     )
     return mine, copies

@@ -357,9 +357,8 @@ def plan_footprint(
         bucket_view = partition == "flat"
     model = OPTIMIZERS[optimizer]
     check_redundancy(
-        redundancy, world_size, partition, compressed=quantizer is not None,
-        overlap_with_ddp=False,
-    )  # fmt: skip
+        redundancy, world_size, compressed=quantizer is not None, overlap_with_ddp=False
+    )
     ranks = _rank_bytes(
         plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer, redundancy
     )

@@ -150,7 +150,7 @@ def resolve_options(
     """
     _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
     check_redundancy(
-        redundancy, world_size, partition, compressed=exchange_compression is not None,
+        redundancy, world_size, compressed=exchange_compression is not None,
         overlap_with_ddp=overlap_with_ddp,
     )  # fmt: skip
     first = next(p for g in groups for p in g["params"])

@@ -34,6 +34,12 @@ import attrs
 import torch
 from torch.optim import Optimizer
 
+from zerofn.zero.carried import (
+    CarriedShard,
+    carried_shard,
+    hand_carried_grads,
+    step_carried,
+)
 from zerofn.zero.compressed_exchange import (
     CompressedExchange,
     compressed_exchange,
@@ -43,12 +49,6 @@ from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.options import ZeroOptions
 from zerofn.zero.params import hyperparameters
 from zerofn.zero.plan import ShardPlan, with_trainable
-from zerofn.zero.redundancy import (
-    CarriedShard,
-    carried_shard,
-    hand_carried_grads,
-    step_carried,
-)
 from zerofn.zero.shards import Shards, shards_for
 from zerofn.zero.step import Compressed, LocalStep, finish_masters
 

@@ -10,11 +10,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
-from zerofn.zero.masters import Masters, with_masters, without_masters
+from zerofn.zero.masters import with_masters, without_masters
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
 from zerofn.zero.partition import Piece
+from zerofn.zero.piece_state import load_states, whole_pieces
 from zerofn.zero.rank import ZeroRank, copy_hyperparameters, flat_params
 from zerofn.zero.shard_state import consolidate, shard
 
@@ -24,7 +24,6 @@ __all__ = [
     "held_pieces",
     "joined_state",
     "load_global_state",
-    "load_states",
     "local_state_cpu",
     "local_state_dict",
     "regroup",
@@ -46,13 +45,12 @@ def cpu_copy(value: Any) -> Any:
 
 def held_pieces(rank: ZeroRank) -> tuple[Piece, ...]:
     """The parameter elements whose optimizer state ``rank`` holds: those it
-    owns, then (``redundancy=2``) the whole parameters of the shard it
-    carries. A load restores all of them."""
+    owns, then (``redundancy=2``) those of the shard it carries. A load
+    restores all of them."""
     owned = rank.plan.partition.pieces_of(rank.options.rank)
     if rank.carried is None:
         return owned
-    params = rank.plan.partition.sizes
-    return owned + tuple(Piece(i, 0, params[i]) for i in rank.carried.indices)
+    return owned + rank.carried.pieces
 
 
 def local_state_dict(rank: ZeroRank) -> StateDict:
@@ -129,30 +127,12 @@ def load_global_state(
     _load_masters(rank, groups, masters)
     if rank.carried is not None:  # the carried copy is the owner's state again
         carried = rank.carried
-        load_states(carried.optim, carried.indices, state_dict["state"], carried.masters)
+        sizes = [p.numel() for p in flat_params(groups)]
+        known = whole_pieces(state_dict["state"], sizes)
+        load_states(carried.optim, carried.pieces, known, carried.masters)
     for live, saved in zip(groups, state_dict["param_groups"], strict=True):
         live.update(hyperparameters(saved))
     copy_hyperparameters(groups, optim.param_groups)
-
-
-def load_states(
-    optim: Optimizer,
-    indices: Sequence[int],
-    states: Mapping[int, Mapping[str, Any]],
-    masters: Masters | None = None,
-) -> None:
-    """Load ``optim`` (over one whole tensor per parameter of ``indices``, in
-    that order) with copies of ``states`` (per-parameter states by global
-    index; one not there starts fresh). With ``masters`` (over the same
-    tensors) each state's ``"master_param"`` becomes its master's value; a
-    master without one is copied up from its parameter."""
-    saved = optim.state_dict()
-    chosen = {local: states[i] for local, i in enumerate(indices) if i in states}
-    rest, found = without_masters({"state": chosen, "param_groups": saved["param_groups"]})
-    saved["state"] = cpu_copy(rest["state"])
-    optim.load_state_dict(saved)
-    if masters is not None:
-        masters.load(found)
 
 
 def _load_masters(

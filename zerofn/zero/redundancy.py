@@ -1,40 +1,41 @@
-"""Every ZeRO shard kept on two ranks: who carries whose shard, the carried
-copy a rank steps beside its own, and the plan after ranks are lost.
+"""Every ZeRO shard kept on two ranks, and the plan when the world changes.
 
-With ``redundancy=2`` rank ``r``'s shard (its optimizer state) lives on ``r``
-and on its *carrier* ``(r + 1) % world_size``; so every rank carries exactly
-one extra share, and never its own. The plain step already hands every rank
-the whole averaged gradient (DDP's all-reduce), so the carrier steps its copy
-from gradients it holds, with the owner's arithmetic on tensors of the
-owner's shapes: the two copies stay bitwise equal and nothing extra is sent.
-With master copies (``master_dtype``) the carried tensors are masters too,
-kept from step to step as the owner keeps its own (a parameter's low
-precision cannot restore them), and handed the same upcast, unscaled and
-clipped gradients.
+With ``redundancy=2`` each rank's shard lives on it and on its carrier (the
+next rank, round), which steps a copy beside its own shard
+(:mod:`zerofn.zero.carried`). When ranks are lost, :func:`plan_after_loss`
+is the whole decision, a pure function of the old plan and the lost ranks:
+each survivor keeps what it owned, each lost shard goes to a survivor next to
+it, and the new carriers (ring order among the survivors) get copies of what
+they do not hold yet (:class:`Move`), the fewest the ring allows. When ranks
+join, :func:`plan_after_join` gives them their shares and the copies that
+give them their shards and restore the ring.
 
-When ranks are lost, :func:`plan_after_loss` is the whole decision, a pure
-function of the old plan and the lost ranks: each survivor keeps what it owned,
-each lost shard goes to its carrier (which already holds its state), and the
-new carriers (ring order among the survivors) get copies of what they do not
-hold yet (:class:`Move`), the fewest the ring allows. When ranks join,
-:func:`plan_after_join` gives them whole parameters from the heaviest ranks
-and the copies that give them their shards and restore the ring.
-
-Whole-tensor partitions (greedy, balanced, manual) only: a flat shard's
-chunks are views of the owner's exchange buffer, which a carrier has no copy of.
+Under a whole-tensor partition (greedy, balanced, manual) a lost shard goes
+to its carrier, which holds it. Under a flat one each rank owns one element
+range, in rank order, so a lost range joins a neighbour's: its carrier's (the
+next rank, whose range it precedes), except the last rank's, which joins its
+predecessor's, the one neighbour it has; that predecessor is then sent the
+range's state and its updated values by the carrier (rank 0). A join cuts
+the flat space evenly again and moves what each range's new owner and
+carrier lack.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import attrs
-import torch
 
-from zerofn.zero.masters import Masters
-from zerofn.zero.params import hyperparameters
-from zerofn.zero.partition import FlatPartition, Partition
+from zerofn.zero.carried import (
+    CarriedShard,
+    carried_owner,
+    carried_shard,
+    carrier_of,
+    hand_carried_grads,
+    reseed_carried,
+    step_carried,
+)
+from zerofn.zero.partition import FlatPartition, Partition, Piece, flat_partition
 from zerofn.zero.plan import ShardPlan
 
 __all__ = [
@@ -53,39 +54,16 @@ __all__ = [
 ]
 
 
-def carrier_of(rank: int, world_size: int) -> int:
-    """The rank that carries a copy of ``rank``'s shard: the next one, round.
-
-    Raises:
-        ValueError: a world of one rank (no other rank can carry anything).
-    """
-    if world_size < 2:
-        raise ValueError(
-            "redundancy=2 needs at least 2 ranks: a shard needs another rank to carry it"
-        )
-    return (rank + 1) % world_size
-
-
-def carried_owner(rank: int, world_size: int) -> int:
-    """The rank whose shard ``rank`` carries: the previous one, round."""
-    if world_size < 2:
-        raise ValueError(
-            "redundancy=2 needs at least 2 ranks: a shard needs another rank to carry it"
-        )
-    return (rank - 1) % world_size
-
-
 def check_redundancy(
-    redundancy: int, world_size: int, partition: object, *, compressed: bool,
-    overlap_with_ddp: bool,
-) -> None:  # fmt: skip
+    redundancy: int, world_size: int, *, compressed: bool, overlap_with_ddp: bool
+) -> None:
     """Refuse a ``redundancy`` the optimizer cannot keep, before anything is built.
 
     Raises:
         ValueError: ``redundancy`` other than 1 or 2; 2 with one rank, with a
-            flat partition, with a compressed exchange, or with
-            ``overlap_with_ddp`` (the reduced gradients reach the owners
-            only, so a carrier would need bytes sent to it too).
+            compressed exchange, or with ``overlap_with_ddp`` (the reduced
+            gradients reach the owners only, so a carrier would need bytes
+            sent to it too).
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (every shard on its owner) or 2, got {redundancy}")
@@ -94,11 +72,6 @@ def check_redundancy(
     why = None
     if world_size < 2:
         why = "one rank has no other rank to carry its shard"
-    elif partition == "flat":
-        why = (
-            "a flat shard's chunks are views of its owner's exchange buffer; "
-            "use partition='greedy' or 'balanced'"
-        )
     elif compressed:
         why = (
             "the compressed exchange sends differences, and a survivor that applied a lost "
@@ -114,135 +87,27 @@ def check_redundancy(
         raise ValueError(f"redundancy=2 is not available here: {why}")
 
 
-@attrs.frozen(eq=False)
-class CarriedShard:
-    """A copy of another rank's shard, stepped beside the owner's.
-
-    Without master copies its tensors are the parameters' values, refreshed
-    from the live parameters before each step (they are equal on every rank
-    then). With them, its tensors are the owner's masters, kept here from
-    step to step; ``masters`` pairs them with the parameters, for gradients
-    going up and (when the owner is lost) values coming down.
-
-    Attributes:
-        owner: the rank whose shard this is.
-        indices: the global indices of its parameters, in the owner's local order.
-        optim: the carried optimizer, over one tensor per parameter; its
-            state is the owner's, bit for bit.
-        masters: the carried masters over the parameters (``None``: no masters).
-    """
-
-    owner: int
-    indices: tuple[int, ...]
-    optim: torch.optim.Optimizer
-    masters: Masters | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The carried tensors, in the owner's local order."""
-        return [t for g in self.optim.param_groups for t in g["params"]]
-
-
-def carried_shard(
-    plan: ShardPlan,
-    rank: int,
-    groups: Sequence[dict[str, Any]],
-    optimizer_class: type[torch.optim.Optimizer],
-    defaults: dict[str, Any],
-    master_dtype: torch.dtype | None = None,
-) -> CarriedShard:
-    """The copy ``rank`` carries under ``plan``: the shard of
-    :func:`carried_owner`, over fresh copies of its parameters (in
-    ``master_dtype``, if given: the owner's masters as it makes them),
-    grouped as the owner's local optimizer groups them (same options, same order)."""
-    partition = _whole_tensor_partition(plan)
-    owner = carried_owner(rank, partition.world_size)
-    params = [p for g in groups for p in g["params"]]
-
-    def copy(i: int) -> torch.Tensor:
-        copied: torch.Tensor = params[i].detach().to(master_dtype or params[i].dtype, copy=True)
-        return copied
-
-    local_groups = [
-        {**hyperparameters(g), "params": [copy(i) for i in indices]}
-        for g, indices in zip(groups, partition.assignment[owner], strict=True)
-    ]
-    optim = optimizer_class(local_groups, **defaults)
-    indices = partition.params_of(owner)
-    masters = None
-    if master_dtype is not None:
-        copies = tuple(t for g in local_groups for t in g["params"])
-        masters = Masters(tuple(params[i] for i in indices), copies, master_dtype)
-    return CarriedShard(owner, indices, optim, masters)
-
-
-def hand_carried_grads(
-    carried: CarriedShard, params: Sequence[torch.Tensor], unscale: float = 1.0
-) -> None:
-    """Give the carried masters their parameters' gradients as the owner's
-    masters get them (upcast, times ``unscale``; one that has a gradient
-    keeps it). Without masters nothing is handed before the step."""
-    if carried.masters is not None:
-        carried.masters.hand_grads([params[i].grad for i in carried.indices], unscale)
-
-
-def step_carried(carried: CarriedShard, params: Sequence[torch.Tensor]) -> None:
-    """Step the carried copy as its owner steps its shard, with the same
-    gradients: the parameters' (DDP's average, on every rank), or with
-    masters the ones handed to them (:func:`hand_carried_grads`, clipped as
-    the owner's were). Without masters its values are first set to the
-    parameters' (equal on every rank before the step). A parameter without a
-    gradient sits out, as it does on the owner."""
-    if carried.masters is not None:
-        hand_carried_grads(carried, params)
-        carried.optim.step()
-        carried.masters.drop_grads()
-        return
-    with torch.no_grad():
-        for tensor, index in zip(carried.tensors(), carried.indices, strict=True):
-            tensor.copy_(params[index])
-            grad = params[index].grad
-            tensor.grad = None if grad is None else grad.clone()
-    carried.optim.step()
-    for tensor in carried.tensors():
-        tensor.grad = None
-
-
-def reseed_carried(
-    carried: CarriedShard, params: Sequence[torch.Tensor], *, keep_consistent: bool = False
-) -> None:
-    """Take the carried values from the parameters after a write from
-    outside the step, as the owner re-derives its own (``keep_consistent``:
-    see :meth:`~zerofn.zero.masters.Masters.reseed`)."""
-    if carried.masters is not None:
-        carried.masters.reseed(keep_consistent=keep_consistent)
-        return
-    with torch.no_grad():
-        for tensor, index in zip(carried.tensors(), carried.indices, strict=True):
-            tensor.copy_(params[index])
-
-
-def _whole_tensor_partition(plan: ShardPlan) -> Partition:
-    if isinstance(plan.partition, FlatPartition):
-        raise ValueError("redundancy=2 needs a whole-tensor partition (greedy, balanced or manual)")
-    return plan.partition
-
-
 @attrs.frozen
 class Move:
     """A copy of optimizer state one rank sends another when the world
-    changes: the state of ``indices`` (global), from a rank that holds it to
-    the rank that needs it (its new owner, a joiner, or its new carrier;
-    ranks of the new world).
+    changes: the state of ``pieces``, from a rank that holds it to the rank
+    that needs it (its new owner, a joiner, or its new carrier; ranks of the
+    new world).
 
     Attributes:
-        indices: the parameters whose optimizer state travels.
+        pieces: the parameters (whole, under a whole-tensor partition) or
+            element ranges (flat) whose optimizer state travels.
         source: the sending rank (new group).
         target: the receiving rank (new group).
+        values: the parameters' values for ``pieces`` travel too: the target
+            becomes their owner without holding their last update (a lost
+            last rank's range, under a flat partition).
     """
 
-    indices: tuple[int, ...]
+    pieces: tuple[Piece, ...]
     source: int
     target: int
+    values: bool = False
 
 
 @attrs.frozen
@@ -253,10 +118,10 @@ class Regrouping:
     Attributes:
         old_ranks: per new rank, the old rank it was (``None``: a joiner);
             after a loss, the survivors in order.
-        plan: the new world's plan (mode ``"manual"``): after a loss each
-            survivor keeps what it owned and each lost shard goes to its
-            carrier; after a join the joiners take parameters from the
-            heaviest ranks.
+        plan: the new world's plan (mode ``"manual"``, or ``"flat"``): after
+            a loss each survivor keeps what it owned and each lost shard goes
+            to a survivor next to it; after a join the joiners take their
+            shares.
         moves: the copies of optimizer state that restore redundancy (and,
             after a join, give the joiners their shards).
     """
@@ -281,28 +146,13 @@ class Regrouping:
         return self.old_ranks.index(old_rank)
 
 
-def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
-    """The plan, and the copies to send, after the ranks ``lost`` are gone.
+def _whole(partition: Partition, indices: Iterable[int]) -> tuple[Piece, ...]:
+    sizes = partition.sizes
+    return tuple(Piece(i, 0, sizes[i]) for i in indices)
 
-    Args:
-        plan: the plan every survivor trained under (``redundancy=2``).
-        lost: the old ranks that are gone.
 
-    Returns:
-        The :class:`Regrouping`: survivors keep their shards, a lost rank's
-        shard goes to its carrier, and each new owner's whole shard reaches
-        its new carrier: a move for each part the carrier does not already
-        hold (what it owned or carried before).
-
-    Raises:
-        ValueError: a lost rank's carrier is lost too (its state exists
-            nowhere: restart from a checkpoint), fewer than two survivors
-            (no redundancy to keep), or a rank outside the world. Nobody
-            lost (a transient failure) gives the same world again: the same
-            owners and carriers, no moves.
-    """
-    partition = _whole_tensor_partition(plan)
-    world = partition.world_size
+def _check_loss(world: int, lost: Iterable[int]) -> tuple[list[int], tuple[int, ...]]:
+    """The lost ranks (sorted) and the survivors, or a refusal."""
     gone = sorted(set(lost))
     if any(not 0 <= r < world for r in gone):
         raise ValueError(f"lost ranks {gone} are not all ranks of a world of {world}")
@@ -315,6 +165,35 @@ def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
     survivors = tuple(r for r in range(world) if r not in gone)
     if len(survivors) < 2:
         raise ValueError(f"only rank {survivors} survives: redundancy=2 needs 2 ranks to go on")
+    return gone, survivors
+
+
+def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
+    """The plan, and the copies to send, after the ranks ``lost`` are gone.
+
+    Args:
+        plan: the plan every survivor trained under (``redundancy=2``).
+        lost: the old ranks that are gone.
+
+    Returns:
+        The :class:`Regrouping`: survivors keep their shards, a lost rank's
+        shard goes to its carrier (under a flat partition the last rank's
+        goes to its predecessor, with its values), and each new owner's
+        whole shard reaches its new carrier: a move for each part the
+        carrier does not already hold (what it owned or carried before).
+
+    Raises:
+        ValueError: a lost rank's carrier is lost too (its state exists
+            nowhere: restart from a checkpoint), fewer than two survivors
+            (no redundancy to keep), or a rank outside the world. Nobody
+            lost (a transient failure) gives the same world again: the same
+            owners and carriers, no moves.
+    """
+    if isinstance(plan.partition, FlatPartition):
+        return _flat_after_loss(plan, plan.partition, lost)
+    partition = plan.partition
+    world = partition.world_size
+    gone, survivors = _check_loss(world, lost)
     # Old shards each new rank owns: its own, and any lost one it carried.
     taken = [[old] + [r for r in gone if carrier_of(r, world) == old] for old in survivors]
     assignment = tuple(
@@ -330,9 +209,9 @@ def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
     for j, olds in enumerate(taken):
         target = carrier_of(j, len(survivors))
         held = {survivors[target], carried_owner(survivors[target], world)}
-        missing = tuple(i for old in olds if old not in held for i in partition.params_of(old))
+        missing = [i for old in olds if old not in held for i in partition.params_of(old)]
         if missing:
-            moves.append(Move(missing, j, target))
+            moves.append(Move(_whole(partition, missing), j, target))
     return Regrouping(survivors, new_plan, tuple(moves))
 
 
@@ -377,18 +256,24 @@ def plan_after_join(plan: ShardPlan, joiners: int) -> Regrouping:
         joiners: how many ranks join.
 
     Returns:
-        The :class:`Regrouping`: every running rank keeps its rank; each
-        joiner takes whole parameters from the heaviest ranks while one fits
-        under the new average load (each move lightens a donor and never
-        makes it lighter than the joiner); then every shard goes to its
-        carrier under the new ring, where the carrier does not hold it already.
+        The :class:`Regrouping`: every running rank keeps its rank. Under a
+        whole-tensor partition each joiner takes whole parameters from the
+        heaviest ranks while one fits under the new average load (each move
+        lightens a donor and never makes it lighter than the joiner); under
+        a flat one the flat space is cut evenly again. Then every shard goes
+        to its carrier under the new ring, where the carrier does not hold
+        it already.
 
     Raises:
         ValueError: fewer than one joiner.
     """
-    partition = _whole_tensor_partition(plan)
     if joiners < 1:
         raise ValueError(f"plan_after_join needs at least one joiner, got {joiners}")
+    old_ranks: tuple[int | None, ...] = (*range(plan.world_size), *([None] * joiners))
+    if isinstance(plan.partition, FlatPartition):
+        grown = flat_partition(plan.partition.group_sizes, plan.world_size + joiners)
+        return _flat_regrouping(plan, plan.partition, old_ranks, grown.bounds, ())
+    partition = plan.partition
     world = partition.world_size
     size = world + joiners
     empty: list[list[int]] = [[] for _ in partition.group_sizes]
@@ -415,8 +300,99 @@ def plan_after_join(plan: ShardPlan, joiners: int) -> Regrouping:
             for i in missing:  # from the old owner, who holds its state
                 by_source.setdefault(partition.owners[i], []).append(i)
             moves += [
-                Move(tuple(indices), source, target_rank)
+                Move(_whole(partition, indices), source, target_rank)
                 for source, indices in sorted(by_source.items())
             ]
-    old_ranks: tuple[int | None, ...] = (*range(world), *([None] * joiners))
     return Regrouping(old_ranks, new_plan, tuple(moves))
+
+
+# ----- flat partitions: element ranges ------------------------------------------------
+
+Span = tuple[int, int]
+"""Elements ``[lo, hi)`` of the flat space (all parameters, back to back)."""
+
+
+def _flat_after_loss(plan: ShardPlan, partition: FlatPartition, lost: Iterable[int]) -> Regrouping:
+    """:func:`plan_after_loss` under a flat partition: each lost range joins
+    its carrier's (the next range), the last rank's its predecessor's."""
+    world = partition.world_size
+    gone, survivors = _check_loss(world, lost)
+    # Dropping the bound between two ranges joins them.
+    dropped = {r + 1 if r < world - 1 else r for r in gone}
+    bounds = tuple(b for k, b in enumerate(partition.bounds) if k not in dropped)
+    return _flat_regrouping(plan, partition, survivors, bounds, gone)
+
+
+def _flat_regrouping(
+    plan: ShardPlan,
+    old: FlatPartition,
+    old_ranks: Sequence[int | None],
+    bounds: tuple[int, ...],
+    gone: Sequence[int],
+) -> Regrouping:
+    """The regrouping to the flat plan of ``bounds`` (one range per new
+    rank): each new rank is sent the state of what it now owns and carries
+    and does not hold (its old range and the range it carried), from the
+    old owner if it is there, else from that owner's carrier; a range whose
+    owner changed to a rank that did not carry it travels with its values."""
+    size, world = len(old_ranks), old.world_size
+    new = FlatPartition(size, old.group_sizes, bounds)
+
+    def span(part: FlatPartition, rank: int) -> Span:
+        return part.bounds[rank], part.bounds[rank + 1]
+
+    def held(old_rank: int | None) -> list[Span]:
+        if old_rank is None:
+            return []
+        return [span(old, old_rank), span(old, carried_owner(old_rank, world))]
+
+    def holder(old_owner: int) -> int:  # the new rank that sends old_owner's range
+        source = old_owner if old_owner not in gone else carrier_of(old_owner, world)
+        return list(old_ranks).index(source)
+
+    moves = []
+    for rank, was in enumerate(old_ranks):
+        needs = [(span(new, rank), True), (span(new, carried_owner(rank, size)), False)]
+        for needed, owns in needs:
+            for lo, hi in _minus(needed, held(was)):
+                for old_owner, a, b in _by_owner(old, lo, hi):
+                    pieces = _pieces(old.sizes, a, b)
+                    values = owns and old_owner in gone
+                    moves.append(Move(pieces, holder(old_owner), rank, values))
+    return Regrouping(
+        tuple(old_ranks), ShardPlan("flat", new, plan.keys, plan.trainable), tuple(moves)
+    )
+
+
+def _minus(needed: Span, held: Sequence[Span]) -> list[Span]:
+    """The parts of ``needed`` that no span of ``held`` covers, in order."""
+    parts = [needed]
+    for h_lo, h_hi in held:
+        parts = [
+            piece
+            for lo, hi in parts
+            for piece in ((lo, min(hi, h_lo)), (max(lo, h_hi), hi))
+            if piece[0] < piece[1]
+        ]
+    return sorted(parts)
+
+
+def _by_owner(partition: FlatPartition, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``[lo, hi)`` cut where the ranges of ``partition`` meet: (owner, lo, hi)."""
+    out = []
+    for rank in range(partition.world_size):
+        a, b = max(lo, partition.bounds[rank]), min(hi, partition.bounds[rank + 1])
+        if a < b:
+            out.append((rank, a, b))
+    return out
+
+
+def _pieces(sizes: Sequence[int], lo: int, hi: int) -> tuple[Piece, ...]:
+    """The pieces of parameters that elements ``[lo, hi)`` of the flat space are."""
+    pieces, start = [], 0
+    for index, n in enumerate(sizes):
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            pieces.append(Piece(index, a - start, b - start))
+        start += n
+    return tuple(pieces)

@@ -18,85 +18,88 @@ import attrs
 import torch
 
 from zerofn.comm import AllGatherObjects, Program
-from zerofn.zero.precision import MASTER_KEY
+from zerofn.zero.carried import write_pieces
+from zerofn.zero.partition import Piece
+from zerofn.zero.piece_state import ParamState, PieceStates, load_states, state_of, states_by_piece
 from zerofn.zero.rank import ZeroRank, flat_params, placed_rank
-from zerofn.zero.rank_state import load_states
-from zerofn.zero.redundancy import Regrouping, carried_owner
+from zerofn.zero.redundancy import Regrouping
 from zerofn.zero.step import run_zero_step
 
 __all__ = [
+    "VALUE_KEY",
     "Outbox",
-    "ParamState",
     "adopt_carried_values",
     "carried_states",
     "known_states",
     "outgoing_states",
     "regroup_program",
     "regrouped",
+    "take_moved_values",
 ]
 
-ParamState = dict[str, Any]
-"""One parameter's optimizer state, as ``torch.optim`` keeps it."""
+Outbox = dict[int, PieceStates]
+"""What one rank sends when the world changes: per target rank, the state
+of each piece moved to it."""
 
-Outbox = dict[int, dict[int, ParamState]]
-"""What one rank sends when the world changes: per target rank, the state of
-each parameter moved to it."""
-
-
-def _copied(state: Mapping[str, Any]) -> ParamState:
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+VALUE_KEY = "zerofn_moved_value"
+"""Where a moved piece's parameter values ride with its state, for a target
+that becomes its owner without holding its last update (never in a
+checkpoint: :func:`regroup_program` writes them into the parameters)."""
 
 
-def _states_by_global(
-    optim: torch.optim.Optimizer, indices: Sequence[int], masters: bool
-) -> dict[int, Any]:
-    """Copies of ``optim``'s per-parameter states by global index; with
-    ``masters`` (its tensors are master copies) each with its master's value."""
-    local = [t for g in optim.param_groups for t in g["params"]]
-    known = {}
-    for index, tensor in zip(indices, local, strict=True):
-        state = _copied(optim.state.get(tensor, {}))
-        if masters:
-            state[MASTER_KEY] = tensor.detach().clone()
-        if state:
-            known[index] = state
-    return known
-
-
-def known_states(rank: ZeroRank) -> dict[int, ParamState]:
-    """Every parameter's optimizer state this rank holds (copies), by global
-    index: its own shard's and the carried shard's, each with its master's
-    value under ``"master_param"`` where there are master copies. A
-    parameter never stepped has no optimizer state."""
-    partition = rank.plan.partition
-    own = partition.params_of(rank.options.rank)  # type: ignore[union-attr]
-    known = _states_by_global(rank.optim, own, rank.masters is not None)
+def known_states(rank: ZeroRank, params: Sequence[torch.Tensor]) -> PieceStates:
+    """Every optimizer state this rank holds (copies), by the piece each
+    belongs to: its own shard's and the carried shard's, each with its
+    master's value under ``"master_param"`` where there are master copies.
+    A tensor never stepped has no optimizer state."""
+    sources = rank.shards.local_sources(params)
+    pieces = [None if s is None else Piece(s[0], s[1], s[1] + s[2]) for s in sources]
+    known = states_by_piece(rank.optim, pieces, rank.masters is not None)
     known.update(carried_states(rank))
     return known
 
 
-def carried_states(rank: ZeroRank) -> dict[int, ParamState]:
-    """The carried copy's per-parameter states (copies), by global index,
-    with their masters' values where there are master copies; empty
-    without a carried copy."""
+def carried_states(rank: ZeroRank) -> PieceStates:
+    """The carried copy's states (copies), by piece, with their masters'
+    values where there are master copies; empty without a carried copy."""
     carried = rank.carried
     if carried is None:
         return {}
-    return _states_by_global(carried.optim, carried.indices, carried.masters is not None)
+    return states_by_piece(carried.optim, carried.pieces, carried.masters is not None)
 
 
 def outgoing_states(
-    regrouping: Regrouping, new_rank: int, known: Mapping[int, ParamState]
-) -> dict[int, dict[int, ParamState]]:
+    regrouping: Regrouping,
+    new_rank: int,
+    known: Mapping[Piece, ParamState],
+    params: Sequence[torch.Tensor],
+) -> Outbox:
     """What ``new_rank`` sends to restore redundancy: per target rank, the
-    state of each moved parameter (one never stepped has none to send)."""
-    out: dict[int, dict[int, ParamState]] = {}
+    state of each moved piece (one never stepped has none to send), with
+    its parameter values where the move says so (under :data:`VALUE_KEY`)."""
+    out: Outbox = {}
     for move in regrouping.moves:
-        if move.source == new_rank:
-            out.setdefault(move.target, {}).update(
-                {i: known[i] for i in move.indices if i in known}
-            )
+        if move.source != new_rank:
+            continue
+        box = out.setdefault(move.target, {})
+        for piece in move.pieces:
+            state = state_of(known, piece, (piece.numel,))
+            entry = {} if state is None else dict(state)
+            if move.values:
+                flat = params[piece.param].detach().reshape(-1)
+                entry[VALUE_KEY] = flat[piece.start : piece.stop].clone()
+            if entry:
+                box[piece] = entry
     return out
+
+
+def take_moved_values(known: PieceStates, params: Sequence[torch.Tensor]) -> None:
+    """Write the parameter values that rode with moved states into the
+    parameters, and take them out of ``known`` (written in place)."""
+    moved = {piece: state.pop(VALUE_KEY) for piece, state in known.items() if VALUE_KEY in state}
+    write_pieces(params, list(moved), list(moved.values()))
+    for piece in [p for p, state in known.items() if not state]:
+        del known[piece]
 
 
 def adopt_carried_values(rank: ZeroRank, params: Sequence[torch.Tensor], lost: int) -> None:
@@ -106,9 +109,7 @@ def adopt_carried_values(rank: ZeroRank, params: Sequence[torch.Tensor], lost: i
     carried = rank.carried
     if carried is None or carried.owner != lost:
         return
-    with torch.no_grad():
-        for tensor, index in zip(carried.tensors(), carried.indices, strict=True):
-            params[index].copy_(tensor)
+    write_pieces(params, carried.pieces, carried.tensors())
 
 
 def regrouped(
@@ -116,29 +117,27 @@ def regrouped(
     groups: Sequence[dict[str, Any]],
     regrouping: Regrouping,
     new: int,
-    known: Mapping[int, ParamState],
+    known: Mapping[Piece, ParamState],
 ) -> ZeroRank:
     """This rank as rank ``new`` of the regrouped world (a survivor, a
     running rank the world grew around, or a joiner): its options' rank and
     world size the new ones, its local optimizer holding the state of every
-    parameter it now owns and its carried copy that of the new carried
-    owner, all from ``known`` (its own, and what it received), master
-    values too.
+    piece it now owns and its carried copy that of the new carried owner,
+    all from ``known`` (its own, and what it received), master values too.
 
-    A parameter whose state is nowhere in ``known`` starts fresh, as one
-    never stepped does (its state exists nowhere to be had).
+    A piece whose state is nowhere in ``known`` starts fresh, as one never
+    stepped does (its state exists nowhere to be had).
     """
     world = len(regrouping.old_ranks)
     options = attrs.evolve(rank.options, rank=new, world_size=world)
     fresh = placed_rank(
         groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True
     )
-    partition = regrouping.plan.partition
-    own = partition.params_of(new)  # type: ignore[union-attr]
+    sources = fresh.shards.local_sources(flat_params(groups))
+    own = [None if s is None else Piece(s[0], s[1], s[1] + s[2]) for s in sources]
     load_states(fresh.optim, own, known, fresh.masters)
     if fresh.carried is not None:
-        carried = partition.params_of(carried_owner(new, world))  # type: ignore[union-attr]
-        load_states(fresh.carried.optim, carried, known, fresh.carried.masters)
+        load_states(fresh.carried.optim, fresh.carried.pieces, known, fresh.carried.masters)
     return fresh
 
 
@@ -177,10 +176,11 @@ def regroup_program(
         lost = [r for r in range(rank.options.world_size) if r not in regrouping.survivors]
         for gone in lost:
             adopt_carried_values(rank, params, gone)
-    known = known_states(rank)
-    (every,) = yield AllGatherObjects(outgoing_states(regrouping, new, known))
+    known = known_states(rank, params)
+    (every,) = yield AllGatherObjects(outgoing_states(regrouping, new, known, params))
     for outbox in cast(list[Outbox], every):
         known.update(outbox.get(new, {}))
+    take_moved_values(known, params)
     fresh = regrouped(rank, groups, regrouping, new, known)
     if finish_step:
         yield from run_zero_step(fresh.shards, params, fresh.options.via, lambda _: None)

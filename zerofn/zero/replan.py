@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from zerofn.zero.arguments import plan_for
+from zerofn.zero.carried import CarriedShard, carried_shard
 from zerofn.zero.params import StateDict, hyperparameters
+from zerofn.zero.piece_state import load_states
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import (
     ZeroRank,
@@ -18,8 +20,7 @@ from zerofn.zero.rank import (
     flat_params,
     placed_rank,
 )
-from zerofn.zero.rank_state import load_global_state, load_states, local_state_dict, regroup
-from zerofn.zero.redundancy import CarriedShard, carried_shard
+from zerofn.zero.rank_state import load_global_state, local_state_dict, regroup
 from zerofn.zero.regroup import carried_states
 
 __all__ = ["sharded_by_owners", "with_added_group"]
@@ -71,7 +72,7 @@ def _grown_carried(rank: ZeroRank, groups: list[dict[str, Any]], plan: ShardPlan
         plan, options.rank, groups, options.optimizer_class, options.defaults,
         options.master_dtype,
     )  # fmt: skip
-    load_states(carried.optim, carried.indices, carried_states(rank), carried.masters)
+    load_states(carried.optim, carried.pieces, carried_states(rank), carried.masters)
     return carried
 
 

@@ -25,7 +25,7 @@ import torch
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
 from zerofn.zero.partition import FlatPartition, Partition, Piece
 
-__all__ = ["StateDict", "consolidate", "shard", "validate_global"]
+__all__ = ["StateDict", "consolidate", "is_elementwise", "shard", "validate_global"]
 
 
 def _check_local_count(partition: Partition | FlatPartition, local: Sequence[StateDict]) -> None:
@@ -168,7 +168,10 @@ def shard(partition: Partition | FlatPartition, state_dict: StateDict, rank: int
 _SCALAR_STATE_NAMES = frozenset({"step", "mu_product", "eta", "mu"})
 
 
-def _is_elementwise(value: Any, name: str = "", param_numel: int = -1) -> bool:
+def is_elementwise(value: Any, name: str = "", param_numel: int = -1) -> bool:
+    """Whether ``value`` (state entry ``name`` of a parameter of
+    ``param_numel`` elements) holds one value per element, rather than one
+    per parameter (a step count)."""
     if not isinstance(value, torch.Tensor):
         return False
     return value.dim() > 0 or (param_numel == 1 and name not in _SCALAR_STATE_NAMES)
@@ -201,7 +204,7 @@ def _consolidate_flat(
         first = parts[0][1]
         joined_entry: dict[str, Any] = {}
         for name, value in first.items():
-            if not _is_elementwise(value):
+            if not is_elementwise(value):
                 # Each parameter gets its own copy: an optimizer loading this
                 # state must not find one step counter shared by many params.
                 joined_entry[name] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -237,7 +240,7 @@ def _shard_flat(
         first = global_state[pieces[0].param]
         entry: dict[str, Any] = {}
         for name, value in first.items():
-            if not _is_elementwise(value, name, partition.sizes[pieces[0].param]):
+            if not is_elementwise(value, name, partition.sizes[pieces[0].param]):
                 entry[name] = value
                 continue
             entry[name] = torch.cat(

@@ -47,6 +47,9 @@ __all__ = [
     "Shards",
     "WholeTensorShards",
     "build_buffers",
+    "chunking",
+    "flat_grads",
+    "flat_sources",
     "shards_for",
 ]
 
@@ -198,13 +201,7 @@ class FlatShards(WholeTensorShards):
     ) -> FlatShards:
         """The flat mode's shards, its chunks cut for ``itemsize`` bytes per
         element (``cache_sized``: for the per-tensor CPU loop)."""
-        if len(plan.layouts) > 1:
-            raise AssertionError("a flat partition spans a single device/dtype buffer")
-        if not plan.layouts:
-            raise ValueError("partition='flat' needs at least one parameter that requires grad")
-        assert isinstance(plan.partition, FlatPartition)
-        slots = group_slots(plan.layouts[0], plan.partition, rank)
-        sources = [chunk_sources(mine, itemsize, cache_sized) for mine in slots]
+        sources = flat_sources(plan, rank, itemsize, cache_sized)
         return cls(plan, rank, bucket_view, buffers, sources)
 
     def local_groups(
@@ -225,20 +222,11 @@ class FlatShards(WholeTensorShards):
     def local_grads(
         self, params: Sequence[torch.Tensor], local: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None]:
-        """Views of the parameters' gradients, one per local tensor. A group
-        none of whose parameters has a gradient sits the step out; within a
-        group, a parameter without one counts as zeros."""
+        """Views of the parameters' gradients, one per local tensor (see
+        :func:`flat_grads`; an empty group's placeholder gets none)."""
         out: list[torch.Tensor | None] = []
         for sources in self.sources:
-            if not sources or all(params[param].grad is None for param, _, _ in sources):
-                out.extend([None] * max(1, len(sources)))
-                continue
-            for param, start, numel in sources:
-                grad = params[param].grad
-                if grad is None:
-                    out.append(params[param].new_zeros(numel))
-                else:
-                    out.append(grad.detach().reshape(-1)[start : start + numel])
+            out.extend(flat_grads(sources, params) if sources else [None])
         return out
 
     def local_sources(self, params: Sequence[torch.Tensor]) -> list[ChunkSource | None]:
@@ -282,6 +270,54 @@ Shards = WholeTensorShards
 """Any of the three modes (the two others refine the whole-tensor one)."""
 
 
+def flat_sources(
+    plan: ShardPlan, rank: int, itemsize: int, cache_sized: bool
+) -> list[tuple[ChunkSource, ...]]:
+    """Per param group, what each tensor ``rank``'s local optimizer steps
+    under a flat ``plan`` holds (see :func:`~zerofn.zero.chunks.chunk_sources`):
+    the owner's, and its carrier's copy's, cut alike."""
+    if len(plan.layouts) > 1:
+        raise AssertionError("a flat partition spans a single device/dtype buffer")
+    if not plan.layouts:
+        raise ValueError("partition='flat' needs at least one parameter that requires grad")
+    assert isinstance(plan.partition, FlatPartition)
+    slots = group_slots(plan.layouts[0], plan.partition, rank)
+    return [chunk_sources(mine, itemsize, cache_sized) for mine in slots]
+
+
+def flat_grads(
+    sources: Sequence[ChunkSource], params: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """One param group's gradients for the tensors ``sources`` name: views
+    of the parameters' gradients. A group none of whose parameters has a
+    gradient sits the step out (all ``None``); within a group, a parameter
+    without one counts as zeros (the group's tensors step together)."""
+    if all(params[param].grad is None for param, _, _ in sources):
+        return [None] * len(sources)
+    out: list[torch.Tensor | None] = []
+    for param, start, numel in sources:
+        grad = params[param].grad
+        if grad is None:
+            out.append(params[param].new_zeros(numel))
+        else:
+            out.append(grad.detach().reshape(-1)[start : start + numel])
+    return out
+
+
+def chunking(
+    params: Sequence[torch.Tensor], step_dtype: torch.dtype, options: Mapping[str, Any]
+) -> tuple[int, bool]:
+    """How a flat shard is cut: the bytes per element the local optimizer
+    steps (``step_dtype``'s), and whether into cache-sized chunks."""
+    # torch.optim's per-tensor loop (the CPU default) steps a flat shard
+    # twice as fast cut into cache-sized chunks; foreach and fused kernels
+    # do not gain from that (see zerofn.zero.chunks).
+    cache_sized = (
+        params[0].device.type == "cpu" and not options.get("foreach") and not options.get("fused")
+    )
+    return torch.empty((), dtype=step_dtype).element_size(), cache_sized
+
+
 def shards_for(
     plan: ShardPlan,
     rank: int,
@@ -314,11 +350,5 @@ def shards_for(
     buffers = build_buffers(plan, params, bucket_view, rebuilt)
     if not isinstance(plan.partition, FlatPartition):
         return WholeTensorShards(plan, rank, bucket_view, buffers)
-    # torch.optim's per-tensor loop (the CPU default) steps a flat shard
-    # twice as fast cut into cache-sized chunks; foreach and fused kernels
-    # do not gain from that (see zerofn.zero.chunks).
-    cache_sized = (
-        params[0].device.type == "cpu" and not options.get("foreach") and not options.get("fused")
-    )
-    itemsize = torch.empty((), dtype=step_dtype).element_size()
+    itemsize, cache_sized = chunking(params, step_dtype, options)
     return FlatShards.build(plan, rank, bucket_view, buffers, itemsize, cache_sized)

@@ -102,9 +102,13 @@ class Heartbeat:
         self._woken: set[threading.Event] = set()
         self._failing: dict[int, torch.futures.Future[Any]] = {}
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # beat now, not at the next interval
+        self._beaten = threading.Condition(self._lock)
+        self._beat_in: tuple[int, int] | None = None  # the world and rank last beaten as
         self._thread = threading.Thread(target=self._run, name="zerofn-heartbeat", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
+        self._await_first_beat()
 
     @property
     def alarm(self) -> str | None:
@@ -134,6 +138,20 @@ class Heartbeat:
         if left != (generation, rank):
             with contextlib.suppress(Exception):  # a store gone: nobody is watching
                 self._store.set(done_key(*left), "")
+        self._await_first_beat()
+
+    def _await_first_beat(self) -> None:
+        """Return once this rank has beaten in its current world (or the
+        thread could not): a rank that died before its first beat there
+        would never be silent, only missing until the roll call's deadline."""
+        self._wake.set()
+        with self._beaten:
+            self._beaten.wait_for(
+                lambda: (
+                    self._beat_in == (self._generation, self._rank) or not self._thread.is_alive()
+                ),
+                timeout=1.0,
+            )
 
     def raise_alarm(self, why: str) -> None:
         """Tell every rank of this world that a collective failed."""
@@ -148,6 +166,7 @@ class Heartbeat:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * BEAT_INTERVAL_S + 1.0)
         with contextlib.suppress(Exception):  # a store gone: nobody is watching
@@ -179,10 +198,14 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
+            self._wake.clear()  # a wake from here on beats again at once
             with self._lock:
                 generation, rank, world_size = self._generation, self._rank, self._world_size
             try:
                 self._store.add(beat_key(generation, rank), 1)
+                with self._beaten:
+                    self._beat_in = (generation, rank)
+                    self._beaten.notify_all()
                 key = alarm_key(generation)
                 if self._alarm is None and self._store.check([key]):
                     self._ring(self._store.get(key).decode(), generation)
@@ -191,7 +214,7 @@ class Heartbeat:
                     self.raise_alarm(f"rank {silent[0]} silent for {WATCH_SILENT_S} s")
             except Exception:  # the store is gone: the job is ending
                 return
-            self._stopped.wait(BEAT_INTERVAL_S)
+            self._wake.wait(BEAT_INTERVAL_S)
 
     def _silent_others(self, generation: int, rank: int, world_size: int) -> tuple[int, ...]:
         """The next rank of this world's ring (each rank watches one, so the

@@ -658,7 +658,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """A hook that runs :meth:`step` on a rank that ran out of inputs, so
-        its collectives match the ranks still training."""
+        its collectives match the ranks still training.
+
+        Raises:
+            ValueError: with ``redundancy=2``: a rank that ran out of inputs
+                steps its shard with the gradients it last had, which its
+                carrier does not hold, so the carried copy would leave its
+                owner's state (raised as ``Join`` is built, before any step).
+        """
+        if self._zero.carried is not None:
+            raise ValueError(
+                "Join (uneven inputs) cannot run a ZeroRedundancyOptimizer with redundancy=2: "
+                "a rank that ran out of inputs steps its shard with the gradients it last had, "
+                "which its carrier does not hold, so the carried copy would leave its owner's "
+                "state; give every rank the same number of batches, or use redundancy=1"
+            )
         return _ZeroJoinHook(self)
 
     @property
