@@ -302,11 +302,14 @@ BEYOND: tuple[Beyond, ...] = (
         _POWERSGD,
         definitions=(
             *_in(
-                "zerofn/hooks/powersgd/state.py",
+                "zerofn/hooks/powersgd/keys.py",
                 "KeyFinder",
                 "tracked",
                 "bucket_keys",
                 "finish_key_iteration",
+            ),
+            *_in(
+                "zerofn/hooks/powersgd/state.py",
                 "UNCLAIMED",
                 "memories",
                 "_check_shape",

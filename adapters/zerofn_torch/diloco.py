@@ -27,15 +27,12 @@ backward; it waits only when the result is due. A failed collective raises
 from __future__ import annotations
 
 import copy
-import gc
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
-from torch.nn.parallel import DistributedDataParallel
 
 from zerofn.diloco.checkpoint import check_layout, consolidate, rank_state_dict, shard
 from zerofn.diloco.compressed_sync import compressed_sync_program
@@ -52,91 +49,26 @@ from zerofn.diloco.outer import (
 from zerofn.diloco.start import agree_program
 from zerofn.diloco.state import DiLoCoState, InFlight, state_from_dict, take_inner_step
 from zerofn.diloco.sync import SyncProgram, run_sync, sync_program
-from zerofn_torch.hooks.default import noop_hook
+from zerofn_torch.diloco_refusals import (
+    NO_JOIN,
+    refuse_all_reducing_ddp,
+    refuse_carried_inner,
+    stepped_in_backward,
+)
 from zerofn_torch.runtime.driver import PolledProgram, drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.runtime.wrapped_optimizer import (
     WrappedOptimizer,
-    carries_copies,
     innermost,
     parameters_written,
-    zero_rank_of,
 )
 
 __all__ = ["DiLoCoOptimizer"]
-
-_NOOP_HOOKS = (noop_hook, debugging_hooks.noop_hook)
 
 
 def _remove(hooks: list[Any]) -> None:
     for hook in hooks:
         hook.remove()
-
-
-def _is_noop(ddp: DistributedDataParallel) -> bool:
-    hooks = getattr(ddp, "_comm_hooks", None)
-    if hooks is None:  # a DDP that does not say which hook it runs: nothing to check
-        return True
-    return len(hooks) == 1 and hooks[0][0] in _NOOP_HOOKS
-
-
-def _subclasses(kind: type) -> set[type]:
-    found: set[type] = {kind}
-    subs: list[type] = type.__subclasses__(kind)
-    for sub in subs:
-        found |= _subclasses(sub)
-    return found
-
-
-def _refuse_all_reducing_ddp(params: list[torch.Tensor], group: Any) -> None:
-    """Refuse parameters whose DDP model would all-reduce across DiLoCo workers."""
-    mine = {id(p) for p in params}
-    outer = set(dist.get_process_group_ranks(group))
-    kinds = _subclasses(DistributedDataParallel)
-    # Parameters do not point to the DDP model that wraps them; the models do.
-    for obj in gc.get_objects():
-        if type(obj) not in kinds:
-            continue
-        if not any(id(p) in mine for p in obj.module.parameters()):
-            continue
-        shared = outer & set(dist.get_process_group_ranks(obj.process_group))
-        if len(shared) > 1 and not _is_noop(obj):
-            raise ValueError(
-                f"the inner optimizer's parameters belong to a DistributedDataParallel model "
-                f"that averages gradients over DiLoCo workers (ranks {sorted(shared)}), so every "
-                "inner step would all-reduce. Register a no-op hook "
-                "(model.register_comm_hook(None, zerofn_torch.hooks.noop_hook)), do not wrap "
-                "the model in DDP, or run DDP over a group of ranks inside each worker and pass "
-                "the group across workers as process_group"
-            )
-
-
-_NO_JOIN = (
-    "DiLoCoOptimizer does not run under Join: a rank that runs out of inputs early would "
-    "never reach the syncs the others wait in. Give every rank the same number of inner "
-    "steps (drop or repeat batches), or train without DiLoCo under Join"
-)
-
-
-def _refuse_carried_inner(optim: torch.optim.Optimizer) -> None:
-    """Refuse an inner ZeRO optimizer with ``redundancy=2``.
-
-    Raises:
-        ValueError: its carried copies would promise a survival DiLoCo cannot keep.
-    """
-    if carries_copies(optim):
-        raise ValueError(
-            "DiLoCoOptimizer over a ZeroRedundancyOptimizer with redundancy=2: "
-            "zerofn_torch.elastic.recover regroups the ZeRO optimizer's group but not DiLoCo's "
-            "syncs, so a lost rank would still end the job. Build the ZeroRedundancyOptimizer "
-            "with redundancy=1 and restart a DiLoCo job from its last checkpoint"
-        )
-
-
-def _stepped_in_backward(optim: torch.optim.Optimizer) -> bool:
-    """Whether DDP's backward steps ``optim`` (a ZeRO optimizer built with
-    ``overlap_with_ddp=True``), so that its ``step`` does nothing."""
-    return bool(getattr(zero_rank_of(optim), "stepped_by_hook", False))
 
 
 class DiLoCoOptimizer(WrappedOptimizer):
@@ -180,7 +112,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         zerofn.errors.CollectiveError: the starting broadcast failed.
     """
 
-    join_refusal = _NO_JOIN
+    join_refusal = NO_JOIN
 
     def __init__(
         self,
@@ -206,8 +138,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
             )
         params = [p for g in optim.param_groups for p in g["params"]]
         plan = plan_fragments([p.numel() for p in params], fragments, dist.get_world_size(group))
-        _refuse_all_reducing_ddp(params, group)
-        _refuse_carried_inner(optim)
+        refuse_all_reducing_ddp(params, group)
+        refuse_carried_inner(optim)
         self.optim = optim
         self.param_groups = optim.param_groups
         self.process_group = group
@@ -281,7 +213,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         """
         self._check_inner()
         self._poll()
-        if _stepped_in_backward(self.optim):
+        if stepped_in_backward(self.optim):
             loss = None  # DDP's backward took the inner step, through the overlap hook
         else:
             loss = self.optim.step() if closure is None else self.optim.step(closure)
@@ -309,7 +241,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
             )
         config = getattr(innermost(self.optim), "_join_config", None)
         if config is not None and config.enable:
-            raise ValueError(_NO_JOIN)
+            raise ValueError(NO_JOIN)
 
     # ----- the sync in flight ------------------------------------------------------------
 

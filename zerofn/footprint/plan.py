@@ -27,12 +27,8 @@ import torch
 from zerofn.blockquant import BlockQuantizer
 from zerofn.hooks.powersgd import PowerSGDConfig, bucket_layout
 from zerofn.zero.chunks import chunk_sizes
-from zerofn.zero.compressed_exchange import (
-    compressed_buffer_bytes,
-    compression_master_dtype,
-    exchange_bytes,
-    resolve_compression,
-)
+from zerofn.zero.compressed_exchange import compressed_buffer_bytes, exchange_bytes
+from zerofn.zero.options import compression_master_dtype, resolve_compression
 from zerofn.zero.partition import FlatPartition, PartitionMode
 from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.precision import resolve_master_dtype

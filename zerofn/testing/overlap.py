@@ -56,8 +56,8 @@ from zerofn.overlap.orders import (
     write_updates,
 )
 from zerofn.testing.world import run_programs
-from zerofn.zero.compressed_exchange import compression_master_dtype, resolve_compression
 from zerofn.zero.masters import Masters
+from zerofn.zero.options import compression_master_dtype, resolve_compression
 
 __all__ = ["OverlappedRun", "simulate_overlapped_step"]
 

@@ -42,14 +42,13 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from zerofn.blockquant import BlockQuantizer, quantizer_for
+from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Collect, GatherSegments, Post
 from zerofn.zero.chunks import ChunkSource
 from zerofn.zero.exchange import ExchangeVia, slot_view
 from zerofn.zero.layout import BufferLayout
 from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.plan import ShardPlan
-from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.shards import Shards
 
 __all__ = [
@@ -61,10 +60,8 @@ __all__ = [
     "compressed_buffer_bytes",
     "compressed_exchange",
     "compressed_exchange_program",
-    "compression_master_dtype",
     "exchange_bytes",
     "local_spans",
-    "resolve_compression",
     "update_parts",
 ]
 
@@ -82,58 +79,6 @@ class LocalSpan:
     layout: int
     offset: int
     numel: int
-
-
-def resolve_compression(
-    compression: str | BlockQuantizer | None, dtype: torch.dtype
-) -> BlockQuantizer | None:
-    """The quantizer ``exchange_compression`` asks for, checked against the
-    parameters' dtype.
-
-    Args:
-        compression: ``None`` (the exact exchange), ``"int8"``, ``"int4"``, or
-            a :class:`~zerofn.blockquant.BlockQuantizer` (another block size).
-        dtype: the parameters' dtype.
-
-    Raises:
-        ValueError: an unknown name, or parameters that are not floating point.
-        TypeError: something other than a name or a quantizer.
-    """
-    if compression is None:
-        return None
-    if isinstance(compression, str):
-        quantizer = quantizer_for(compression)
-    elif isinstance(compression, BlockQuantizer):
-        quantizer = compression
-    else:
-        raise TypeError(
-            "exchange_compression must be None, 'int8', 'int4' or a "
-            f"zerofn.blockquant.BlockQuantizer, got {compression!r}"
-        )
-    if not dtype.is_floating_point:
-        raise ValueError(
-            f"exchange_compression quantizes differences of floating-point parameters; "
-            f"these are {dtype}: leave exchange_compression=None"
-        )
-    return quantizer
-
-
-def compression_master_dtype(
-    param_dtype: torch.dtype, master_dtype: torch.dtype | None
-) -> torch.dtype:
-    """The dtype of the exact copies a compressed exchange keeps: the
-    ``master_dtype`` asked for, else ``float32`` (or the parameters' own
-    dtype when wider).
-
-    Raises:
-        TypeError, ValueError: as :func:`zerofn.zero.precision.resolve_master_dtype`.
-    """
-    asked = resolve_master_dtype(param_dtype, master_dtype)
-    if asked is not None:
-        return asked
-    if master_dtype is not None:
-        return master_dtype
-    return torch.float32 if torch.finfo(param_dtype).bits < 32 else param_dtype
 
 
 PIECE_ELEMENTS = 1 << 20

@@ -7,8 +7,9 @@ optimizer's own included, each kept with the idea it checks: the
 optimizer class and element-wise promise (:mod:`zerofn.zero.optimizers`),
 the parameters (:mod:`zerofn.zero.params`), redundancy
 (:func:`~zerofn.zero.redundancy.check_redundancy`), the codec
-(:func:`~zerofn.zero.compressed_exchange.resolve_compression`) and the
-masters' dtype (:func:`~zerofn.zero.precision.resolve_master_dtype`).
+(:func:`resolve_compression`) and the masters' dtype
+(:func:`~zerofn.zero.precision.resolve_master_dtype`, and
+:func:`compression_master_dtype` for a compressed exchange's).
 ``zerofn_torch.ZeroRedundancyOptimizer`` and the simulated world
 (:mod:`zerofn.testing.zero`) both call it.
 """
@@ -22,19 +23,22 @@ import attrs
 import torch
 from torch.optim import Optimizer
 
-from zerofn.blockquant import BlockQuantizer
-from zerofn.zero.compressed_exchange import (
-    PIECE_ELEMENTS,
-    compression_master_dtype,
-    resolve_compression,
-)
+from zerofn.blockquant import BlockQuantizer, quantizer_for
+from zerofn.zero.compressed_exchange import PIECE_ELEMENTS
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.optimizers import check_elementwise, check_optimizer_class
 from zerofn.zero.params import check_same_dense_type, hyperparameters
 from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.redundancy import check_redundancy
 
-__all__ = ["ZeroOptions", "check_local_optimizer", "resolve_options", "via_for_backend"]
+__all__ = [
+    "ZeroOptions",
+    "check_local_optimizer",
+    "compression_master_dtype",
+    "resolve_compression",
+    "resolve_options",
+    "via_for_backend",
+]
 
 
 @attrs.frozen
@@ -202,3 +206,55 @@ def _check_arguments(
         )
     if partition == "flat":
         check_elementwise(optimizer_class, elementwise)
+
+
+def resolve_compression(
+    compression: str | BlockQuantizer | None, dtype: torch.dtype
+) -> BlockQuantizer | None:
+    """The quantizer ``exchange_compression`` asks for, checked against the
+    parameters' dtype.
+
+    Args:
+        compression: ``None`` (the exact exchange), ``"int8"``, ``"int4"``, or
+            a :class:`~zerofn.blockquant.BlockQuantizer` (another block size).
+        dtype: the parameters' dtype.
+
+    Raises:
+        ValueError: an unknown name, or parameters that are not floating point.
+        TypeError: something other than a name or a quantizer.
+    """
+    if compression is None:
+        return None
+    if isinstance(compression, str):
+        quantizer = quantizer_for(compression)
+    elif isinstance(compression, BlockQuantizer):
+        quantizer = compression
+    else:
+        raise TypeError(
+            "exchange_compression must be None, 'int8', 'int4' or a "
+            f"zerofn.blockquant.BlockQuantizer, got {compression!r}"
+        )
+    if not dtype.is_floating_point:
+        raise ValueError(
+            f"exchange_compression quantizes differences of floating-point parameters; "
+            f"these are {dtype}: leave exchange_compression=None"
+        )
+    return quantizer
+
+
+def compression_master_dtype(
+    param_dtype: torch.dtype, master_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The dtype of the exact copies a compressed exchange keeps: the
+    ``master_dtype`` asked for, else ``float32`` (or the parameters' own
+    dtype when wider).
+
+    Raises:
+        TypeError, ValueError: as :func:`zerofn.zero.precision.resolve_master_dtype`.
+    """
+    asked = resolve_master_dtype(param_dtype, master_dtype)
+    if asked is not None:
+        return asked
+    if master_dtype is not None:
+        return master_dtype
+    return torch.float32 if torch.finfo(param_dtype).bits < 32 else param_dtype

@@ -26,16 +26,17 @@ one would have), the statistics, the bucket layouts the random draws follow
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import attrs
-import numpy as np
 import torch
 
 from zerofn.hooks.hook import BucketInfo, HookState
 from zerofn.hooks.powersgd.codec import matrix_view
 from zerofn.hooks.powersgd.config import PowerSGDConfig
+from zerofn.hooks.powersgd.keys import KeyFinder, bucket_keys, finish_key_iteration, tracked
+from zerofn.hooks.powersgd.seeds import SeedStream, draw_seed
 
 __all__ = [
     "UNCLAIMED",
@@ -69,132 +70,6 @@ Key: TypeAlias = int | str
 """A parameter's key: its index in the model, or its name."""
 
 Shape: TypeAlias = tuple[int, ...]
-
-# ----- the seed stream: numpy's RandomState as a plain record -------------------
-
-_SEED_BOUND = 1_000_000_000  # PyTorch draws each step's seed from [0, 1e9)
-
-
-@attrs.frozen(eq=False)
-class SeedStream:
-    """The position of the generator that draws each random ``Q``'s seed.
-
-    PyTorch draws the seeds from ``numpy.random.RandomState(random_seed)``;
-    this record is that generator's state (``RandomState.get_state()``) as
-    plain values, so it round-trips through a weights-only checkpoint.
-
-    Attributes:
-        keys: the Mersenne Twister's 624 words (``torch.uint32``).
-        pos: the position within ``keys``.
-        has_gauss: whether a second Gaussian is cached (numpy's Box-Muller).
-        cached_gaussian: that Gaussian.
-    """
-
-    keys: torch.Tensor
-    pos: int
-    has_gauss: int = 0
-    cached_gaussian: float = 0.0
-
-    @classmethod
-    def from_seed(cls, seed: int) -> SeedStream:
-        """The stream ``numpy.random.RandomState(seed)`` starts with."""
-        return cls._from_numpy(np.random.RandomState(seed))
-
-    @classmethod
-    def _from_numpy(cls, generator: np.random.RandomState) -> SeedStream:
-        _, keys, pos, has_gauss, cached = generator.get_state(legacy=True)
-        keys_tensor = torch.from_numpy(np.array(keys, dtype=np.uint32, copy=True))
-        return cls(keys_tensor, int(pos), int(has_gauss), float(cached))
-
-    def to_numpy(self) -> np.random.RandomState:
-        """A new ``numpy.random.RandomState`` at this position."""
-        generator = np.random.RandomState()
-        keys = self.keys.numpy().astype(np.uint32)
-        generator.set_state(("MT19937", keys, self.pos, self.has_gauss, self.cached_gaussian))
-        return generator
-
-
-def draw_seed(stream: SeedStream) -> tuple[int, SeedStream]:
-    """The next seed PyTorch's PowerSGD would draw, and the stream after it."""
-    generator = stream.to_numpy()
-    seed = int(generator.randint(_SEED_BOUND))
-    return seed, SeedStream._from_numpy(generator)
-
-
-# ----- which parameter is which: the keys the state is kept under ---------------
-
-
-@attrs.frozen
-class KeyFinder:
-    """What is known of the parameters' keys.
-
-    A parameter's key is its index in the model. The driver identifies the
-    parameter objects a bucket holds by opaque integers (``id(p)`` in the
-    adapter); a finder maps those to keys. Given the model's parameters
-    (:func:`tracked`), that is a lookup. Otherwise the keys are learned from
-    the first iteration seen: DDP runs it on provisional buckets that hold the
-    parameters in reverse order of definition, the last ones in bucket 0, so
-    each parameter's position counted from the model's end is known as the
-    buckets come, and its index once the parameter count is known (from a
-    restored layout, or at the end of that first iteration). The finder is
-    advanced by :func:`claim_parameters` before each bucket and by
-    :func:`end_iteration` after the last.
-
-    Attributes:
-        known: parameter identity -> key (index in the model).
-        from_end: parameters seen this iteration whose key is not known yet
-            -> position counted from the model's last parameter.
-    """
-
-    known: Mapping[int, int] = attrs.field(factory=dict)
-    from_end: Mapping[int, int] = attrs.field(factory=dict)
-
-
-def tracked(identities: Sequence[int]) -> KeyFinder:
-    """Keys given by the model: parameter ``i`` of ``identities`` has key ``i``."""
-    return KeyFinder({pid: i for i, pid in enumerate(identities)})
-
-
-def bucket_keys(
-    finder: KeyFinder, identities: Sequence[int], count: int | None
-) -> tuple[KeyFinder, tuple[int, ...] | None]:
-    """The keys of a bucket's parameters, in bucket order.
-
-    Args:
-        finder: what is known so far.
-        identities: the bucket's parameters, in bucket order.
-        count: the model's parameter count, if known.
-
-    Returns:
-        The finder after this bucket, and the keys, or ``None`` while some
-        are still unknown (the core then keys the bucket by position).
-    """
-    if all(pid in finder.known for pid in identities):
-        return finder, tuple(finder.known[pid] for pid in identities)
-    base = len(finder.from_end)
-    from_end = {**finder.from_end}
-    for j, pid in enumerate(identities):
-        from_end[pid] = base + len(identities) - 1 - j
-    known = dict(finder.known)
-    if count is not None:
-        known.update({pid: count - 1 - e for pid, e in from_end.items()})
-    finder = KeyFinder(known, from_end)
-    if any(pid not in known for pid in identities):
-        return finder, None
-    return finder, tuple(known[pid] for pid in identities)
-
-
-def finish_key_iteration(finder: KeyFinder) -> KeyFinder:
-    """After an iteration's last bucket: the parameters seen in it, if their
-    keys are still unknown, were all of the model's."""
-    if not finder.from_end:
-        return finder
-    known = dict(finder.known)
-    if not all(pid in known for pid in finder.from_end):
-        count = len(finder.from_end)
-        known.update({pid: count - 1 - e for pid, e in finder.from_end.items()})
-    return KeyFinder(known, {})
-
 
 # ----- the memories and the records that hold them -------------------------------
 
