@@ -3,8 +3,10 @@
 :func:`simulate_overlapped_step` runs the overlapped step
 (``hook_with_zero_step``) over several iterations: the core hook
 :func:`zerofn.overlap.hook.zero_step_hook` on every rank, bucket by bucket,
-and each rank carrying out the step orders it gives with the core's
-:func:`zerofn.overlap.orders.carry_out`, as the adapter's runner does::
+and each rank, built as the optimizer builds it
+(:func:`zerofn.zero.hook_driven.build_hook_driven_rank`), carrying out the
+step orders it gives with the core's :func:`zerofn.overlap.orders.carry_out`
+and stepping as the optimizer steps, as the adapter's runner does::
 
     from zerofn.testing.overlap import simulate_overlapped_step
 
@@ -21,7 +23,7 @@ every rank's programs run in lockstep, the iteration's end.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -47,17 +49,22 @@ from zerofn.overlap.hook import (
 )
 from zerofn.overlap.orders import (
     OrderCarriedOut,
-    SendCompressed,
     Sent,
     StepChecks,
     StepGradients,
     carry_out,
-    step_with_gradients,
     write_updates,
 )
 from zerofn.testing.world import run_programs
-from zerofn.zero.masters import Masters
-from zerofn.zero.options import compression_master_dtype, resolve_compression
+from zerofn.zero.hook_driven import (
+    attach,
+    build_hook_driven_rank,
+    send_compressed,
+    step_rank_with_gradients,
+)
+from zerofn.zero.options import resolve_options
+from zerofn.zero.rank import ZeroRank, flat_params
+from zerofn.zero.replan import sharded_by_owners
 
 __all__ = ["OverlappedRun", "simulate_overlapped_step"]
 
@@ -89,37 +96,39 @@ _Sent = Sent
 
 
 class _OverlapRank:
-    """One simulated rank of the overlapped step: its hook state, parameters
-    and optimizer, the averaged buckets not stepped yet, and the owners'
-    updates to write at the iteration's end.
+    """One simulated rank of the overlapped step: its hook state, its ZeRO
+    rank as the optimizer builds it (:func:`~zerofn.zero.hook_driven.build_hook_driven_rank`:
+    every parameter until the plan is fixed, then its share, kept by
+    :func:`~zerofn.zero.replan.sharded_by_owners`), the averaged buckets not
+    stepped yet, and the owners' updates to write at the iteration's end.
 
-    The optimizer holds all parameters on every rank, for good: a parameter
-    is stepped exactly when the order gives it a gradient (``torch.optim``
-    skips one whose ``.grad`` is ``None``, which is what the adapter's
-    ``OverlapBinding.step`` does), so dropping the state of the parameters other
-    ranks own after a ``reshard`` would change memory, not numbers. The rank
-    only notes which parameters it still holds, and refuses an order to step
-    any other (the adapter's optimizer would silently skip it).
+    Its steps are the optimizer's own
+    (:func:`~zerofn.zero.hook_driven.step_rank_with_gradients`); an order to
+    step a parameter whose state the rank gave up is refused here (the
+    optimizer would skip it silently).
     """
 
     def __init__(
         self,
         hook: CommHook[OverlapHookState[Any], Any],
         config: OverlapConfig,
-        params: list[torch.Tensor],
-        optimizer: torch.optim.Optimizer,
-        masters: Masters | None = None,
-        compressed: SendCompressed | None = None,
+        groups: list[dict[str, Any]],
+        zero: ZeroRank,
     ) -> None:
         self.hook, self.config = hook, config
         self.state = init_hook_state(hook)
-        self.params, self.optimizer = params, optimizer
-        # With a compressed exchange the optimizer steps exact copies (the
-        # masters) and the parameters move by the differences sent.
-        self.masters, self.compressed = masters, compressed
-        self.held: tuple[int, ...] | None = None  # None: every parameter
+        self.groups, self.zero = groups, zero
+        self.params = flat_params(groups)
         self.handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         self.incoming: list[tuple[tuple[int, ...], _Sent, bool]] = []
+
+    @property
+    def held(self) -> tuple[int, ...] | None:
+        """The parameters this rank keeps optimizer state for (``None``:
+        all of them, the plan is not fixed)."""
+        if self.zero.overlap != "sharded":
+            return None
+        return self.zero.plan.partition.params_of(self.config.rank)  # type: ignore[union-attr]
 
     def begin(self, grads: Sequence[torch.Tensor], info: BucketInfo) -> Program[tuple[Any, Any]]:
         """Hand bucket ``info`` over: the hook's program for this rank."""
@@ -150,33 +159,28 @@ class _OverlapRank:
             handed,
             self.params,
             StepChecks(),
-            self.compressed,
+            send_compressed(self.zero, self.params),
         )
         return answering(program, StepGradients, self.step)
 
     def step(self, request: StepGradients) -> None:
-        """Step the optimizer with the request's gradients, as the adapter
-        does (:func:`~zerofn.overlap.orders.step_with_gradients`); the others sit out."""
-        self._check_held(request.grads)
-        local = [p for group in self.optimizer.param_groups for p in group["params"]]
-        step_with_gradients(request, self.params, local, self.masters, self.optimizer.step)
+        """Step as the optimizer does; the parameters not named sit out."""
+        held = self.held
+        if held is not None and not set(request.grads) <= set(held):
+            raise AssertionError(
+                f"rank {self.config.rank} is ordered to step parameters "
+                f"{sorted(set(request.grads) - set(held))}, whose state it gave up"
+            )
+        step_rank_with_gradients(self.zero, self.groups, request)
 
     def after(self, done: OrderCarriedOut) -> list[Program[_Sent]]:
-        """Note the order's reshard; the sends, their results kept to write
-        at the iteration's end."""
+        """Keep this rank's share once the order says the plan is fixed; the
+        sends, their results kept to write at the iteration's end."""
         if done.reshard is not None:
-            self.held = done.reshard[self.config.rank]
+            self.zero = sharded_by_owners(self.zero, self.groups, done.reshard)
         return [
             self._sending(program, indices, done.differences) for indices, program in done.sends
         ]
-
-    def _check_held(self, grads: Mapping[int, torch.Tensor]) -> None:
-        """Refuse to step parameters whose optimizer state this rank gave up."""
-        if self.held is not None and not set(grads) <= set(self.held):
-            raise AssertionError(
-                f"rank {self.config.rank} is ordered to step parameters "
-                f"{sorted(set(grads) - set(self.held))}, whose state it gave up"
-            )
 
     def _sending(
         self, program: Program[_Sent], indices: tuple[int, ...], differences: bool
@@ -331,25 +335,23 @@ def simulate_overlapped_step(
     ranks = []
     for rank in range(world_size):
         mine = attrs.evolve(config, rank=rank)
-        local = [p.detach().clone() for p in params]
-        quantizer = resolve_compression(exchange_compression, params[0].dtype)
-        masters = compressed = None
-        stepped = local
-        if quantizer is not None:
-            wide = compression_master_dtype(params[0].dtype, None)
-            stepped = [p.detach().to(wide, copy=True) for p in params]
-            masters = Masters(tuple(local), tuple(stepped), wide)
-            compressed = SendCompressed(quantizer, stepped)
-        optimizer = optimizer_class(stepped, **defaults)
-        hook = zero_step_hook(hook_inner, mine)
-        ranks.append(_OverlapRank(hook, mine, local, optimizer, masters, compressed))
+        groups = [{"params": [p.detach().clone().requires_grad_() for p in params]}]
+        options = resolve_options(
+            groups, optimizer_class, defaults,
+            rank=rank, world_size=world_size, via="broadcasts", bucket_view=None,
+            overlap_with_ddp=True, partition="greedy", master_dtype=None,
+            exchange_compression=exchange_compression,
+        )  # fmt: skip
+        zero = attach(build_hook_driven_rank(groups, options))
+        ranks.append(_OverlapRank(zero_step_hook(hook_inner, mine), mine, groups, zero))
     requests = [
         _iteration(ranks, buckets, grads, final=iteration >= final_from)
         for iteration, grads in enumerate(grads_per_iteration_per_rank)
     ]
     plan = ranks[0].state.global_state.overlap.plan
     held = [rank.held for rank in ranks]
-    return OverlappedRun([rank.params for rank in ranks], requests, plan, held)
+    params_per_rank = [[p.detach() for p in rank.params] for rank in ranks]
+    return OverlappedRun(params_per_rank, requests, plan, held)
 
 
 def _iteration(

@@ -14,11 +14,20 @@ import attrs
 import torch
 
 from zerofn.overlap.orders import SendCompressed, StepGradients, step_with_gradients
-from zerofn.zero.rank import OverlapMode, ZeroRank, flat_params, synced_hyperparameters
+from zerofn.zero.arguments import plan_for
+from zerofn.zero.options import ZeroOptions
+from zerofn.zero.rank import (
+    OverlapMode,
+    ZeroRank,
+    build_rank,
+    flat_params,
+    synced_hyperparameters,
+)
 
 __all__ = [
     "OverlapBinding",
     "attach",
+    "build_hook_driven_rank",
     "check_overlap_attached",
     "check_overlap_initialized",
     "check_stepped_here",
@@ -43,6 +52,17 @@ class OverlapBinding:
     step: Callable[[StepGradients], None]
     adopt_owners: Callable[[Sequence[Sequence[int]]], None]
     compressed: Callable[[], SendCompressed | None]
+
+
+def build_hook_driven_rank(groups: Sequence[dict[str, Any]], options: ZeroOptions) -> ZeroRank:
+    """A new rank for ``overlap_with_ddp=True``, no hook attached yet: until
+    DDP fixes its buckets every rank steps every parameter, so it owns them
+    all (:func:`~zerofn.zero.replan.sharded_by_owners` keeps its share then).
+    The optimizer and the simulated overlapped world build their ranks here."""
+    owned: list[list[torch.Tensor]] = [[] for _ in range(options.world_size)]
+    owned[options.rank] = flat_params(groups)
+    plan = plan_for(groups, options.world_size, owned)
+    return build_rank(groups, options, plan, "unattached")
 
 
 def attach(rank: ZeroRank) -> ZeroRank:

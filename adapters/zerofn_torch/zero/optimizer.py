@@ -35,7 +35,6 @@ from zerofn.zero.outside_writes import (
 from zerofn.zero.params import StateDict, normalize_params
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import (
-    OverlapMode,
     ZeroRank,
     answer_local_step,
     build_rank,
@@ -198,12 +197,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "overlap hook holds no exchange buffers for the parameters to be views of"
             )
         if overlap_with_ddp:
-            # Until DDP's buckets are final this rank steps every parameter.
-            partition = [[] for _ in range(self.world_size)]
-            partition[self.rank] = flat_params(self.param_groups)
-        plan = plan_for(self.param_groups, self.world_size, partition)
-        mode: OverlapMode = "unattached" if overlap_with_ddp else "off"
-        self._zero = build_rank(self.param_groups, options, plan, mode)
+            self._zero = hook_driven.build_hook_driven_rank(self.param_groups, options)
+        else:
+            plan = plan_for(self.param_groups, self.world_size, partition)
+            self._zero = build_rank(self.param_groups, options, plan)
         copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._consolidated: StateDict | None = None
         # Until a step or a load gives it state, every rank knows the whole
