@@ -1,8 +1,8 @@
 """What ``redundancy=2`` costs per step, and what losing a rank costs with it.
 
 1. **The cost per step** (2 and 3 gloo ranks on CPU, one thread each; an MLP of
-   ~4M parameters, in fp32 (``plain``) and in bf16 with fp32 masters
-   (``masters``); DDP + ``zerofn_torch.ZeroRedundancyOptimizer(Adam)``). One
+   ~4M parameters, in each configuration of ``train_elastic.CONFIGS``;
+   DDP + ``zerofn_torch.ZeroRedundancyOptimizer(Adam)``). One
    process group holds two copies of the model, one trained with
    ``redundancy=1`` and one with ``redundancy=2``; their iterations (forward,
    backward with DDP's all-reduce, the ZeRO step) take turns round by round
@@ -103,7 +103,7 @@ from zerofn.footprint import OPTIMIZERS, plan_footprint
 from zerofn.zero import regroup
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-from train_elastic import CONFIGS, PLAIN, Config
+from train_elastic import CONFIGS, PLAIN, Config, legend
 
 DEADLINE_S = 1.0
 """The roll call's deadline: realistic for a small job on one machine (the
@@ -168,6 +168,10 @@ def iteration(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor) -> Calla
 # ----- 1. the cost per step ------------------------------------------------------------
 
 
+PLANNED_OPTIONS = ("master_dtype", "partition", "exchange_compression")
+"""The optimizer options :func:`zerofn.footprint.plan_footprint` takes too."""
+
+
 def copies_alone(shapes: Sequence[tuple[int, ...]], config: Config = PLAIN) -> Callable[[], None]:
     """What the carrier does besides its Adam step (``step_carried``): its
     tensors of ``shapes`` set to the parameters' values, and each parameter's
@@ -181,7 +185,7 @@ def copies_alone(shapes: Sequence[tuple[int, ...]], config: Config = PLAIN) -> C
     def run() -> None:
         with torch.no_grad():
             for target, source, grad in zip(targets, sources, grads, strict=True):
-                if config.master_dtype is None:
+                if not config.keeps_masters:
                     target.copy_(source)
                 target.grad = grad.to(torch.float32, copy=True)
         for target in targets:
@@ -229,9 +233,14 @@ def _cost_rank(
             iterations[r]()
         traffic[r] = {"calls": counted.total_calls, "sent": counted.sent_bytes(world_size)}
     steps_s = take_turns({STEP[1]: zeros[1].step, STEP[2]: zeros[2].step, **parts}, rounds, warmup)
-    dtypes = {"param_dtype": config.dtype, "master_dtype": config.master_dtype}
+    # The planner is asked what the optimizer was built with.
+    asked = {k: v for k, v in config.options if k in PLANNED_OPTIONS}
     planned = {
-        r: attrs.asdict(plan_footprint(models[r], world_size, redundancy=r, **dtypes).ranks[rank])
+        r: attrs.asdict(
+            plan_footprint(
+                models[r], world_size, redundancy=r, param_dtype=config.dtype, **asked
+            ).ranks[rank]
+        )
         for r in (1, 2)
     }
     return {
@@ -1296,8 +1305,8 @@ def elastic_block(
     return "\n\n".join(
         [
             f"**What `redundancy=2` costs a step.** DDP + `ZeroRedundancyOptimizer(Adam)` on "
-            f"an MLP of {numel / 1e6:.1f}M parameters (`plain`: fp32; `masters`: bf16 with fp32 "
-            f"masters), batch {BATCH} per rank, gloo on CPU, "
+            f"an MLP of {numel / 1e6:.1f}M parameters ({legend()}), batch {BATCH} per rank, "
+            "gloo on CPU, "
             f"one thread per rank{shared}: a copy of the model with `redundancy=1` and one "
             f"with `redundancy=2` in the same process group, taking turns with the floor of "
             f"what `redundancy=2` adds, the heaviest carrier's extra work alone (a plain Adam "

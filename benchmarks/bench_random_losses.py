@@ -17,7 +17,7 @@ from report import Headline, Section, Spread, md_table, standalone_main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from random_losses import STEPS, soak
-from train_elastic import CONFIGS
+from train_elastic import CONFIGS, legend
 
 WORLDS = {3: 24, 4: 24, 8: 12}
 """Runs per world size and configuration in a full run."""
@@ -47,8 +47,7 @@ def bench_random_losses(quick: bool) -> Section:
         )
     body = (
         f"DDP + `ZeroRedundancyOptimizer(Adam, redundancy=2)`, {STEPS} steps a run, in each "
-        "configuration (`plain`: fp32 parameters; `masters`: bf16 parameters, fp32 masters); "
-        "in each run "
+        f"configuration ({legend()}); in each run "
         "one rank drawn at random is ended (`os._exit`) or, one run in four, paused (`SIGSTOP`, "
         "0.5 to 12 s) from a timer thread after a random delay within the run, wherever its "
         "main thread is. Every run is checked with no reference (every step completed once, "

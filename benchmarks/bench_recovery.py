@@ -1,8 +1,8 @@
 """What a lost rank costs with the group's default timeout:
 ``examples/survive_a_lost_rank.py`` on 3, 4 and 8 gloo ranks, one rank lost
 in each phase of a step (in backward, inside the exchange, between steps),
-the last rank or a middle one, in each configuration (``plain``: fp32;
-``masters``: bf16 parameters, fp32 masters), and one rank paused. Each run's survivors
+the last rank or a middle one, in each configuration of
+``train_elastic.CONFIGS``, and one rank paused. Each run's survivors
 time the recovery from the moment the lost rank went (it notes the moment in
 the job's store) to their next completed step. ``--quick``: 3 ranks, one
 loss of each phase per configuration."""
@@ -17,7 +17,7 @@ from report import Headline, Section, Spread, md_table, standalone_main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from survive_a_lost_rank import Kill, Pause, run_killed
-from train_elastic import CONFIGS, PLAIN, Config
+from train_elastic import CONFIGS, PLAIN, Config, legend
 
 PHASES = ("backward", "exchange", "between")
 STEPS, AT = 8, 4
@@ -63,8 +63,8 @@ def bench_recovery(quick: bool) -> Section:
     worst = max(kills_seconds)
     body = (
         "DDP (zerofn's all-reduce hook) + `ZeroRedundancyOptimizer(Adam, redundancy=2)` on "
-        "`examples/train_elastic.py`'s model (`plain`: fp32; `masters`: bf16 parameters, fp32 "
-        "masters), gloo on CPU, the group's default timeout (30 "
+        f"`examples/train_elastic.py`'s model ({legend()}), gloo on CPU, the group's default "
+        "timeout (30 "
         "minutes) and `recover`'s default roll call; one rank ends (`os._exit`) in step "
         f"{AT} of {STEPS}. Seconds from the death to the survivors' next completed step (the "
         "step finished or redone), as the survivors' rank 0 saw it.\n\n"

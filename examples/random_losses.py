@@ -1,6 +1,7 @@
 """Faults at moments nobody chose: in each run of DDP + ZeRO(Adam,
-``redundancy=2``; with ``--config masters`` bf16 parameters and fp32
-masters) on W gloo ranks, one rank drawn at random is ended
+``redundancy=2``; ``--config`` names a configuration of
+``train_elastic.CONFIGS``: bf16 parameters with fp32 masters, a flat
+partition, the int8 exchange) on W gloo ranks, one rank drawn at random is ended
 (``os._exit``) or paused (``SIGSTOP``, resumed later by a helper process)
 from a timer thread after a random delay, wherever its main thread is:
 forward, backward, the all-reduce, the local step, the exchange, between
@@ -44,6 +45,7 @@ from train_elastic import (
     make_ddp,
     make_model,
     make_zero,
+    owners_after_loss,
     step_surviving,
 )
 from zerofn_torch.elastic import recover
@@ -186,10 +188,16 @@ def check_run(results: list[Any], fault: Fault, steps: int, label: str) -> Outco
 
 
 def check_against_reference(
-    results: list[Any], world_size: int, kept: int, steps: int, config: Config = PLAIN
+    results: list[Any],
+    world_size: int,
+    lost: int,
+    kept: int,
+    steps: int,
+    config: Config = PLAIN,
 ) -> None:
     """The survivors' parameters equal a run of ``config`` that shrank at
-    step ``kept``, bit for bit.
+    step ``kept`` (without rank ``lost``, sharded as the survivors are), bit
+    for bit.
 
     Raises:
         AssertionError: they differ.
@@ -197,9 +205,11 @@ def check_against_reference(
     before = run_local_world(
         fresh_phase, world_size, None, range(kept), config, timeout_s=TIMEOUT_S
     )[0]
+    owners = owners_after_loss(config, world_size, lost)
     after = run_local_world(
-        fresh_phase, world_size - 1, before, range(kept, steps), config, timeout_s=TIMEOUT_S
-    )
+        fresh_phase, world_size - 1, before, range(kept, steps), config, owners,
+        timeout_s=TIMEOUT_S,
+    )  # fmt: skip
     survivors = [r for r in results if r is not None and r["fenced"] is None]
     for ours in survivors:
         assert all(
@@ -268,7 +278,7 @@ def soak(
         counts["pauses"] += fault.pause_s is not None
         counts["transient"] += outcome.transient
         if outcome.lost and outcome.kept is not None and not counts["referenced"]:
-            check_against_reference(results, world_size, outcome.kept, steps, config)
+            check_against_reference(results, world_size, fault.rank, outcome.kept, steps, config)
             counts["referenced"] += 1
     return {**counts, "seconds": seconds, "seed": seed}
 

@@ -70,11 +70,13 @@ from train_elastic import (
     CONFIGS,
     PLAIN,
     Config,
+    Owners,
     _exit_after_local_step,
     exit_quietly,
     make_ddp,
     make_model,
     make_zero,
+    owners_after_loss,
     step_surviving,
 )
 from zerofn_torch import ZeroRedundancyOptimizer
@@ -154,6 +156,8 @@ class Segment:
         deadline_s: the roll call's deadline.
         pauses: the ranks stopped on the way and resumed later.
         config: the model's dtype and the optimizer's options.
+        owners: each rank's parameters (a reference after a loss shards as
+            the survivors do); ``None``: the configuration's partition.
     """
 
     first: int
@@ -164,6 +168,7 @@ class Segment:
     deadline_s: float = DEADLINE_S
     pauses: tuple[Pause, ...] = ()
     config: Config = PLAIN
+    owners: Owners | None = None
 
 
 @dataclass
@@ -332,7 +337,7 @@ def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
     model = make_model(job.config)
     if job.start is not None:
         model.load_state_dict(job.start["model"])
-    zero = make_zero(model, job.config, job.redundancy)
+    zero = make_zero(model, job.config, job.redundancy, job.owners)
     if job.start is not None:
         zero.load_state_dict(job.start["optimizer"])
     ddp = make_ddp(model)
@@ -408,12 +413,18 @@ def run_reference(
     check_kills(world_size, steps, kills)
     start: dict[str, Any] | None = None
     first, segments = 0, []
+    owners: Owners | None = None
+    alive = list(range(world_size))
     for lost, end in enumerate([*(k.kept for k in kills), steps]):
         # redundancy=1: nobody dies here, and a loaded state reaches the owners only
-        job = Segment(first, end, start=start, redundancy=1, config=config)
+        job = Segment(first, end, start=start, redundancy=1, config=config, owners=owners)
         start = run_local_world(run_rank, world_size - lost, job, timeout_s=TIMEOUT_S)[0]
         segments.append((first, end, world_size - lost))
         first = end
+        if lost < len(kills):  # the next world shards as the survivors do
+            gone = alive.index(kills[lost].rank)
+            owners = owners_after_loss(config, len(alive), gone, owners)
+            alive.remove(kills[lost].rank)
     assert start is not None
     return {**start, "segments": segments}
 

@@ -51,6 +51,9 @@ from zerofn_torch.runtime.heartbeat import destroy_process_groups
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
+from zerofn.zero.arguments import plan_for
+from zerofn.zero.partition import FlatPartition
+from zerofn.zero.redundancy import plan_after_loss
 
 STEPS, LOST_AT, LOST = 6, 3, 2
 BATCH = 4
@@ -68,35 +71,56 @@ class Config:
 
     Attributes:
         name: how ``--config`` names it.
+        summary: what it trains, in a few words (the benchmarks' legends).
         dtype: the parameters' dtype.
         options: the optimizer's keyword arguments (``redundancy`` apart).
     """
 
     name: str
+    summary: str
     dtype: torch.dtype = torch.float32
     options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def master_dtype(self) -> torch.dtype | None:
-        """The masters' dtype (``None``: no master copies)."""
+        """The masters' dtype asked for (``None``: none asked for)."""
         dtype: torch.dtype | None = dict(self.options).get("master_dtype")
         return dtype
+
+    @property
+    def keeps_masters(self) -> bool:
+        """The optimizer keeps master copies (asked for, or kept by a
+        compressed exchange): the carried copy is masters too."""
+        options = dict(self.options)
+        return "master_dtype" in options or "exchange_compression" in options
 
 
 CONFIGS = {
     config.name: config
     for config in (
-        Config("plain"),
-        Config("masters", torch.bfloat16, (("master_dtype", torch.float32),)),
-        Config("flat", options=(("partition", "flat"),)),
+        Config("plain", "fp32"),
+        Config(
+            "masters",
+            "bf16 parameters, fp32 masters",
+            torch.bfloat16,
+            (("master_dtype", torch.float32),),
+        ),
+        Config("flat", "fp32, a flat partition", options=(("partition", "flat"),)),
+        Config("int8", "fp32, the int8 exchange", options=(("exchange_compression", "int8"),)),
     )
 }
 """The configurations a lost rank is survived in, by name: ``plain`` (fp32
 parameters, Adam's state sharded by whole parameters), ``masters`` (bf16
 parameters, fp32 masters and Adam's state sharded, as a mixed-precision job
-trains) and ``flat`` (fp32, every rank an equal range of the elements,
-the parameters views of the exchange buffer)."""
+trains), ``flat`` (fp32, every rank an equal range of the elements,
+the parameters views of the exchange buffer) and ``int8`` (fp32, the
+updated shards sent as int8 differences from fp32 masters)."""
 PLAIN = CONFIGS["plain"]
+
+
+def legend() -> str:
+    """Every configuration, named and summed up: ``plain``: fp32; ..."""
+    return "; ".join(f"`{c.name}`: {c.summary}" for c in CONFIGS.values())
 
 
 def make_model(config: Config = PLAIN) -> torch.nn.Module:
@@ -107,13 +131,46 @@ def make_model(config: Config = PLAIN) -> torch.nn.Module:
     return model.to(config.dtype)
 
 
+Owners = tuple[tuple[int, ...], ...]
+"""The parameters each rank owns (global indices), rank by rank."""
+
+
 def make_zero(
-    model: torch.nn.Module, config: Config = PLAIN, redundancy: int = 2
+    model: torch.nn.Module,
+    config: Config = PLAIN,
+    redundancy: int = 2,
+    owners: Owners | None = None,
 ) -> ZeroRedundancyOptimizer:
-    """The ZeRO optimizer of ``config`` over ``model``: Adam, lr 0.01."""
+    """The ZeRO optimizer of ``config`` over ``model``: Adam, lr 0.01;
+    ``owners`` gives a manual partition in place of the configuration's."""
+    options = dict(config.options)
+    if owners is not None:
+        params = list(model.parameters())
+        options["partition"] = [[params[i] for i in owned] for owned in owners]
     return ZeroRedundancyOptimizer(
-        model.parameters(), torch.optim.Adam, redundancy=redundancy, lr=0.01, **dict(config.options)
+        model.parameters(), torch.optim.Adam, redundancy=redundancy, lr=0.01, **options
     )
+
+
+def owners_after_loss(
+    config: Config, world_size: int, lost: int, owners: Owners | None = None
+) -> Owners | None:
+    """Who owns what once rank ``lost`` of a world of ``world_size`` ranks
+    (of ``config``, partitioned by ``owners`` or the configuration's own
+    partition) is gone: :func:`~zerofn.zero.redundancy.plan_after_loss`'s
+    plan, which a reference world takes so that it shards as the survivors
+    do (with a compressed exchange the shards decide the numbers). ``None``
+    for a flat partition: no whole-parameter list says its ranges, and its
+    exact exchange's numbers do not depend on them."""
+    params = list(make_model(config).parameters())
+    chosen: Any = dict(config.options).get("partition", "greedy")
+    if owners is not None:
+        chosen = [[params[i] for i in owned] for owned in owners]
+    plan = plan_for([{"params": params}], world_size, chosen)
+    after = plan_after_loss(plan, [lost]).plan.partition
+    if isinstance(after, FlatPartition):
+        return None
+    return tuple(after.params_of(r) for r in range(after.world_size))
 
 
 DATA = TensorDataset(
@@ -151,14 +208,19 @@ def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, step: int) -> None:
 
 
 def fresh_phase(
-    rank: int, world_size: int, start: dict[str, Any] | None, steps: range, config: Config = PLAIN
+    rank: int,
+    world_size: int,
+    start: dict[str, Any] | None,
+    steps: range,
+    config: Config = PLAIN,
+    owners: Owners | None = None,
 ) -> Any:
     """A reference: a fresh world of ``world_size`` ranks of ``config`` that
-    loses nobody, from ``start``'s parameters and consolidated state (or from
-    scratch), training ``steps``; its parameters and (on rank 0) the state
-    consolidated."""
+    loses nobody (partitioned by ``owners``, if given), from ``start``'s
+    parameters and consolidated state (or from scratch), training ``steps``;
+    its parameters and (on rank 0) the state consolidated."""
     model = make_model(config)
-    zero = make_zero(model, config, redundancy=1)
+    zero = make_zero(model, config, redundancy=1, owners=owners)
     if start is not None:
         with torch.no_grad():
             for p, value in zip(model.parameters(), start["params"], strict=True):

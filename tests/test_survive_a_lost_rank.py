@@ -78,6 +78,7 @@ def _case(world_size: int, steps: int, kills: tuple[str, ...], config: str, slow
         # Flat: the last rank's range joins its predecessor's, its update sent
         # by its carrier (rank 0), then rank 0 itself is lost.
         _case(4, 22, ("3@10:exchange", "0@20:between"), "flat", slow=True),
+        _case(4, 22, ("1@10:exchange", "3@20:exchange"), "int8", slow=True),
     ],
 )
 def test_the_survivors_end_with_the_references_bits(

@@ -45,8 +45,17 @@ import torch
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Collect, GatherSegments, Post
 from zerofn.zero.chunks import ChunkSource
-from zerofn.zero.exchange import ExchangeVia, slot_view
-from zerofn.zero.layout import BufferLayout
+from zerofn.zero.compressed_payloads import (
+    PIECE_ELEMENTS,
+    compressed_buffer_bytes,
+    difference_numel,
+    exchange_bytes,
+    payload_offsets,
+    piece_bounds,
+    piece_count,
+    work_numel,
+)
+from zerofn.zero.exchange import ExchangeVia, pack, slot_view
 from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.shards import Shards
@@ -56,10 +65,12 @@ __all__ = [
     "CompressedExchange",
     "LocalSpan",
     "add_difference",
+    "apply_piece",
     "block_scales",
     "compressed_buffer_bytes",
     "compressed_exchange",
     "compressed_exchange_program",
+    "encode_unsent",
     "exchange_bytes",
     "local_spans",
     "update_parts",
@@ -81,70 +92,12 @@ class LocalSpan:
     numel: int
 
 
-PIECE_ELEMENTS = 1 << 20
-"""Elements per piece of a segment (rounded up to whole blocks): about 1 MB
-of int8 codes, few enough pieces that their latencies stay small against a
-20M-parameter shard's bytes, enough that the codec overlaps the wire."""
-
-
-def _piece_count(piece: int, layout: BufferLayout) -> int:
-    """The pieces every rank's segment of ``layout`` travels in (at least
-    one): the longest segment's; a shorter segment's later pieces are empty."""
-    longest = max((s.length for s in layout.segments), default=0)
-    return max(1, -(-longest // piece))
-
-
-def _piece(quantizer: BlockQuantizer, piece: int, length: int, k: int) -> tuple[int, int, int, int]:
-    """Piece ``k`` (of ``piece`` elements, whole blocks) of a segment of
-    ``length`` elements: its first element and element count, and where its
-    payload starts in the segment's part and how many bytes it has. Pieces
-    other than the last hold whole blocks, so their payloads laid end to end
-    fill exactly ``payload_nbytes(length)``."""
-    start = min(k * piece, length)
-    numel = min(piece, length - start)
-    return start, numel, quantizer.payload_nbytes(start), quantizer.payload_nbytes(numel)
-
-
-def _payload_offsets(quantizer: BlockQuantizer, layout: BufferLayout) -> tuple[int, ...]:
-    offsets = [0]
-    for segment in layout.segments:
-        offsets.append(offsets[-1] + quantizer.payload_nbytes(segment.length))
-    return tuple(offsets)
-
-
-def exchange_bytes(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
-    """The bytes one compressed exchange moves into every rank: every rank's
-    payload (codes, scales and padding), summed over the buffers."""
-    return sum(_payload_offsets(quantizer, layout)[-1] for layout in plan.layouts)
-
-
-def _difference_numel(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
-    lengths = [s.length for layout in plan.layouts for s in layout.segments]
-    return quantizer.padded_numel(max(lengths, default=0))
-
-
-def _work_numel(quantizer: BlockQuantizer, plan: ShardPlan, piece: int) -> int:
-    # The longest segment's difference, then one piece decoded beside it.
-    longest = _difference_numel(quantizer, plan)
-    return longest + min(longest, piece)
-
-
-def compressed_buffer_bytes(
-    quantizer: BlockQuantizer, plan: ShardPlan, piece_elements: int = PIECE_ELEMENTS
-) -> int:
-    """The bytes a rank keeps for the compressed exchange: the payload
-    buffers (every rank's codes and scales) and one ``float32`` scratch as
-    long as the longest segment (the difference) plus one piece (each piece
-    decoded, while the difference's later pieces are still to encode)."""
-    piece = quantizer.padded_numel(piece_elements)
-    return exchange_bytes(quantizer, plan) + 4 * _work_numel(quantizer, plan, piece)
-
-
 @attrs.define(eq=False)
 class CompressedExchange:
     """The byte buffers a compressed exchange sends, one per buffer layout.
 
-    Mutable: the exchange writes the payloads in place.
+    Mutable: the exchange writes the payloads in place, and counts the
+    pieces it has applied.
 
     Attributes:
         quantizer: how differences are coded.
@@ -155,6 +108,10 @@ class CompressedExchange:
         work: ``float32`` scratch for the longest segment and one piece,
             reused by every encode and decode (fresh pages for each would
             cost more than the arithmetic on a large shard).
+        applied: per layout, how many pieces of the step in progress this
+            rank has added to its replica (each piece covers every rank's
+            segment): where an exchange a lost rank cut short stopped here
+            (:mod:`zerofn.zero.compressed_finish` goes on from it).
     """
 
     quantizer: BlockQuantizer
@@ -162,6 +119,11 @@ class CompressedExchange:
     offsets: tuple[tuple[int, ...], ...]
     work: torch.Tensor
     piece: int
+    applied: list[int] = attrs.field(factory=list)
+
+    def begin_step(self) -> None:
+        """A new step: none of its pieces applied yet."""
+        self.applied[:] = [0] * len(self.payloads)
 
     def parts(self, index: int) -> tuple[torch.Tensor, ...]:
         """Each rank's payload in buffer ``index``, as views, in rank order."""
@@ -186,10 +148,10 @@ def compressed_exchange(
     if piece_elements < 1:
         raise ValueError(f"piece_elements must be positive, got {piece_elements}")
     piece = quantizer.padded_numel(piece_elements)
-    offsets = tuple(_payload_offsets(quantizer, layout) for layout in plan.layouts)
+    offsets = tuple(payload_offsets(quantizer, layout) for layout in plan.layouts)
     payloads = [torch.zeros(o[-1], dtype=torch.uint8, device=device) for o in offsets]
-    work = torch.zeros(_work_numel(quantizer, plan, piece), dtype=torch.float32, device=device)
-    return CompressedExchange(quantizer, payloads, offsets, work, piece)
+    work = torch.zeros(work_numel(quantizer, plan, piece), dtype=torch.float32, device=device)
+    return CompressedExchange(quantizer, payloads, offsets, work, piece, [0] * len(payloads))
 
 
 def block_scales(exchange: CompressedExchange, index: int, rank: int, length: int) -> torch.Tensor:
@@ -203,7 +165,7 @@ def block_scales(exchange: CompressedExchange, index: int, rank: int, length: in
     quantizer, part = exchange.quantizer, exchange.parts(index)[rank]
     scales = []
     for k in range(max(1, -(-length // exchange.piece))):
-        _, numel, at, _ = _piece(quantizer, exchange.piece, length, k)
+        _, numel, at, _ = piece_bounds(quantizer, exchange.piece, length, k)
         scales.append(part[at : at + 4 * quantizer.blocks(numel)].view(torch.float32))
     return torch.cat(scales)
 
@@ -306,6 +268,7 @@ def compressed_exchange_program(
         raise ValueError(f"{len(masters)} masters for {len(sources)} local tensors")
     spans = local_spans(shards.plan, shards.rank, sources)
     update = update_parts(shards.plan, spans, exchange.piece) if in_parts else {}
+    exchange.begin_step()
     for index in range(len(layouts)):
         difference = _difference(shards, index, masters, spans, exchange)
         yield from _send_pieces(
@@ -339,7 +302,7 @@ def update_parts(
     for tensor, span in enumerate(spans):
         if span is None:
             continue
-        count = _piece_count(piece, plan.layouts[span.layout])
+        count = piece_count(piece, plan.layouts[span.layout])
         # An empty tensor at a segment's end starts past its last piece.
         first = min(span.offset // piece, count - 1)
         parts.setdefault((span.layout, first), []).append(tensor)
@@ -381,11 +344,14 @@ def _difference(
     masters: Sequence[torch.Tensor],
     spans: Sequence[LocalSpan | None],
     exchange: CompressedExchange,
+    owner: int | None = None,
 ) -> _Difference:
-    """Where ``master - replica`` over this rank's segment of buffer
-    ``index`` will be taken, checked to be covered by the masters."""
+    """Where ``master - replica`` over ``owner``'s segment (this rank's by
+    default) of buffer ``index`` will be taken, checked to be covered by the
+    masters."""
+    owner = shards.rank if owner is None else owner
     layout, buffer = shards.plan.layouts[index], shards.buffers[index]
-    own = layout.segments[shards.rank]
+    own = layout.segments[owner]
     # A rank that owns nothing has no masters and sends an empty payload.
     wide = masters[0].dtype if masters else torch.float32
     if wide == torch.float32:
@@ -401,7 +367,7 @@ def _difference(
     if covered != own.length:
         raise ValueError(
             f"the masters cover {covered} of the {own.length} elements of rank "
-            f"{shards.rank}'s segment of the {layout.key} buffer"
+            f"{owner}'s segment of the {layout.key} buffer"
         )
     return _Difference(values, parts, buffer[own.offset : own.offset + own.length])
 
@@ -422,18 +388,16 @@ def _send_pieces(
     quantizer = exchange.quantizer
     layout = shards.plan.layouts[index]
     parts = exchange.parts(index)
-    count = _piece_count(exchange.piece, layout)
-    # Beside the difference (whose later pieces are still to encode).
-    scratch = exchange.work[_difference_numel(quantizer, shards.plan) :]
+    count = piece_count(exchange.piece, layout)
 
     def payload(rank: int, k: int) -> torch.Tensor:
-        _, _, at, nbytes = _piece(quantizer, exchange.piece, layout.segments[rank].length, k)
+        _, _, at, nbytes = piece_bounds(quantizer, exchange.piece, layout.segments[rank].length, k)
         return parts[rank][at : at + nbytes]
 
     def step_and_encode(k: int) -> StepProgram[None]:
         if (index, k) in update:
             yield LocalStep(shards.rank, update[index, k], last=False)
-        start, numel, _, _ = _piece(
+        start, numel, _, _ = piece_bounds(
             quantizer, exchange.piece, layout.segments[shards.rank].length, k
         )
         if numel:
@@ -454,11 +418,54 @@ def _send_pieces(
         if k + 2 < count:
             yield from step_and_encode(k + 2)
             yield Post(requests[k + 2])
-        for segment in layout.segments:
-            start, numel, _, _ = _piece(quantizer, exchange.piece, segment.length, k)
-            if numel:
-                decoded = quantizer.decode(payload(segment.rank, k), numel, scratch[:numel])
-                _apply(shards, index, params, segment.offset + start, decoded)
+        apply_piece(shards, index, params, exchange, k)
+
+
+def apply_piece(
+    shards: Shards, index: int, params: Sequence[torch.Tensor], exchange: CompressedExchange, k: int
+) -> None:
+    """Decode piece ``k`` of every rank's payload in buffer ``index`` and add
+    it to this rank's replica (the parameters, written in place); count it
+    applied."""
+    quantizer, layout = exchange.quantizer, shards.plan.layouts[index]
+    parts = exchange.parts(index)
+    # Beside the difference (whose later pieces may be still to encode).
+    scratch = exchange.work[difference_numel(quantizer, shards.plan) :]
+    for segment in layout.segments:
+        start, numel, at, nbytes = piece_bounds(quantizer, exchange.piece, segment.length, k)
+        if numel:
+            payload = parts[segment.rank][at : at + nbytes]
+            decoded = quantizer.decode(payload, numel, scratch[:numel])
+            _apply(shards, index, params, segment.offset + start, decoded)
+    exchange.applied[index] = k + 1
+
+
+def encode_unsent(
+    shards: Shards,
+    index: int,
+    owner: int,
+    params: Sequence[torch.Tensor],
+    masters: Sequence[torch.Tensor],
+    sources: Sequence[ChunkSource | None],
+    exchange: CompressedExchange,
+) -> None:
+    """Encode, into ``owner``'s payload in buffer ``index``, the pieces of its
+    segment this rank has not applied, from ``masters`` (``owner``'s, or a
+    carried copy of them; ``sources`` says what each holds) minus this rank's
+    replica (``params``), which those pieces have not moved: the bytes
+    ``owner`` sends for them (encoding is a function of those values alone).
+    The pieces this rank applied are in the payload already, as they arrived."""
+    quantizer, layout = exchange.quantizer, shards.plan.layouts[index]
+    if not shards.bucket_view:  # the buffer holds the replica only where packed
+        pack(shards.buffers[index], layout.slots[owner], params)
+    spans = local_spans(shards.plan, owner, sources)
+    difference = _difference(shards, index, masters, spans, exchange, owner)
+    part, length = exchange.parts(index)[owner], layout.segments[owner].length
+    for k in range(exchange.applied[index], piece_count(exchange.piece, layout)):
+        start, numel, at, nbytes = piece_bounds(quantizer, exchange.piece, length, k)
+        if numel:
+            work = exchange.work[start : start + quantizer.padded_numel(numel)]
+            quantizer.encode(difference.take(start, numel), part[at : at + nbytes], work)
 
 
 def _apply(

@@ -153,10 +153,7 @@ def resolve_options(
         RuntimeError: ``overlap_with_ddp`` with more than one param group.
     """
     _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
-    check_redundancy(
-        redundancy, world_size, compressed=exchange_compression is not None,
-        overlap_with_ddp=overlap_with_ddp,
-    )  # fmt: skip
+    check_redundancy(redundancy, world_size, overlap_with_ddp=overlap_with_ddp)
     first = next(p for g in groups for p in g["params"])
     quantizer = resolve_compression(exchange_compression, first.dtype)
     wide = (

@@ -117,11 +117,15 @@ class ZeroRank:
 
     @property
     def compressed(self) -> Compressed | None:
-        """What the step program's compressed exchange needs (``None``: exact)."""
+        """What the step program's compressed exchange needs (``None``: exact).
+        With a carried copy the local step is taken whole before the exchange,
+        never in parts: a loss inside the exchange then finds every survivor's
+        step whole (:mod:`zerofn.zero.compressed_finish` finishes it)."""
         if self.exchange is None:
             return None
         assert self.masters is not None  # a compressed exchange always keeps masters
-        return Compressed(self.exchange, self.masters.master, steps_in_parts(self.optim))
+        in_parts = steps_in_parts(self.optim) and self.carried is None
+        return Compressed(self.exchange, self.masters.master, in_parts)
 
     def local_tensors(self) -> list[torch.Tensor]:
         """What the local optimizer steps, in its order."""
@@ -337,6 +341,8 @@ def answer_local_step(
     """
 
     def answer(request: LocalStep) -> Any:
+        if request.tensors is None and rank.exchange is not None:
+            rank.exchange.begin_step()  # taken whole: its exchange has not begun
         hand_grads(rank, params)
         loss = None
         if request.tensors is None:

@@ -54,16 +54,13 @@ __all__ = [
 ]
 
 
-def check_redundancy(
-    redundancy: int, world_size: int, *, compressed: bool, overlap_with_ddp: bool
-) -> None:
+def check_redundancy(redundancy: int, world_size: int, *, overlap_with_ddp: bool) -> None:
     """Refuse a ``redundancy`` the optimizer cannot keep, before anything is built.
 
     Raises:
-        ValueError: ``redundancy`` other than 1 or 2; 2 with one rank, with a
-            compressed exchange, or with ``overlap_with_ddp`` (the reduced
-            gradients reach the owners only, so a carrier would need bytes
-            sent to it too).
+        ValueError: ``redundancy`` other than 1 or 2; 2 with one rank, or
+            with ``overlap_with_ddp`` (the reduced gradients reach the
+            owners only, so a carrier would need bytes sent to it too).
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (every shard on its owner) or 2, got {redundancy}")
@@ -72,12 +69,6 @@ def check_redundancy(
     why = None
     if world_size < 2:
         why = "one rank has no other rank to carry its shard"
-    elif compressed:
-        why = (
-            "the compressed exchange sends differences, and a survivor that applied a lost "
-            "owner's last one and a survivor that did not would go on from different replicas; "
-            "use the exact exchange"
-        )
     elif overlap_with_ddp:
         why = (
             "with overlap_with_ddp=True gradients are reduced to their owners only, so the "

@@ -19,6 +19,7 @@ import torch
 
 from zerofn.comm import AllGatherObjects, Program
 from zerofn.zero.carried import write_pieces
+from zerofn.zero.compressed_finish import finish_compressed_program
 from zerofn.zero.partition import Piece
 from zerofn.zero.piece_state import ParamState, PieceStates, load_states, state_of, states_by_piece
 from zerofn.zero.rank import ZeroRank, flat_params, placed_rank
@@ -154,11 +155,14 @@ def regroup_program(
 
     1. With ``finish_step`` (a loss inside a step's exchange, every local
        step taken): the lost ranks' carried copies become the parameters
-       (:func:`adopt_carried_values`).
+       (:func:`adopt_carried_values`); with a compressed exchange, the
+       exchange is finished instead, in the old world's terms
+       (:func:`~zerofn.zero.compressed_finish.finish_compressed_program`).
     2. The moves: every rank's outbox (:func:`outgoing_states` of what it
        knows) is all-gathered; this rank keeps what was sent to it.
     3. The rank rebuilt from what it knows then (:func:`regrouped`).
-    4. With ``finish_step``: the step's exchange, run again on the new world.
+    4. With ``finish_step`` and the exact exchange: the step's exchange,
+       run again on the new world.
 
     Args:
         rank: this rank as it was (a joiner: as its own optimizer built it).
@@ -172,7 +176,10 @@ def regroup_program(
         The rebuilt rank.
     """
     params = flat_params(groups)
-    if finish_step:
+    compressed = rank.exchange is not None
+    if finish_step and compressed:  # every replica as the whole exchange leaves it
+        yield from finish_compressed_program(rank, params, regrouping)
+    elif finish_step:
         lost = [r for r in range(rank.options.world_size) if r not in regrouping.survivors]
         for gone in lost:
             adopt_carried_values(rank, params, gone)
@@ -182,6 +189,6 @@ def regroup_program(
         known.update(outbox.get(new, {}))
     take_moved_values(known, params)
     fresh = regrouped(rank, groups, regrouping, new, known)
-    if finish_step:
+    if finish_step and not compressed:
         yield from run_zero_step(fresh.shards, params, fresh.options.via, lambda _: None)
     return fresh
