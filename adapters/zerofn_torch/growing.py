@@ -31,8 +31,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Broadcast, Program
+from zerofn.zero.options import compression_master_dtype, resolve_compression
 from zerofn.zero.partition import FlatPartition
+from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.redundancy import Regrouping, plan_after_join
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
@@ -59,6 +62,7 @@ class Fingerprint:
         master_dtype: the masters' dtype, as text (``"None"``: no masters).
         flat: the optimizer's partition is flat (element ranges), not whole
             parameters.
+        compression: the exchange's codec, as text (``"None"``: exact).
     """
 
     optimizer: str
@@ -67,6 +71,7 @@ class Fingerprint:
     shapes: tuple[tuple[tuple[int, ...], str], ...]
     master_dtype: str = "None"
     flat: bool = False
+    compression: str = "None"
 
     def refusal(self, joiner: Fingerprint) -> str | None:
         """Why ``joiner`` cannot join a job of this fingerprint (``None``: it can)."""
@@ -87,13 +92,15 @@ def fingerprint(
     redundancy: int,
     master_dtype: torch.dtype | None = None,
     flat: bool = False,
+    compression: BlockQuantizer | None = None,
 ) -> Fingerprint:
     """The :class:`Fingerprint` of a model's parameters and optimizer options."""
     name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
     shapes = tuple((tuple(p.shape), str(p.dtype)) for p in params)
     return Fingerprint(
-        name, repr(sorted(defaults.items())), redundancy, shapes, str(master_dtype), flat
-    )
+        name, repr(sorted(defaults.items())), redundancy, shapes, str(master_dtype), flat,
+        repr(compression),
+    )  # fmt: skip
 
 
 def _fingerprint_of(zero: ZeroRedundancyOptimizer) -> Fingerprint:
@@ -102,6 +109,7 @@ def _fingerprint_of(zero: ZeroRedundancyOptimizer) -> Fingerprint:
     return fingerprint(
         params, options.optimizer_class, options.defaults, options.redundancy,
         options.master_dtype, isinstance(zero.shard_plan.partition, FlatPartition),
+        options.quantizer,
     )  # fmt: skip
 
 
@@ -271,6 +279,7 @@ def join(
     redundancy: int = 2,
     master_dtype: torch.dtype | None = None,
     partition: str = "greedy",
+    exchange_compression: str | BlockQuantizer | None = None,
     timeout_s: float = 120.0,
     **defaults: Any,
 ) -> Joined:
@@ -288,6 +297,7 @@ def join(
         master_dtype: the job's master copies' dtype (``None``: none).
         partition: ``"flat"`` for a job whose partition is flat; else any
             whole-tensor one (the joiner's share comes from the job's plan).
+        exchange_compression: the job's compressed exchange (``None``: exact).
         timeout_s: how long to wait to be admitted, and the group's timeout.
         **defaults: the job's optimizer options.
 
@@ -300,8 +310,16 @@ def join(
         TimeoutError: nobody admitted it within ``timeout_s``.
     """
     params = list(model.parameters())
+    dtype = params[0].dtype
+    codec = resolve_compression(exchange_compression, dtype)
+    # The masters the optimizer keeps (a compressed exchange keeps its own).
+    masters = (
+        resolve_master_dtype(dtype, master_dtype)
+        if codec is None
+        else compression_master_dtype(dtype, master_dtype)
+    )
     mine = fingerprint(
-        params, optimizer_class, defaults, redundancy, master_dtype, partition == "flat"
+        params, optimizer_class, defaults, redundancy, masters, partition == "flat", codec
     )
     # Before announcing: the options are checked while the job is untouched,
     # and the optimizer's lazy imports are paid before the running ranks wait.
@@ -319,7 +337,7 @@ def join(
     group = _new_world(store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s)
     zero = ZeroRedundancyOptimizer(
         params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype,
-        partition=partition, **defaults,
+        partition=partition, exchange_compression=exchange_compression, **defaults,
     )  # fmt: skip
     extra = _grow(zero, group, None, 0, None)  # type: ignore[arg-type]
     return Joined(zero, answer["rank"], answer["world_size"], extra)
