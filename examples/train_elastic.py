@@ -53,7 +53,8 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn.errors import CollectiveError
 from zerofn.zero.arguments import plan_for
 from zerofn.zero.partition import FlatPartition
-from zerofn.zero.redundancy import plan_after_loss
+from zerofn.zero.plan import ShardPlan
+from zerofn.zero.redundancy import plan_after_join, plan_after_loss
 
 STEPS, LOST_AT, LOST = 6, 3, 2
 BATCH = 4
@@ -162,15 +163,33 @@ def owners_after_loss(
     do (with a compressed exchange the shards decide the numbers). ``None``
     for a flat partition: no whole-parameter list says its ranges, and its
     exact exchange's numbers do not depend on them."""
+    return _owners(plan_after_loss(_plan_of(config, world_size, owners), [lost]).plan)
+
+
+def owners_after_join(
+    config: Config, world_size: int, joiners: int, owners: Owners | None = None
+) -> Owners | None:
+    """Who owns what once ``joiners`` ranks join a world of ``world_size``
+    ranks: :func:`~zerofn.zero.redundancy.plan_after_join`'s plan, as
+    :func:`owners_after_loss` says."""
+    return _owners(plan_after_join(_plan_of(config, world_size, owners), joiners).plan)
+
+
+def _plan_of(config: Config, world_size: int, owners: Owners | None) -> ShardPlan:
+    """The plan of a world of ``config`` partitioned by ``owners`` (or the
+    configuration's own partition)."""
     params = list(make_model(config).parameters())
     chosen: Any = dict(config.options).get("partition", "greedy")
     if owners is not None:
         chosen = [[params[i] for i in owned] for owned in owners]
-    plan = plan_for([{"params": params}], world_size, chosen)
-    after = plan_after_loss(plan, [lost]).plan.partition
-    if isinstance(after, FlatPartition):
+    return plan_for([{"params": params}], world_size, chosen)
+
+
+def _owners(plan: ShardPlan) -> Owners | None:
+    partition = plan.partition
+    if isinstance(partition, FlatPartition):
         return None
-    return tuple(after.params_of(r) for r in range(after.world_size))
+    return tuple(partition.params_of(r) for r in range(partition.world_size))
 
 
 DATA = TensorDataset(

@@ -21,7 +21,14 @@ from zerofn_torch.runtime.launch import run_local_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 import train_grow_back as example
-from train_elastic import CONFIGS, make_ddp, make_model, train_step
+from train_elastic import (
+    CONFIGS,
+    make_ddp,
+    make_model,
+    owners_after_join,
+    owners_after_loss,
+    train_step,
+)
 from train_elastic import fresh_phase as phase
 
 
@@ -30,9 +37,17 @@ from train_elastic import fresh_phase as phase
 def test_lose_a_rank_go_on_and_grow_back_on_real_ranks(tmp_path: Any, config: str) -> None:
     chosen = CONFIGS[config]
     ours = example.lifecycle(str(tmp_path), chosen)
+    # Each reference world shards as the job's does then (the compressed
+    # exchange's numbers depend on who owns what).
+    shrunk = owners_after_loss(chosen, 3, 2)
+    grown = owners_after_join(chosen, 2, 1, shrunk)
     first = run_local_world(phase, 3, None, range(example.LOST_AT), chosen)[0]
-    second = run_local_world(phase, 2, first, range(example.LOST_AT, example.JOIN_AT), chosen)[0]
-    reference = run_local_world(phase, 3, second, range(example.JOIN_AT, example.STEPS), chosen)
+    second = run_local_world(
+        phase, 2, first, range(example.LOST_AT, example.JOIN_AT), chosen, shrunk
+    )[0]
+    reference = run_local_world(
+        phase, 3, second, range(example.JOIN_AT, example.STEPS), chosen, grown
+    )
     assert [r["rank"] for r in ours] == [0, 1, 2] and all(r["world_size"] == 3 for r in ours)
     assert ours[0]["log"] == ["step 2: lost [2], 2 ranks", "step 4: 1 joined, 3 ranks"]
     assert ours[2]["log"] == ["joined at step 4 as rank 2"]
