@@ -295,14 +295,24 @@ def test_the_planner_counts_the_carried_copy() -> None:
     assert [r.total - r.carried for r in carried.ranks] == [r.total for r in plain.ranks]
 
 
-def test_the_optimizers_memory_matches_the_planner_with_redundancy() -> None:
+@pytest.mark.parametrize(
+    ("partition", "compression"), [("greedy", None), ("flat", None), ("greedy", "int8")]
+)
+def test_the_optimizers_memory_matches_the_planner_with_redundancy(
+    partition: str, compression: str | None
+) -> None:
     shapes = [(8, 4), (4,), (4, 3), (3,), (5, 5)]
     params = [torch.randn(s) for s in shapes]
     n = len(shapes)
-    plan = plan_shards([[p.numel() for p in params]], ["cpu/torch.float32"] * n, [True] * n, 3)
-    ranks = simulated_ranks(plan, params, torch.optim.Adam, redundancy=2, lr=0.01)
+    sizes = [[p.numel() for p in params]]
+    plan = plan_shards(sizes, ["cpu/torch.float32"] * n, [True] * n, 3, partition)
+    ranks = simulated_ranks(
+        plan, params, torch.optim.Adam, redundancy=2, exchange_compression=compression, lr=0.01
+    )
     step_simulated(ranks, [torch.randn(s) for s in shapes])
-    predicted = plan_footprint([shapes], 3, redundancy=2)
+    predicted = plan_footprint(
+        [shapes], 3, redundancy=2, partition=partition, exchange_compression=compression
+    )
     from zerofn.zero.rank import memory_bytes
 
     for r, sim in enumerate(ranks):
