@@ -107,8 +107,9 @@ def state_of(
     """The optimizer state of ``piece``, for a tensor of ``shape``, from the
     pieces in ``known``: a known piece equal to it as it is (element-wise
     entries reshaped), else its elements cut from the pieces that cover it;
-    ``None`` when nothing of it is known (never stepped). Shares no tensor
-    with ``known`` where it cuts; returns ``known``'s own where it does not.
+    ``None`` when nothing of it is known (never stepped). Its tensors may
+    be views of ``known``'s: copy them before changing them
+    (:func:`load_states` does).
 
     Raises:
         ValueError: only part of ``piece`` is known.
