@@ -106,6 +106,8 @@ FEATURES: tuple[Feature, ...] = (
             "zerofn/zero/checkpoint_manifest.py",
             "zerofn/zero/checkpoint_run.py",
             "zerofn/zero/compressed_exchange.py",
+            "zerofn/zero/compressed_finish.py",
+            "zerofn/zero/compressed_payloads.py",
             "zerofn/zero/carried.py",
             "zerofn/zero/redundancy.py",
             "zerofn/zero/piece_state.py",
@@ -237,6 +239,13 @@ BEYOND: tuple[Beyond, ...] = (
                 "ZeroRedundancyOptimizer.unscale_gradients_",
                 "ZeroRedundancyOptimizer.discard_step",
             ),
+        ),
+    ),
+    Beyond(
+        "the compressed exchange's options (its codec, and the masters it keeps)",
+        _ZERO,
+        definitions=_in(
+            "zerofn/zero/options.py", "resolve_compression", "compression_master_dtype"
         ),
     ),
     Beyond(
