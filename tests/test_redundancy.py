@@ -27,7 +27,7 @@ from zerofn.testing.zero import (
     step_simulated,
     survivors_of,
 )
-from zerofn.zero.partition import FlatPartition, Piece
+from zerofn.zero.partition import FlatPartition
 from zerofn.zero.piece_state import state_of, whole_pieces
 from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.rank import answer_local_step
@@ -358,12 +358,11 @@ def check_holdings(ranks: list[SimulatedRank], reference: torch.optim.Optimizer)
         assert carried is not None and carried.owner == carried_owner(j, size)
         assert same_state(carried.optim, ranks[carried.owner].optimizer)
         assert same_values(carried.optim, ranks[carried.owner].optimizer)
-        sources = sim.zero.shards.local_sources(sim.params)
+        pieces = sim.zero.shards.local_pieces(sim.params)
         local = [t for g in sim.optimizer.param_groups for t in g["params"]]
-        for source, tensor in zip(sources, local, strict=True):
-            if source is None:
+        for piece, tensor in zip(pieces, local, strict=True):
+            if piece is None:
                 continue
-            piece = Piece(source[0], source[1], source[1] + source[2])
             mine = sim.optimizer.state[tensor]
             theirs = state_of(whole_pieces(by_index, sizes_of(masters)), piece, tensor.shape)
             assert mine.keys() == (theirs or {}).keys()

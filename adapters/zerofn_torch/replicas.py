@@ -94,11 +94,11 @@ def _state_digests(
         state = optim.state.get(tensor, {})
         return state_digest({**state, MASTER_KEY: tensor} if masters else state)
 
-    sources = rank.shards.local_sources([p for g in optimizer.param_groups for p in g["params"]])
+    pieces = rank.shards.local_pieces([p for g in optimizer.param_groups for p in g["params"]])
     mine = {
-        Piece(s[0], s[1], s[1] + s[2]): digest(rank.optim, t)
-        for s, t in zip(sources, rank.local_tensors(), strict=True)
-        if s is not None and s[2]
+        piece: digest(rank.optim, t)
+        for piece, t in zip(pieces, rank.local_tensors(), strict=True)
+        if piece is not None and piece.numel
     }
     carried = rank.carried
     copies = (

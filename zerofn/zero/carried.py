@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from zerofn.zero.chunks import ChunkSource
+from zerofn.zero.chunks import ChunkSource, piece_of
 from zerofn.zero.masters import Masters
 from zerofn.zero.params import hyperparameters
 from zerofn.zero.partition import FlatPartition, Piece
@@ -96,7 +96,7 @@ class CarriedShard:
     @property
     def pieces(self) -> tuple[Piece, ...]:
         """What each carried tensor holds, in the carried optimizer's order."""
-        return tuple(Piece(i, start, start + n) for group in self.sources for i, start, n in group)
+        return tuple(piece_of(source) for group in self.sources for source in group)
 
     @property
     def indices(self) -> tuple[int, ...]:
@@ -219,12 +219,9 @@ def step_carried(carried: CarriedShard, params: Sequence[torch.Tensor]) -> None:
         carried.optim.step()
         carried.masters.drop_grads()
         return
-    grads = _carried_grads(carried, params)
-    with torch.no_grad():
-        sources = [s for group in carried.sources for s in group]
-        for tensor, source, grad in zip(carried.tensors(), sources, grads, strict=True):
-            tensor.copy_(_piece_value(params[source[0]], source, carried.flat).view_as(tensor))
-            tensor.grad = None if grad is None else grad.clone().view_as(tensor)
+    _take_values(carried, params)
+    for tensor, grad in zip(carried.tensors(), _carried_grads(carried, params), strict=True):
+        tensor.grad = None if grad is None else grad.clone().view_as(tensor)
     carried.optim.step()
     for tensor in carried.tensors():
         tensor.grad = None
@@ -239,7 +236,12 @@ def reseed_carried(
     if carried.masters is not None:
         carried.masters.reseed(keep_consistent=keep_consistent)
         return
+    _take_values(carried, params)
+
+
+def _take_values(carried: CarriedShard, params: Sequence[torch.Tensor]) -> None:
+    """Set the carried tensors (no masters) to their parameters' values."""
+    sources = [s for group in carried.sources for s in group]
     with torch.no_grad():
-        sources = [s for group in carried.sources for s in group]
         for tensor, source in zip(carried.tensors(), sources, strict=True):
             tensor.copy_(_piece_value(params[source[0]], source, carried.flat).view_as(tensor))

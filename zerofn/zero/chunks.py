@@ -28,6 +28,7 @@ import torch
 
 from zerofn.zero.layout import Slot
 from zerofn.zero.params import StateDict
+from zerofn.zero.partition import Piece
 
 __all__ = [
     "FLAT_CHUNK_BYTES",
@@ -35,6 +36,7 @@ __all__ = [
     "chunk_sizes",
     "chunk_sources",
     "merge_chunk_state",
+    "piece_of",
     "split_chunk_state",
 ]
 
@@ -46,6 +48,12 @@ about the size of an L2 cache."""
 ChunkSource = tuple[int, int, int]
 """Where a local tensor's elements come from: (parameter index, first
 element in the flattened parameter, element count)."""
+
+
+def piece_of(source: ChunkSource) -> Piece:
+    """The piece of its parameter a local tensor holds."""
+    param, start, numel = source
+    return Piece(param, start, start + numel)
 
 
 def chunk_sizes(numel: int, itemsize: int, chunk_bytes: int = FLAT_CHUNK_BYTES) -> tuple[int, ...]:

@@ -65,12 +65,10 @@ def seen_beats(
     """
     if max_gap_s <= 0:
         raise ValueError(f"max_gap_s must be positive, got {max_gap_s}")
-    if previous is None or now - previous.read_at > max_gap_s:
-        if previous is not None and len(counts) != len(previous.counts):
-            raise ValueError(f"{len(counts)} counters read, {len(previous.counts)} watched")
-        return BeatView(tuple(counts), tuple(now for _ in counts), now)
-    if len(counts) != len(previous.counts):
+    if previous is not None and len(counts) != len(previous.counts):
         raise ValueError(f"{len(counts)} counters read, {len(previous.counts)} watched")
+    if previous is None or now - previous.read_at > max_gap_s:
+        return BeatView(tuple(counts), tuple(now for _ in counts), now)
     since = tuple(
         then if new == old else now
         for new, old, then in zip(counts, previous.counts, previous.since, strict=True)

@@ -53,9 +53,7 @@ def known_states(rank: ZeroRank, params: Sequence[torch.Tensor]) -> PieceStates:
     belongs to: its own shard's and the carried shard's, each with its
     master's value under ``"master_param"`` where there are master copies.
     A tensor never stepped has no optimizer state."""
-    sources = rank.shards.local_sources(params)
-    pieces = [None if s is None else Piece(s[0], s[1], s[1] + s[2]) for s in sources]
-    known = states_by_piece(rank.optim, pieces, rank.masters is not None)
+    known = states_by_piece(rank.optim, rank.shards.local_pieces(params), rank.masters is not None)
     known.update(carried_states(rank))
     return known
 
@@ -134,9 +132,7 @@ def regrouped(
     fresh = placed_rank(
         groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True
     )
-    sources = fresh.shards.local_sources(flat_params(groups))
-    own = [None if s is None else Piece(s[0], s[1], s[1] + s[2]) for s in sources]
-    load_states(fresh.optim, own, known, fresh.masters)
+    load_states(fresh.optim, fresh.shards.local_pieces(flat_params(groups)), known, fresh.masters)
     if fresh.carried is not None:
         load_states(fresh.carried.optim, fresh.carried.pieces, known, fresh.carried.masters)
     return fresh

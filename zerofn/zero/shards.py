@@ -35,10 +35,16 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from zerofn.zero.chunks import ChunkSource, chunk_sources, merge_chunk_state, split_chunk_state
+from zerofn.zero.chunks import (
+    ChunkSource,
+    chunk_sources,
+    merge_chunk_state,
+    piece_of,
+    split_chunk_state,
+)
 from zerofn.zero.exchange import group_slots, pack, unpack
 from zerofn.zero.params import StateDict, hyperparameters
-from zerofn.zero.partition import FlatPartition
+from zerofn.zero.partition import FlatPartition, Piece
 from zerofn.zero.plan import ShardPlan
 
 __all__ = [
@@ -135,6 +141,11 @@ class WholeTensorShards:
         placeholder standing for an empty group."""
         owned = self.plan.partition.assignment[self.rank]  # type: ignore[union-attr]
         return [(i, 0, params[i].numel()) for indices in owned for i in indices]
+
+    def local_pieces(self, params: Sequence[torch.Tensor]) -> list[Piece | None]:
+        """:meth:`local_sources` as pieces of the parameters (``None``: a
+        placeholder), what optimizer state is moved and compared by."""
+        return [None if s is None else piece_of(s) for s in self.local_sources(params)]
 
     def hand_grads(self, params: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
         """Give each local tensor (what the local optimizer steps) this

@@ -234,7 +234,7 @@ class Heartbeat:
             # machine) starts timing again, rather than blame the watched rank.
             now = time.monotonic()
             self._view = view = seen_beats(self._view, counts, now, WATCH_SILENT_S / 3)
-        silent = silent_ranks(view, time.monotonic(), WATCH_SILENT_S)
+        silent = silent_ranks(view, now, WATCH_SILENT_S)
         return tuple(r for r in silent if not store.check([done_key(generation, r)]))
 
     def wait(self, fut: torch.futures.Future[T], purpose: str) -> T:
