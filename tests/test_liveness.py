@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from zerofn.zero.liveness import BeatView, seen_beats, silent_ranks
@@ -35,6 +35,7 @@ def watched(
     st.floats(0.0, 2.0, allow_nan=False),
     st.one_of(st.just(float("inf")), st.floats(0.05, 1.0)),
 )
+@example([(0.1111904061294329, [None, None, 0])] * 3, 0.0, 0.1111904061294329)
 def test_silent_means_unchanged_for_longer_than_the_limit_while_watched(
     steps: list[tuple[float, list[int | None]]], limit: float, max_gap: float
 ) -> None:
@@ -45,11 +46,12 @@ def test_silent_means_unchanged_for_longer_than_the_limit_while_watched(
     silent = silent_ranks(view, now, limit)
     for r in range(3):
         # When rank r's last value was first read in an unbroken watch, from
-        # the readings themselves.
+        # the readings themselves. A gap is the difference of two clock
+        # readings, as the watcher sees it: it can round above the drawn gap.
         times, t = [], 0.0
         for gap, counts in steps:
+            times.append((t + gap, t + gap - t, counts[r]))
             t += gap
-            times.append((t, gap, counts[r]))
         last, first_at = times[-1][2], times[-1][0]
         for i in range(len(times) - 1, -1, -1):
             at, gap, value = times[i]
