@@ -44,12 +44,15 @@ class OuterStep:
     Attributes:
         fragment: the fragment whose slice to step.
         gradient: the slice's pseudo-gradient (``float32``, the slice's length).
+        carried: step this rank's copy of the carried rank's slice instead
+            (``redundancy=2``, :mod:`zerofn.diloco.redundancy`).
 
     The answer is the slice's anchor tensor, stepped.
     """
 
     fragment: int
     gradient: torch.Tensor
+    carried: bool = False
 
 
 def pseudo_gradient(anchor: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

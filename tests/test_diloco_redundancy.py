@@ -1,0 +1,309 @@
+"""DiLoCo with ``redundancy=2`` in a simulated world
+(:mod:`zerofn.diloco.redundancy`): carried copies that equal their owners
+bit for bit, and a loss at any point of a sync, seen by any subset of the
+survivors, regrouped into the outer state of a world that lost the rank
+before the sync (nobody stepped it) or just after it (somebody holds its
+sum)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from _draws import draws
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_diloco_core import OUTER, Factory, World, drift, replicated, sizes_lists
+
+from zerofn.comm import answering
+from zerofn.diloco.checkpoint import consolidate, rank_state_dict, shard
+from zerofn.diloco.fragments import FragmentPlan, plan_fragments, read_fragment, write_fragment
+from zerofn.diloco.outer import OuterStep, outer_step
+from zerofn.diloco.redundancy import (
+    InconsistentSyncs,
+    Regrouped,
+    SyncPosition,
+    carried_rank,
+    copies_disagreement,
+    redundant_sync_program,
+    regroup_program,
+    regrouped,
+    sync_recovery,
+)
+from zerofn.diloco.state import DiLoCoState
+from zerofn.diloco.sync import run_sync
+from zerofn.replicas import digests
+from zerofn.testing.world import fulfil, run_programs
+
+SETTINGS = settings(max_examples=draws(60), deadline=None)
+
+
+class CarriedWorld:
+    """W simulated DiLoCo workers with ``redundancy=2``: each keeps its
+    anchor slices and outer optimizer, and a copy of the previous rank's."""
+
+    def __init__(self, plan: FragmentPlan, params: list[list[torch.Tensor]], factory: Factory):
+        self.plan, self.params = plan, params
+        flat = torch.cat([p.reshape(-1) for p in params[0]])
+        world = plan.world_size
+
+        def slices(rank: int) -> list[torch.Tensor]:
+            return [
+                flat[f.start : f.start + f.numel][f.owned(rank)].clone() for f in plan.fragments
+            ]
+
+        self.anchors = [slices(r) for r in range(world)]
+        self.carried = [slices(carried_rank(r, world)) for r in range(world)]
+        self.outers = [factory(a) for a in self.anchors]
+        self.carried_outers = [factory(a) for a in self.carried]
+        self.sums: list[torch.Tensor | None] = [None] * world
+
+    def answer(self, rank: int) -> Callable[[OuterStep], torch.Tensor]:
+        def step(request: OuterStep) -> torch.Tensor:
+            if request.carried:
+                return outer_step(self.carried_outers[rank], self.carried[rank], request)
+            return outer_step(self.outers[rank], self.anchors[rank], request)
+
+        return step
+
+    def program(self, rank: int, fragment: int) -> Any:
+        f = self.plan.fragments[fragment]
+        values = read_fragment(f, self.params[rank])
+        self.sums[rank] = values
+        program = redundant_sync_program(
+            f, rank, values, self.anchors[rank][fragment], self.carried[rank][fragment]
+        )
+        return run_sync(program, self.answer(rank))
+
+    def sync(self, fragment: int) -> None:
+        f = self.plan.fragments[fragment]
+        results = run_programs([self.program(r, fragment) for r in range(self.plan.world_size)])
+        for ps, result in zip(self.params, results, strict=True):
+            write_fragment(f, ps, result)
+
+    def held(self, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        carried = carried_rank(rank, self.plan.world_size)
+        return (
+            rank_state_dict(
+                self.plan,
+                rank,
+                DiLoCoState(),
+                None,
+                self.anchors[rank],
+                self.outers[rank].state_dict(),
+            ),
+            rank_state_dict(
+                self.plan,
+                carried,
+                DiLoCoState(),
+                None,
+                self.carried[rank],
+                self.carried_outers[rank].state_dict(),
+            ),
+        )
+
+    def consolidated(self) -> dict[str, Any]:
+        return consolidate(self.plan, [self.held(r)[0] for r in range(self.plan.world_size)])
+
+
+def outer_tensors(saved: dict[str, Any]) -> list[torch.Tensor]:
+    """A rank state dict's anchor slices and outer state tensors, in a fixed order."""
+    out = list(saved["anchor"])
+    for index in sorted(saved["outer"]["state"]):
+        entry = saved["outer"]["state"][index]
+        out += [entry[k] for k in sorted(entry) if isinstance(entry[k], torch.Tensor)]
+    return out
+
+
+def same_tensors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@SETTINGS
+@given(
+    sizes_lists,
+    st.integers(1, 3),
+    st.integers(2, 5),
+    st.sampled_from(sorted(OUTER)),
+    st.integers(1, 3),
+    st.integers(0, 2**16),
+)
+def test_carried_copies_equal_their_owners_and_the_outer_state_is_the_plain_syncs(
+    sizes: list[int], fragments: int, world_size: int, outer: str, rounds: int, seed: int
+) -> None:
+    fragments = min(fragments, sum(sizes))
+    plan = plan_fragments(sizes, fragments, world_size)
+    params = replicated(sizes, world_size, seed)
+    plain_params = copy.deepcopy(params)
+    carried = CarriedWorld(plan, params, OUTER[outer])
+    plain = World(plan, plain_params, OUTER[outer])
+    for r in range(rounds):
+        drift(params, seed + r)
+        drift(plain_params, seed + r)
+        for fragment in range(fragments):
+            carried.sync(fragment)
+            f = plan.fragments[fragment]
+            for ps, result in zip(plain_params, plain.sync(fragment), strict=True):
+                write_fragment(f, ps, result)
+    # The sum comes from an all-reduce of the fragment, not a reduce of each
+    # slice: the same numbers, up to the order of the additions.
+    for a, b in zip(params, plain_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for r in range(world_size):
+        plain_own = rank_state_dict(
+            plan, r, DiLoCoState(), None, plain.anchors[r], plain.outers[r].state_dict()
+        )
+        got, want = outer_tensors(carried.held(r)[0]), outer_tensors(plain_own)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    own = [digests(outer_tensors(carried.held(r)[0])).tolist() for r in range(world_size)]
+    copies = [digests(outer_tensors(carried.held(r)[1])).tolist() for r in range(world_size)]
+    assert copies_disagreement(own, copies) is None
+    # A copy that drifts is named.
+    carrier = next(r for r in range(world_size) if carried.carried[r][0].numel())
+    owner = carried_rank(carrier, world_size)
+    carried.carried[carrier][0].add_(1.0)
+    copies = [digests(outer_tensors(carried.held(r)[1])).tolist() for r in range(world_size)]
+    assert copies_disagreement(own, copies) == (
+        f"rank {carrier}'s copy of rank {owner}'s DiLoCo outer state differs from rank {owner}'s own"
+    )
+
+
+def interrupted_sync(
+    world: CarriedWorld, fragment: int, lost: int, summed: Sequence[bool]
+) -> list[SyncPosition]:
+    """Every rank enters the sync of ``fragment``; if any survivor is to see
+    its all-reduce complete, it completes, and exactly the survivors marked
+    in ``summed`` take their outer steps; then rank ``lost`` is gone and
+    every survivor's wait fails. The survivors' positions, in order."""
+    ranks = range(world.plan.world_size)
+    programs = [world.program(r, fragment) for r in ranks]
+    requests = [next(p) for p in programs]
+    survivors = [r for r in ranks if r != lost]
+    if any(summed):
+        responses = fulfil(requests)
+        for r, saw in zip(survivors, summed, strict=True):
+            if saw:
+                programs[r].send(responses[r])  # the outer steps, then the gather
+    return [SyncPosition(0, 1, saw) for saw in summed]
+
+
+def regroup(
+    world: CarriedWorld,
+    fragment: int,
+    survivors: list[int],
+    positions: list[SyncPosition],
+) -> list[Regrouped]:
+    """Run :func:`regroup_program` on every survivor, as the adapter does."""
+    recovery = sync_recovery(positions)
+    f = world.plan.fragments[fragment]
+
+    def program(new_rank: int) -> Any:
+        old = survivors[new_rank]
+        position = positions[new_rank]
+
+        def finish() -> Any:
+            held_sum = world.sums[old] if position.summed else None
+            return f, held_sum, world.anchors[old][fragment], world.carried[old][fragment]
+
+        regroup = regroup_program(
+            recovery, position, world.plan, survivors, new_rank, finish, lambda: world.held(old)
+        )
+        return answering(regroup, OuterStep, world.answer(old))
+
+    return run_programs([program(i) for i in range(len(survivors))])
+
+
+@SETTINGS
+@given(
+    sizes_lists,
+    st.integers(1, 3),
+    st.integers(3, 5),
+    st.sampled_from(sorted(OUTER)),
+    st.integers(0, 2),
+    st.data(),
+    st.integers(0, 2**16),
+)
+def test_a_loss_inside_a_sync_regroups_into_a_world_that_lost_the_rank_before_or_after_it(
+    sizes: list[int],
+    fragments: int,
+    world_size: int,
+    outer: str,
+    rounds: int,
+    data: st.DataObject,
+    seed: int,
+) -> None:
+    """Whichever survivors saw the sync's all-reduce complete (none, some or
+    all), the survivors' outer state, own and carried, equals bit for bit
+    that of a world that never lost the rank, cut for the survivors: after
+    the sync when any survivor held its sum, before it otherwise."""
+    fragments = min(fragments, sum(sizes))
+    plan = plan_fragments(sizes, fragments, world_size)
+    params = replicated(sizes, world_size, seed)
+    world = CarriedWorld(plan, params, OUTER[outer])
+    for r in range(rounds):
+        drift(params, seed + r)
+        for fragment in range(fragments):
+            world.sync(fragment)
+    drift(params, seed + rounds)
+    reference = copy.deepcopy(world)
+    fragment = data.draw(st.integers(0, fragments - 1), label="fragment")
+    lost = data.draw(st.integers(0, world_size - 1), label="lost")
+    survivors = [r for r in range(world_size) if r != lost]
+    summed = data.draw(
+        st.lists(st.booleans(), min_size=len(survivors), max_size=len(survivors)), label="summed"
+    )
+    positions = interrupted_sync(world, fragment, lost, summed)
+    recovery = sync_recovery(positions)
+    assert recovery.forward == any(summed)
+    if recovery.forward:
+        reference.sync(fragment)
+    whole = reference.consolidated()
+    new_plan = plan_fragments(sizes, fragments, len(survivors))
+    for new_rank, got in enumerate(regroup(world, fragment, survivors, positions)):
+        want_own = shard(new_plan, whole, new_rank)
+        want_carried = shard(new_plan, whole, carried_rank(new_rank, len(survivors)))
+        assert got.plan == new_plan
+        assert same_tensors(outer_tensors(got.own), outer_tensors(want_own))
+        assert same_tensors(outer_tensors(got.carried), outer_tensors(want_carried))
+        assert same_tensors(got.anchor, whole["anchor"])
+
+
+def test_the_last_sync_entered_decides_and_a_sum_nobody_could_hold_is_refused() -> None:
+    back = sync_recovery([SyncPosition(3, 4, False), SyncPosition(2, 2, True)])
+    assert (back.sync, back.forward, back.source) == (4, False, None)
+    assert back.runs_again(SyncPosition(3, 4, False))
+    assert not back.runs_again(SyncPosition(2, 2, True))
+    stuck = SyncPosition(1, 2, True)  # summed sync 2, stuck in its gather
+    assert sync_recovery([SyncPosition(3, 4, False), stuck]).applies_consolidated(stuck)
+    forward = sync_recovery([SyncPosition(4, 4, True), SyncPosition(3, 4, False)])
+    assert (forward.forward, forward.source) == (True, 0)
+    assert forward.needs_sum(SyncPosition(3, 4, False))
+    assert forward.applies_consolidated(SyncPosition(3, 4, False))
+    assert not forward.applies_consolidated(SyncPosition(4, 4, True))
+    everyone = sync_recovery([SyncPosition(3, 4, True), SyncPosition(3, 4, True)])
+    assert everyone.forward and everyone.source is None
+    with pytest.raises(InconsistentSyncs, match="never entered"):
+        sync_recovery([SyncPosition(3, 4, True), SyncPosition(1, 2, True)])
+    with pytest.raises(InconsistentSyncs, match="no survivors"):
+        sync_recovery([])
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.booleans())
+def test_positions_read_back_as_written(steps: int, sync: int, summed: bool) -> None:
+    position = SyncPosition(steps, sync, summed)
+    assert SyncPosition.from_text(position.to_text()) == position
+    with pytest.raises(ValueError, match="not a DiLoCo sync position"):
+        SyncPosition.from_text(f"{steps}:{sync}")
+
+
+def test_a_rank_lost_with_its_carrier_or_a_world_left_with_one_rank_is_refused() -> None:
+    plan = plan_fragments([8, 4], 1, 4)
+    world = CarriedWorld(plan, replicated([8, 4], 4, 0), OUTER["nesterov"])
+    held = {r: world.held(r) for r in (0, 3)}
+    with pytest.raises(ValueError, match="ranks 1 and 2 \\(its carrier\\) are both lost"):
+        regrouped(plan, held, [0, 3], 0)
+    with pytest.raises(ValueError, match="redundancy=2 needs 2 ranks"):
+        regrouped(plan, {0: world.held(0)}, [0], 0)
