@@ -28,6 +28,7 @@ from zerofn.diloco.redundancy import (
     SyncPosition,
     carried_rank,
     copies_disagreement,
+    outer_state_tensors,
     redundant_sync_program,
     regroup_program,
     regrouped,
@@ -109,15 +110,6 @@ class CarriedWorld:
         return consolidate(self.plan, [self.held(r)[0] for r in range(self.plan.world_size)])
 
 
-def outer_tensors(saved: dict[str, Any]) -> list[torch.Tensor]:
-    """A rank state dict's anchor slices and outer state tensors, in a fixed order."""
-    out = list(saved["anchor"])
-    for index in sorted(saved["outer"]["state"]):
-        entry = saved["outer"]["state"][index]
-        out += [entry[k] for k in sorted(entry) if isinstance(entry[k], torch.Tensor)]
-    return out
-
-
 def same_tensors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -156,16 +148,16 @@ def test_carried_copies_equal_their_owners_and_the_outer_state_is_the_plain_sync
         plain_own = rank_state_dict(
             plan, r, DiLoCoState(), None, plain.anchors[r], plain.outers[r].state_dict()
         )
-        got, want = outer_tensors(carried.held(r)[0]), outer_tensors(plain_own)
+        got, want = outer_state_tensors(carried.held(r)[0]), outer_state_tensors(plain_own)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    own = [digests(outer_tensors(carried.held(r)[0])).tolist() for r in range(world_size)]
-    copies = [digests(outer_tensors(carried.held(r)[1])).tolist() for r in range(world_size)]
+    own = [digests(outer_state_tensors(carried.held(r)[0])).tolist() for r in range(world_size)]
+    copies = [digests(outer_state_tensors(carried.held(r)[1])).tolist() for r in range(world_size)]
     assert copies_disagreement(own, copies) is None
     # A copy that drifts is named.
     carrier = next(r for r in range(world_size) if carried.carried[r][0].numel())
     owner = carried_rank(carrier, world_size)
     carried.carried[carrier][0].add_(1.0)
-    copies = [digests(outer_tensors(carried.held(r)[1])).tolist() for r in range(world_size)]
+    copies = [digests(outer_state_tensors(carried.held(r)[1])).tolist() for r in range(world_size)]
     assert copies_disagreement(own, copies) == (
         f"rank {carrier}'s copy of rank {owner}'s DiLoCo outer state differs from rank {owner}'s own"
     )
@@ -266,8 +258,8 @@ def test_a_loss_inside_a_sync_regroups_into_a_world_that_lost_the_rank_before_or
         want_own = shard(new_plan, whole, new_rank)
         want_carried = shard(new_plan, whole, carried_rank(new_rank, len(survivors)))
         assert got.plan == new_plan
-        assert same_tensors(outer_tensors(got.own), outer_tensors(want_own))
-        assert same_tensors(outer_tensors(got.carried), outer_tensors(want_carried))
+        assert same_tensors(outer_state_tensors(got.own), outer_state_tensors(want_own))
+        assert same_tensors(outer_state_tensors(got.carried), outer_state_tensors(want_carried))
         assert same_tensors(got.anchor, whole["anchor"])
 
 

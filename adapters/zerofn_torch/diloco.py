@@ -1,12 +1,7 @@
 """DiLoCo: local inner steps, an outer optimizer on pseudo-gradients, sharded outer state.
 
 ``DiLoCoOptimizer`` wraps any optimizer the way ``PostLocalSGDOptimizer``
-does::
-
-    from zerofn_torch.averaging import DiLoCoOptimizer
-
-    opt = DiLoCoOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=50)
-
+does: ``DiLoCoOptimizer(torch.optim.AdamW(model.parameters()), sync_every=50)``.
 Inner steps communicate nothing. After every ``sync_every``-th one, each
 fragment of the parameters is synced (the core's program,
 :mod:`zerofn.diloco.sync` or :mod:`zerofn.diloco.compressed_sync`): the
@@ -21,7 +16,9 @@ compressed mode's replica and residual) and the one sync in flight, which it
 moves on, request by request, whenever it gets the chance without waiting:
 at each ``step`` and ``zero_grad`` and as gradients accumulate during
 backward; it waits only when the result is due. A failed collective raises
-:class:`zerofn.errors.CollectiveError` there, on every live rank.
+:class:`zerofn.errors.CollectiveError` there, on every live rank. With
+``redundancy=2`` the workers go on without a lost one
+(:mod:`zerofn_torch.diloco_carried`, :func:`zerofn_torch.elastic.recover`).
 """
 
 from __future__ import annotations
@@ -34,7 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofn.diloco.checkpoint import check_layout, consolidate, rank_state_dict, shard
+from zerofn.diloco.checkpoint import (
+    check_layout,
+    check_tensors,
+    consolidate,
+    rank_state_dict,
+    shard,
+)
 from zerofn.diloco.compressed_sync import compressed_sync_program
 from zerofn.diloco.config import Compression, DiLoCoConfig
 from zerofn.diloco.fragments import plan_fragments, read_fragment, write_fragment
@@ -46,9 +49,16 @@ from zerofn.diloco.outer import (
     default_outer_optimizer,
     outer_step,
 )
+from zerofn.diloco.redundancy import carried_rank, redundant_sync_program
 from zerofn.diloco.start import agree_program
 from zerofn.diloco.state import DiLoCoState, InFlight, state_from_dict, take_inner_step
 from zerofn.diloco.sync import SyncProgram, run_sync, sync_program
+from zerofn_torch.diloco_carried import (
+    CarriedOuter,
+    CarryingWorker,
+    check_redundancy,
+    state_tensors,
+)
 from zerofn_torch.diloco_refusals import (
     NO_JOIN,
     refuse_all_reducing_ddp,
@@ -56,12 +66,9 @@ from zerofn_torch.diloco_refusals import (
     stepped_in_backward,
 )
 from zerofn_torch.runtime.driver import PolledProgram, drive
+from zerofn_torch.runtime.heartbeat import next_generation, start_heartbeat
 from zerofn_torch.runtime.object_collectives import all_gather_objects
-from zerofn_torch.runtime.wrapped_optimizer import (
-    WrappedOptimizer,
-    innermost,
-    parameters_written,
-)
+from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, innermost, parameters_written
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -71,7 +78,7 @@ def _remove(hooks: list[Any]) -> None:
         hook.remove()
 
 
-class DiLoCoOptimizer(WrappedOptimizer):
+class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
     """DiLoCo and Streaming DiLoCo around any inner optimizer.
 
     Each :meth:`step` steps ``optim`` alone; the fragments' syncs start and
@@ -101,6 +108,13 @@ class DiLoCoOptimizer(WrappedOptimizer):
             world). A model under DDP over groups inside each worker is fine.
         mixing: the weight of the local values when a result is applied
             (0: take the global values, as DiLoCo; 0.5: Streaming DiLoCo's).
+        redundancy: 2 keeps a copy of each rank's outer state on the next
+            rank (its carrier), so the workers go on when one is lost
+            (:func:`zerofn_torch.elastic.recover`); each sync then
+            all-reduces the fragment (1.5 times the bytes) and this rank
+            keeps the last sync's sum (4 bytes per element of a fragment).
+            Needs ``delay=0``, no compression and the whole job as the
+            outer group.
 
     Raises:
         ValueError, TypeError: a bad configuration (see
@@ -108,7 +122,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
             parameter elements, a rank outside ``process_group``, an outer
             optimizer that is not element-wise or not over the given
             tensors, parameters under a DDP model that averages gradients
-            across workers, or a ZeRO inner optimizer with ``redundancy=2``.
+            across workers, a ZeRO inner optimizer with ``redundancy=2``,
+            or a ``redundancy`` this configuration cannot keep.
         zerofn.errors.CollectiveError: the starting broadcast failed.
     """
 
@@ -125,11 +140,12 @@ class DiLoCoOptimizer(WrappedOptimizer):
         process_group: Any | None = None,
         *,
         mixing: float = 0.0,
+        redundancy: int = 1,
     ) -> None:
         # Deliberately no Optimizer.__init__: the inner optimizer owns the
         # parameters and their state; this class shares its param groups.
         self.config = DiLoCoConfig(sync_every, fragments, delay, mixing, compression)
-        group = process_group if process_group is not None else dist.group.WORLD
+        group: Any = process_group if process_group is not None else dist.group.WORLD
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError(
@@ -137,7 +153,9 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 "the group it syncs over"
             )
         params = [p for g in optim.param_groups for p in g["params"]]
-        plan = plan_fragments([p.numel() for p in params], fragments, dist.get_world_size(group))
+        world_size = dist.get_world_size(group)
+        check_redundancy(redundancy, self.config, world_size, world_size == dist.get_world_size())
+        plan = plan_fragments([p.numel() for p in params], fragments, world_size)
         refuse_all_reducing_ddp(params, group)
         refuse_carried_inner(optim)
         self.optim = optim
@@ -153,12 +171,23 @@ class DiLoCoOptimizer(WrappedOptimizer):
             for f in plan.fragments
         ]
         factory = outer_optimizer if outer_optimizer is not None else default_outer_optimizer
+        self._factory = factory
         self.outer = check_outer_optimizer(factory(self._anchors), self._anchors)
+        self._carried = (
+            CarriedOuter(plan, rank, factory, params[0].device) if redundancy == 2 else None
+        )
         drive(agree_program(params), group, "DiLoCo: starting from rank 0's parameters").wait()
         parameters_written(optim)
         start = [read_fragment(f, params) for f in plan.fragments]
         for anchor, f, values in zip(self._anchors, plan.fragments, start, strict=True):
             anchor.copy_(values[f.owned(rank)])
+        if self._carried is not None:
+            self._carried.fill(plan, rank, start)
+        # The others tell this rank is alive by its heartbeat (zerofn_torch.elastic).
+        self._generation = next_generation() if redundancy == 2 else 0
+        self._heartbeat = (
+            start_heartbeat(self._generation, rank, world_size) if redundancy == 2 else None
+        )
         self._replica: torch.Tensor | None = None
         self._residual: torch.Tensor | None = None
         if self.config.compression is not None:
@@ -212,6 +241,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 failed (a peer died or hung), on every live rank.
         """
         self._check_inner()
+        self._check_alarm()
         self._poll()
         if stepped_in_backward(self.optim):
             loss = None  # DDP's backward took the inner step, through the overlap hook
@@ -269,7 +299,12 @@ class DiLoCoOptimizer(WrappedOptimizer):
         f = self._plan.fragments[fragment]
         values = read_fragment(f, self._params)
         program: SyncProgram
-        if self.config.compression is None:
+        if self._carried is not None:
+            self._carried.entered(t, values)
+            program = redundant_sync_program(
+                f, self._rank, values, self._anchors[fragment], self._carried.anchors[fragment]
+            )
+        elif self.config.compression is None:
             program = sync_program(f, self._rank, values, self._anchors[fragment])
         else:
             assert self._replica is not None and self._residual is not None
@@ -283,13 +318,21 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 self._anchors[fragment],
                 self.config.compression,
             )
-
-        def answer(request: OuterStep) -> torch.Tensor:
-            return outer_step(self.outer, self._anchors, request)
-
         purpose = f"DiLoCo sync of fragment {fragment} (after inner step {t})"
-        self._flight = PolledProgram(run_sync(program, answer), self.process_group, purpose)
+        self._flight = PolledProgram(
+            run_sync(program, self.answer_outer_step), self.process_group, purpose
+        )
         self._result = None
+
+    def answer_outer_step(self, request: OuterStep) -> torch.Tensor:
+        """Step the outer optimizer a sync (or a recovery) asks for: this
+        rank's slice, or (``request.carried``) its copy of the carried rank's."""
+        if not request.carried:
+            return outer_step(self.outer, self._anchors, request)
+        assert self._carried is not None
+        stepped = outer_step(self._carried.outer, self._carried.anchors, request)
+        self._carried.summed = True  # both slices stepped from the sum
+        return stepped
 
     def drain(self) -> None:
         """Finish the communication of the sync in flight, if any; its result
@@ -305,21 +348,26 @@ class DiLoCoOptimizer(WrappedOptimizer):
     def _apply(self, flight: InFlight) -> None:
         self.drain()
         assert self._result is not None
-        fragment = self._plan.fragments[flight.fragment]
-        local = read_fragment(fragment, self._params)
-        write_fragment(fragment, self._params, merge(local, self._result, self.config.mixing))
-        parameters_written(self.optim)
+        self._merge(flight.fragment, self._result)
         self._result = None
+
+    def _merge(self, index: int, result: torch.Tensor) -> None:
+        """Merge a sync's ``result`` into the parameters of fragment ``index``."""
+        fragment = self._plan.fragments[index]
+        local = read_fragment(fragment, self._params)
+        write_fragment(fragment, self._params, merge(local, result, self.config.mixing))
+        parameters_written(self.optim)
 
     # ----- memory and checkpoints --------------------------------------------------------
 
     def memory_bytes(self) -> int:
         """Bytes of outer state on this rank: anchor slices, the outer
-        optimizer's state tensors, and (compressed) the replica and residual.
-        A sync in flight holds one fragment's values on top, until applied."""
-        tensors = [*self._anchors]
-        tensors += [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
+        optimizer's state tensors, (compressed) the replica and residual, and
+        (``redundancy=2``) the carried copy and the last sync's sum. A sync
+        in flight holds one fragment's values on top, until applied."""
+        tensors = [*self._anchors, *state_tensors(self.outer)]
         tensors += [t for t in (self._replica, self._residual) if t is not None]
+        tensors += [] if self._carried is None else self._carried.tensors()
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _own(self) -> dict[str, Any]:
@@ -428,7 +476,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
             saved = shard(self._plan, saved, self._rank)
         check_layout(self._plan, saved, self._rank, compressed)
         state = state_from_dict(self.config, saved["state"])
-        self._check_tensors(saved, state)
+        check_tensors(self._plan, self._rank, saved, state)
         before = copy.deepcopy(self.outer.state_dict())
         self.outer.load_state_dict(saved["outer"])
         try:
@@ -447,25 +495,6 @@ class DiLoCoOptimizer(WrappedOptimizer):
                     mine.copy_(value)
         self._result = None if saved["result"] is None else saved["result"].clone()
         self._state = state
-
-    def _check_tensors(self, saved: Mapping[str, Any], state: DiLoCoState) -> None:
-        """Refuse tensors of the wrong shape before anything is changed."""
-        expected = [a.shape for a in self._anchors]
-        got = [tuple(t.shape) for t in saved["anchor"]]
-        if got != [tuple(s) for s in expected]:
-            raise ValueError(f"anchor slices of shapes {got}; this rank owns {expected}")
-        for name in ("replica", "residual"):
-            value = saved[name]
-            if value is not None and tuple(value.shape) != (self._plan.numel,):
-                raise ValueError(f"a {name} of shape {tuple(value.shape)} for {self._plan.numel}")
-        result = saved["result"]
-        if state.in_flight is None:
-            if result is not None:
-                raise ValueError("the state dict has a sync result but no sync in flight")
-            return
-        numel = self._plan.fragments[state.in_flight.fragment].numel
-        if result is None or tuple(result.shape) != (numel,):
-            raise ValueError(
-                f"the sync in flight (fragment {state.in_flight.fragment}) needs its result "
-                f"of {numel} elements in the state dict"
-            )
+        if self._carried is not None:  # every rank loads: hand each carrier its copy
+            every = all_gather_objects(self._own(), self.process_group, "DiLoCo: carried copies")
+            self._carried.load(every[carried_rank(self._rank, self.world_size)])

@@ -78,7 +78,8 @@ def refuse_carried_inner(optim: torch.optim.Optimizer) -> None:
             "DiLoCoOptimizer over a ZeroRedundancyOptimizer with redundancy=2: "
             "zerofn_torch.elastic.recover regroups the ZeRO optimizer's group but not DiLoCo's "
             "syncs, so a lost rank would still end the job. Build the ZeroRedundancyOptimizer "
-            "with redundancy=1 and restart a DiLoCo job from its last checkpoint"
+            "with redundancy=1 and DiLoCoOptimizer(..., redundancy=2), whose workers go on "
+            "without a lost one (each rank a worker, its inner optimizer its own)"
         )
 
 

@@ -29,12 +29,22 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from zerofn.comm import answering
+from zerofn.diloco.outer import OuterStep
+from zerofn.diloco.redundancy import (
+    InconsistentSyncs,
+    SyncPosition,
+    SyncRecovery,
+    regroup_program,
+    sync_recovery,
+)
+from zerofn.diloco.schedule import fragment_synced_at
 from zerofn.errors import CollectiveError
 from zerofn.zero.liveness import seen_beats, silent_ranks
 from zerofn.zero.recovery_point import (
@@ -44,10 +54,12 @@ from zerofn.zero.recovery_point import (
     recovery_point,
 )
 from zerofn.zero.redundancy import plan_after_loss
+from zerofn_torch.diloco import DiLoCoOptimizer
 
 # Growing back is its own module; its names stay importable from here, beside recover.
 from zerofn_torch.growing import JOINERS, Admitted, Fingerprint, Joined, admit, fingerprint, join
 from zerofn_torch.replicas import verify_replicas
+from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.heartbeat import (
     abandon,
     beat_count,
@@ -69,6 +81,7 @@ __all__ = [
     "fingerprint",
     "join",
     "recover",
+    "recover_diloco",
     "roll_call",
 ]
 
@@ -89,19 +102,23 @@ LOST = "lost"
 """A rank's roll-call answer written by another rank that declared it lost."""
 
 
+P = TypeVar("P", Position, SyncPosition)
+
+
 @attrs.frozen
-class RollCall:
+class RollCall(Generic[P]):
     """Who answered the roll call, and where each stood, as every survivor saw it.
 
     Attributes:
         alive: the group ranks that answered, in order.
-        positions: where each of them stood in the step sequence (in
-            ``alive``'s order): what :func:`~zerofn.zero.recovery_point.recovery_point`
-            turns into the point every survivor goes on from.
+        positions: where each of them stood (in ``alive``'s order): in the
+            ZeRO step sequence, what :func:`~zerofn.zero.recovery_point.recovery_point`
+            turns into the point every survivor goes on from; in DiLoCo's
+            syncs, what :func:`~zerofn.diloco.redundancy.sync_recovery` does.
     """
 
     alive: tuple[int, ...]
-    positions: tuple[Position, ...]
+    positions: tuple[P, ...]
 
 
 @attrs.frozen
@@ -117,7 +134,9 @@ class Recovered:
         finished_step: the step call that failed here is complete (do not
             redo it); ``False``: redo it on the survivors.
         point: the point every survivor went on from (the same on all of
-            them, whichever call failed on which).
+            them, whichever call failed on which): a ZeRO optimizer's
+            :class:`~zerofn.zero.recovery_point.RecoveryPoint`, or DiLoCo's
+            :class:`~zerofn.diloco.redundancy.SyncRecovery`.
     """
 
     group: Any
@@ -125,7 +144,7 @@ class Recovered:
     world_size: int
     lost: tuple[int, ...]
     finished_step: bool
-    point: RecoveryPoint
+    point: RecoveryPoint | SyncRecovery
 
 
 def roll_call(
@@ -133,12 +152,12 @@ def roll_call(
     prefix: str,
     rank: int,
     world_size: int,
-    position: Position,
+    position: P,
     deadline_s: float,
     *,
     generation: int = 0,
     silent_after_s: float = SILENT_AFTER_S,
-) -> RollCall:
+) -> RollCall[P]:
     """Every rank that can, says it is alive (and where it stands) under
     ``prefix`` in ``store``; a rank that has not is declared lost by any
     survivor once its heartbeat (``zerofn/beat/<generation>/<rank>``) has
@@ -176,7 +195,7 @@ def roll_call(
         time.sleep(0.01)
     answers = [store.get(k).decode() for k in keys]
     alive = tuple(r for r in range(world_size) if answers[r] != LOST)
-    return RollCall(alive, tuple(Position.from_text(answers[r]) for r in alive))
+    return RollCall(alive, tuple(type(position).from_text(answers[r]) for r in alive))
 
 
 def _timeout_s(group: Any) -> float:
@@ -189,7 +208,7 @@ def _timeout_s(group: Any) -> float:
 
 
 def recover(
-    zero: ZeroRedundancyOptimizer,
+    zero: ZeroRedundancyOptimizer | DiLoCoOptimizer,
     error: BaseException,
     *,
     store: Any | None = None,
@@ -213,6 +232,10 @@ def recover(
     copies agree (:func:`zerofn_torch.verify_replicas`). When every rank
     answered (a transient failure: a slow or paused rank came back in time)
     the same world goes on, on a new group, from the same agreed point.
+
+    A :class:`~zerofn_torch.diloco.DiLoCoOptimizer` built with
+    ``redundancy=2`` goes on the same way, by its syncs
+    (:func:`recover_diloco`).
 
     Args:
         zero: the optimizer (built with ``redundancy=2``).
@@ -243,6 +266,8 @@ def recover(
         zerofn.replicas.ReplicaMismatch: the survivors' parameters or shard
             copies differ.
     """
+    if isinstance(zero, DiLoCoOptimizer):
+        return recover_diloco(zero, error, store=store, deadline_s=deadline_s)
     old = zero.zero_rank
     if old.carried is None:
         raise ValueError(
@@ -295,6 +320,84 @@ def recover(
         store.set(GENERATION, str(zero.generation))
     verify_replicas(params, group, optimizer=zero)
     return Recovered(group, new_rank, len(regrouping.survivors), lost, finished, point)
+
+
+def recover_diloco(
+    diloco: DiLoCoOptimizer,
+    error: BaseException,
+    *,
+    store: Any | None = None,
+    deadline_s: float = DEADLINE_S,
+) -> Recovered:
+    """Go on without the DiLoCo workers that are gone, after ``error``: call
+    it on every surviving rank, in the ``except`` of the failed call
+    (``step``, which raises at once on a rank between syncs once another
+    raised the alarm).
+
+    The survivors agree on who is alive and where each stood in the syncs
+    (:func:`roll_call`, :func:`~zerofn.diloco.redundancy.sync_recovery`),
+    form a process group, finish the interrupted sync forward with a
+    survivor's sum or leave it to run again, cut the outer state for their
+    world from owners and carriers (:func:`~zerofn.diloco.redundancy.regroup_program`),
+    merge the result of a sync they stepped, and check the new copies. A
+    survivor that was inside a sync nobody could finish runs it again on the
+    survivors' group before it returns; the others run it when their inner
+    steps get there.
+
+    Returns:
+        As :func:`recover`; ``finished_step``: the failed ``step`` took its
+        inner step and its sync is done (do not redo it).
+
+    Raises:
+        As :func:`recover`.
+    """
+    position = diloco.position()
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
+    abandon(diloco.process_group)
+    _refuse_if_left_behind(store, diloco.generation, error)
+    raise_alarm(f"rank {diloco.rank} of {diloco.world_size}: {type(error).__name__}")
+    prefix = f"zerofn/elastic/{diloco.generation}"
+    call = roll_call(
+        store, prefix, diloco.rank, diloco.world_size, position, deadline_s,
+        generation=diloco.generation,
+    )  # fmt: skip
+    try:
+        recovery = sync_recovery(call.positions)
+    except InconsistentSyncs as refused:
+        raise CollectiveError(
+            "the roll call", "going on without the lost ranks", prefix, str(refused)
+        ) from error
+    lost = tuple(r for r in range(diloco.world_size) if r not in call.alive)
+    if not lost and not _is_collective_failure(error):
+        raise error
+    group = dist.new_group(
+        [dist.get_global_rank(diloco.process_group, r) for r in call.alive],
+        timeout=timedelta(seconds=_timeout_s(diloco.process_group)),
+        use_local_synchronization=True,
+    )
+    new_rank = call.alive.index(diloco.rank)
+    index = fragment_synced_at(diloco.config, recovery.sync)
+    program = regroup_program(
+        recovery,
+        position,
+        diloco.plan,
+        call.alive,
+        new_rank,
+        lambda: diloco.finishing(index if index is not None else 0),
+        diloco.held_state_dicts,
+    )
+    purpose = "DiLoCo: regrouping the outer state without the lost ranks"
+    regrouped = drive(
+        answering(program, OuterStep, diloco.answer_outer_step), group, purpose
+    ).wait()
+    diloco.regroup(group, new_rank, regrouped)
+    if new_rank == 0:
+        store.set(GENERATION, str(diloco.generation))
+    finished = diloco.resume(recovery, position, regrouped.anchor)
+    diloco.verify_copies()
+    if recovery.runs_again(position):
+        diloco.run_again(position)
+    return Recovered(group, new_rank, len(call.alive), lost, finished, recovery)
 
 
 _TRANSPORT_FAILURES = ("CollectiveError", "gloo/transport", "NCCL", "Timed out waiting")

@@ -36,7 +36,7 @@ import torch
 from zerofn.diloco.fragments import FragmentPlan
 from zerofn.diloco.state import DiLoCoState
 
-__all__ = ["FORMAT", "check_layout", "consolidate", "rank_state_dict", "shard"]
+__all__ = ["FORMAT", "check_layout", "check_tensors", "consolidate", "rank_state_dict", "shard"]
 
 FORMAT = "zerofn.diloco/1"
 """The format tag every DiLoCo state dict carries."""
@@ -124,6 +124,37 @@ def check_layout(
             f"this state dict is rank {saved['rank']}'s of an outer group of "
             f"{saved['world_size']} ranks; load it there, or save "
             "consolidated_state_dict() to resume on another rank or world size"
+        )
+
+
+def check_tensors(
+    plan: FragmentPlan, rank: int, saved: Mapping[str, Any], state: DiLoCoState
+) -> None:
+    """Refuse a rank state dict whose tensors do not fit rank ``rank`` of
+    ``plan`` (checked before anything is loaded).
+
+    Raises:
+        ValueError: anchor slices, a replica or residual of the wrong shape,
+            or a sync result where none is in flight (or none where one is).
+    """
+    expected = [(f.lengths[rank],) for f in plan.fragments]
+    got = [tuple(t.shape) for t in saved["anchor"]]
+    if got != expected:
+        raise ValueError(f"anchor slices of shapes {got}; this rank owns {expected}")
+    for name in ("replica", "residual"):
+        value = saved[name]
+        if value is not None and tuple(value.shape) != (plan.numel,):
+            raise ValueError(f"a {name} of shape {tuple(value.shape)} for {plan.numel}")
+    result = saved["result"]
+    if state.in_flight is None:
+        if result is not None:
+            raise ValueError("the state dict has a sync result but no sync in flight")
+        return
+    numel = plan.fragments[state.in_flight.fragment].numel
+    if result is None or tuple(result.shape) != (numel,):
+        raise ValueError(
+            f"the sync in flight (fragment {state.in_flight.fragment}) needs its result "
+            f"of {numel} elements in the state dict"
         )
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "carried_rank",
     "carrier_of",
     "copies_disagreement",
+    "outer_state_tensors",
     "outer_steps",
     "redundant_sync_program",
     "regroup_program",
@@ -372,6 +373,16 @@ def regrouped(
         shard(new_plan, whole, carried_rank(new_rank, new_world)),
         tuple(whole["anchor"]),
     )
+
+
+def outer_state_tensors(saved: Mapping[str, Any]) -> list[torch.Tensor]:
+    """A rank state dict's anchor slices and outer state tensors, in one
+    fixed order (fragment, then state name): what a copy is compared by."""
+    out = list(saved["anchor"])
+    for index in sorted(saved["outer"]["state"]):
+        entry = saved["outer"]["state"][index]
+        out += [entry[k] for k in sorted(entry) if isinstance(entry[k], torch.Tensor)]
+    return out
 
 
 def copies_disagreement(

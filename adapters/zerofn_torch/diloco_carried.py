@@ -1,0 +1,298 @@
+"""The live part of ``DiLoCoOptimizer(redundancy=2)``: this rank's copy of
+the previous rank's outer state, stepped beside its own, and where it
+stands in the syncs (what the roll call of
+:func:`zerofn_torch.elastic.recover` reads).
+
+The algorithm is the core's (:mod:`zerofn.diloco.redundancy`); this module
+holds the tensors it asks for and answers its outer steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from zerofn.diloco.checkpoint import rank_state_dict
+from zerofn.diloco.config import DiLoCoConfig
+from zerofn.diloco.fragments import Fragment, FragmentPlan
+from zerofn.diloco.outer import OuterOptimizerFactory, check_outer_optimizer
+from zerofn.diloco.redundancy import (
+    Regrouped,
+    StateDicts,
+    SyncPosition,
+    SyncRecovery,
+    carried_rank,
+    copies_disagreement,
+    outer_state_tensors,
+)
+from zerofn.diloco.schedule import fragment_synced_at
+from zerofn.diloco.state import DiLoCoState, take_inner_step
+from zerofn.errors import CollectiveError
+from zerofn.replicas import ReplicaMismatch, digests
+from zerofn_torch.runtime.heartbeat import Heartbeat
+from zerofn_torch.runtime.object_collectives import all_gather_objects
+
+__all__ = ["CarriedOuter", "CarryingWorker", "check_redundancy", "state_tensors"]
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of ``optimizer``'s state (what its memory holds beyond the parameters)."""
+    return [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def check_redundancy(
+    redundancy: int, config: DiLoCoConfig, world_size: int, whole_job: bool
+) -> None:
+    """Refuse a ``redundancy`` DiLoCo cannot keep, before anything is built.
+
+    Raises:
+        ValueError: ``redundancy`` other than 1 or 2; 2 with one worker,
+            with a ``delay``, with ``compression``, or over a group that is
+            not the whole job.
+    """
+    if redundancy not in (1, 2):
+        raise ValueError(f"redundancy must be 1 (outer state on its owner) or 2, got {redundancy}")
+    if redundancy == 1:
+        return
+    why = None
+    if world_size < 2:
+        why = "one worker has nobody to keep a copy of its outer state"
+    elif config.delay:
+        why = (
+            f"with delay={config.delay} a sync is in flight across inner steps, and a loss "
+            "there is not handled yet; use delay=0"
+        )
+    elif config.compression is not None:
+        why = (
+            "with compression each rank's replica and residual would need carrying too; "
+            "sync uncompressed (compression=None)"
+        )
+    elif not whole_job:
+        why = (
+            "the outer group must be the whole job (every rank a worker): a lost rank of a "
+            "worker's inner group would break that group too"
+        )
+    if why is not None:
+        raise ValueError(f"DiLoCoOptimizer(redundancy=2) is not available here: {why}")
+
+
+class CarriedOuter:
+    """This rank's copy of the previous rank's anchor slices and outer
+    optimizer, and the sync it entered last.
+
+    Attributes:
+        anchors: the carried rank's anchor slice of every fragment.
+        outer: an outer optimizer over them (the user's factory's).
+        sync: the inner step whose sync this rank entered last (0: none).
+        summed: it holds that sync's sum (and stepped both slices from it).
+        total: that sum (kept until the next sync starts: a survivor that
+            lacks it after a loss takes it from here).
+    """
+
+    def __init__(
+        self, plan: FragmentPlan, rank: int, factory: OuterOptimizerFactory, device: torch.device
+    ) -> None:
+        carried = carried_rank(rank, plan.world_size)
+        self.factory = factory
+        self.anchors = [
+            torch.empty(f.lengths[carried], dtype=torch.float32, device=device)
+            for f in plan.fragments
+        ]
+        self.outer = check_outer_optimizer(factory(self.anchors), self.anchors)
+        self.sync = 0
+        self.summed = True
+        self.total: torch.Tensor | None = None
+
+    def fill(self, plan: FragmentPlan, rank: int, start: Sequence[torch.Tensor]) -> None:
+        """Set the carried anchors from the fragments' starting values."""
+        carried = carried_rank(rank, plan.world_size)
+        for anchor, f, values in zip(self.anchors, plan.fragments, start, strict=True):
+            anchor.copy_(values[f.owned(carried)])
+
+    def entered(self, t: int, values: torch.Tensor) -> None:
+        """The sync after inner step ``t`` starts, with ``values`` (it holds
+        the sum once summed)."""
+        self.sync, self.summed, self.total = t, False, values
+
+    def position(self, state: DiLoCoState) -> SyncPosition:
+        """Where this rank stands, for the roll call."""
+        return SyncPosition(state.step, self.sync, self.summed)
+
+    def state_dict(self, plan: FragmentPlan, rank: int, state: DiLoCoState) -> dict[str, Any]:
+        """The copy as the carried rank's state dict (:mod:`zerofn.diloco.checkpoint`)."""
+        carried = carried_rank(rank, plan.world_size)
+        return rank_state_dict(plan, carried, state, None, self.anchors, self.outer.state_dict())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the copy holds in memory: anchors, outer state and the kept sum."""
+        kept = [] if self.total is None else [self.total]
+        return [*self.anchors, *state_tensors(self.outer), *kept]
+
+    def load(self, saved: Mapping[str, Any]) -> None:
+        """Hold ``saved`` (the carried rank's state dict) from now on: new
+        tensors, and a new outer optimizer over them. Every sync it ever
+        stepped is whole now."""
+        self.anchors = [a.detach().clone() for a in saved["anchor"]]
+        self.outer = check_outer_optimizer(self.factory(self.anchors), self.anchors)
+        self.outer.load_state_dict(saved["outer"])
+        self.summed = True
+
+
+class CarryingWorker:
+    """What ``DiLoCoOptimizer`` does to go on without a lost rank
+    (``redundancy=2``): its place in the syncs, its state dicts for the
+    regroup, and taking up the regrouped state. The recovery's sequence is
+    :func:`zerofn_torch.elastic.recover_diloco`'s; these are its hands."""
+
+    config: DiLoCoConfig
+    process_group: Any
+    outer: torch.optim.Optimizer
+    _carried: CarriedOuter | None
+    _heartbeat: Heartbeat | None
+    _generation: int
+    _rank: int
+    _plan: FragmentPlan
+    _state: DiLoCoState
+    _anchors: list[torch.Tensor]
+    _factory: OuterOptimizerFactory
+    _result: torch.Tensor | None
+
+    _merge: Callable[[int, torch.Tensor], None]
+    _start: Callable[[int, int], None]
+    drain: Callable[[], None]
+
+    @property
+    def carries_copies(self) -> bool:
+        """Whether this rank keeps a copy of another's outer state (``redundancy=2``)."""
+        return self._carried is not None
+
+    @property
+    def generation(self) -> int:
+        """This world's number in the job (``redundancy=2``): where its
+        heartbeats, alarm and roll call live in the job's store."""
+        return self._generation
+
+    @property
+    def rank(self) -> int:
+        """This rank in the outer group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the outer group."""
+        return self._plan.world_size
+
+    @property
+    def plan(self) -> FragmentPlan:
+        """How the parameters are cut into fragments and owners' slices."""
+        return self._plan
+
+    def _check_alarm(self) -> None:
+        """Fail at once when another rank raised this world's alarm: a
+        worker between syncs waits on nobody, and would otherwise learn of
+        a loss only at its next sync, long after the roll call.
+
+        Raises:
+            zerofn.errors.CollectiveError: the alarm is raised.
+        """
+        beating = self._heartbeat
+        if beating is None or beating.generation != self._generation or beating.alarm is None:
+            return
+        raise CollectiveError(
+            "the next inner step",
+            "DiLoCo with redundancy=2",
+            f"the outer group of {self.world_size} ranks (this is rank {self._rank})",
+            f"another rank raised the job's alarm ({beating.alarm}); recover on every rank",
+        )
+
+    def position(self) -> SyncPosition:
+        """Where this rank stands in the syncs, for the roll call.
+
+        Raises:
+            ValueError: built with ``redundancy=1``.
+        """
+        return self._carrying().position(self._state)
+
+    def _carrying(self) -> CarriedOuter:
+        if self._carried is None:
+            raise ValueError(
+                "this DiLoCoOptimizer keeps no copies of other ranks' outer state: build it "
+                "with redundancy=2 to go on without a lost rank"
+            )
+        return self._carried
+
+    def held_state_dicts(self) -> StateDicts:
+        """This rank's own DiLoCo rank state dict and its carried copy's."""
+        own = rank_state_dict(
+            self._plan, self._rank, self._state, None, self._anchors, self.outer.state_dict()
+        )
+        return own, self._carrying().state_dict(self._plan, self._rank, self._state)
+
+    def finishing(self, index: int) -> tuple[Fragment, torch.Tensor | None, Any, Any]:
+        """What finishing the sync of fragment ``index`` forward reads here:
+        the fragment, this rank's sum of it (``None``: it lacks it), its
+        anchor slice and its carried anchor slice."""
+        carried = self._carrying()
+        total = carried.total if carried.summed else None
+        return self._plan.fragments[index], total, self._anchors[index], carried.anchors[index]
+
+    def regroup(self, group: Any, new_rank: int, regrouped: Regrouped) -> None:
+        """Go on as rank ``new_rank`` of ``group`` with the regrouped outer
+        state (own and carried), in the next world. Not for training
+        loops: :func:`zerofn_torch.elastic.recover` calls it."""
+        carried = self._carrying()
+        self.process_group = group
+        self._rank, self._plan = new_rank, regrouped.plan
+        self._anchors = [a.detach().clone() for a in regrouped.own["anchor"]]
+        self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
+        self.outer.load_state_dict(regrouped.own["outer"])
+        carried.load(regrouped.carried)
+        self._generation += 1
+        if self._heartbeat is not None:
+            self._heartbeat.beat_as(self._generation, new_rank, regrouped.plan.world_size)
+
+    def resume(self, recovery: SyncRecovery, position: SyncPosition, anchor: Any) -> bool:
+        """Bring this rank's parameters and schedule to where ``recovery``
+        leaves them: merge the result of a sync it stepped (from the
+        regrouped ``anchor``), or mark the sync it runs again
+        (:meth:`run_again`). Returns whether the call that failed here took
+        its inner step (do not redo it)."""
+        index = fragment_synced_at(self.config, position.sync)
+        if recovery.applies_consolidated(position):
+            assert index is not None
+            self._merge(index, anchor[index])
+        if position.inner_step_taken:
+            self._state = take_inner_step(self.config, self._state)[0]
+        return position.inner_step_taken
+
+    def run_again(self, position: SyncPosition) -> None:
+        """Run the sync this rank entered last on the new group and merge
+        its result (the survivors' sync, without the lost ranks'
+        parameters); the others run it when their inner steps get there.
+
+        Raises:
+            zerofn.errors.CollectiveError: the sync failed.
+        """
+        index = fragment_synced_at(self.config, position.sync)
+        assert index is not None
+        self._start(index, position.sync)
+        self.drain()
+        assert self._result is not None
+        self._merge(index, self._result)
+        self._result = None
+
+    def verify_copies(self) -> None:
+        """Check that every carried copy of the outer state equals its
+        owner's, bit for bit. Collective: call on every rank.
+
+        Raises:
+            zerofn.replicas.ReplicaMismatch: a copy differs (naming both ranks).
+            zerofn.errors.CollectiveError: the gathering failed.
+        """
+        own, carried = (digests(outer_state_tensors(d)).tolist() for d in self.held_state_dicts())
+        every = all_gather_objects((own, carried), self.process_group, "DiLoCo: checking copies")
+        wrong = copies_disagreement([o for o, _ in every], [c for _, c in every])
+        if wrong is not None:
+            raise ReplicaMismatch(f"{wrong}: restart from a checkpoint")

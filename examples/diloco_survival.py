@@ -1,0 +1,286 @@
+"""DiLoCo workers that lose one of their own and go on: ``--config diloco`` of
+``survive_a_lost_rank.py`` and ``random_losses.py``.
+
+Each rank is a worker: ``train_elastic.py``'s model, Adam as the inner
+optimizer, and ``DiLoCoOptimizer(sync_every=2, fragments=2,
+redundancy=2)``, so one of the two fragments syncs after every inner step
+(each step has a sync to die in). A worker trains on its own batches
+(``train_elastic.batch`` of the rank it started as, in the world it started
+in), so a loss changes nobody's data.
+
+Where a kill lands, for DiLoCo:
+
+- ``exchange``: inside the sync of STEP, right after its outer steps (its
+  all-reduce completed): the survivors finish that sync forward, with the
+  lost worker's parameters in it;
+- ``backward``: inside the backward of STEP: the survivors' sync of STEP
+  fails before anyone holds its sum, and they run it again without it;
+- ``between``: after STEP completed: the same, at the sync of STEP+1.
+
+``--reference`` runs the same workers without dying: all of them up to
+the point the survivors went on from, every worker's model and optimizer
+saved, then fresh ranks of the survivors from those states (the outer state
+consolidated and cut for their world). Its ``final.pt`` equals the killed
+run's bit for bit: every worker's model, inner state and the consolidated
+outer state.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from train_elastic import PLAIN, batch, exit_quietly, make_model
+from zerofn_torch.diloco import DiLoCoOptimizer
+from zerofn_torch.elastic import DEADLINE_S, recover
+from zerofn_torch.runtime.launch import run_local_world
+
+from zerofn.errors import CollectiveError
+
+SYNC_EVERY, FRAGMENTS = 2, 2
+TIMEOUT_S = dist.default_pg_timeout.total_seconds()
+"""PyTorch's default group timeout: nothing waits for it."""
+
+
+@dataclass(frozen=True)
+class WorkerKill:
+    """One worker lost on purpose (the rank it started as, the step, where in it)."""
+
+    rank: int
+    step: int
+    phase: str
+
+    @property
+    def kept(self) -> int:
+        """The first step the survivors' world runs: the step whose sync
+        runs again without the lost worker (``backward``: STEP; ``between``:
+        STEP+1), or the step after the sync finished forward (``exchange``)."""
+        return self.step if self.phase == "backward" else self.step + 1
+
+
+@dataclass(frozen=True)
+class Workers:
+    """What one launch of workers runs.
+
+    Attributes:
+        first: the first step.
+        last: the step after the last one.
+        started: how many workers the job started with (their batches).
+        workers: the workers of this launch, by the rank each started as.
+        kills: the workers lost on the way (none in a reference).
+        start: each worker's saved state (``model``, ``optimizer``), or a fresh start.
+        redundancy: 2 to survive a loss.
+        deadline_s: the roll call's deadline.
+    """
+
+    first: int
+    last: int
+    started: int
+    workers: tuple[int, ...]
+    kills: tuple[WorkerKill, ...] = ()
+    start: dict[int, dict[str, Any]] | None = None
+    redundancy: int = 2
+    deadline_s: float = DEADLINE_S
+
+
+@dataclass
+class WorkerRecovery:
+    """One recovery, as a survivor saw it."""
+
+    step: int
+    lost: tuple[int, ...]
+    finished_step: bool
+    forward: bool
+    sizes: tuple[int, int]
+    began: float
+    seconds: float = float("nan")
+    steps_lost: int | None = None
+
+
+def make_diloco(model: torch.nn.Module, redundancy: int) -> DiLoCoOptimizer:
+    """The worker's optimizer: inner Adam, DiLoCo's default outer SGD."""
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return DiLoCoOptimizer(inner, SYNC_EVERY, fragments=FRAGMENTS, redundancy=redundancy)
+
+
+def _gone_key(generation: int) -> str:
+    return f"diloco_survival/gone/{generation}"
+
+
+def _die(diloco: DiLoCoOptimizer) -> None:
+    """Note the moment this worker goes in the job's store, and end."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_gone_key(diloco.generation), repr(time.time()))
+    exit_quietly()
+
+
+def _gone_at(generation: int) -> float | None:
+    store = dist.distributed_c10d._get_default_store()
+    key = _gone_key(generation)
+    return float(store.get(key)) if store.check([key]) else None
+
+
+def _arm(kill: WorkerKill | None, model: torch.nn.Module, diloco: DiLoCoOptimizer) -> None:
+    """Set up this worker's death inside the coming step, if it is due."""
+    if kill is None or kill.phase == "between":
+        return
+    if kill.phase == "backward":
+        last = list(model.parameters())[-1]
+        last.register_hook(lambda grad: _die(diloco))  # type: ignore[no-untyped-call]
+        return
+    answer = diloco.answer_outer_step
+
+    def step_then_die(request: Any) -> torch.Tensor:
+        stepped = answer(request)
+        if request.carried:  # both outer steps taken: it holds the sync's sum
+            _die(diloco)
+        return stepped
+
+    diloco.answer_outer_step = step_then_die  # type: ignore[method-assign]
+
+
+def _inner_step(
+    model: torch.nn.Module, diloco: DiLoCoOptimizer, step: int, job: Workers, me: int
+) -> None:
+    x, y = batch(step, me, job.started)
+    diloco.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    diloco.step()
+
+
+def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | None:
+    """One worker's loop: steps ``job.first`` to ``job.last``, dying where
+    ``job.kills`` say, the others recovering.
+
+    Returns:
+        Every survivor's ``me`` (the rank it started as), ``model`` and
+        ``optimizer`` (``consolidated_state_dict``: its inner state and the
+        whole outer state), its ``recoveries`` and the final ``world_size``.
+    """
+    me = job.workers[rank]
+    model = make_model(PLAIN)
+    diloco = make_diloco(model, job.redundancy)
+    if job.start is not None:  # after the constructor's broadcast of rank 0's parameters
+        model.load_state_dict(job.start[me]["model"])
+        diloco.load_state_dict(job.start[me]["optimizer"])
+    mine = {k.step: k for k in job.kills if k.rank == me}
+    recoveries: list[WorkerRecovery] = []
+    for step in range(job.first, job.last):
+        _arm(mine.get(step), model, diloco)
+        while True:
+            try:
+                _inner_step(model, diloco, step, job, me)
+                break
+            except (CollectiveError, RuntimeError) as error:
+                caught, generation, size = time.time(), diloco.generation, diloco.world_size
+                recovered = recover(diloco, error, deadline_s=job.deadline_s)
+                gone_at = _gone_at(generation)
+                forward = bool(getattr(recovered.point, "forward", False))
+                sizes = (size, recovered.world_size)
+                began = caught if gone_at is None else gone_at
+                recoveries.append(
+                    WorkerRecovery(
+                        step, recovered.lost, recovered.finished_step, forward, sizes, began
+                    )
+                )
+                if recovered.finished_step:
+                    break
+        for recovery in recoveries:
+            if recovery.steps_lost is None:  # the first step completed since
+                recovery.seconds = time.time() - recovery.began
+                recovery.steps_lost = step + 1 - diloco.inner_steps
+        if step in mine and mine[step].phase == "between":
+            _die(diloco)
+    return {
+        "me": me,
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": diloco.consolidated_state_dict(),
+        "inner_steps": diloco.inner_steps,
+        "recoveries": [asdict(r) for r in recoveries],
+        "world_size": diloco.world_size,
+    }
+
+
+def final_of(results: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """``final.pt`` from the last world's workers: each worker's model and
+    inner state (by the rank it started as), and the consolidated outer
+    state (the same on all of them)."""
+    alive = [r for r in results if r is not None]
+    return {
+        "model": {r["me"]: r["model"] for r in alive},
+        "optimizer": {
+            "inner": {
+                r["me"]: {k: v for k, v in r["optimizer"].items() if k != "diloco"} for r in alive
+            },
+            "diloco": alive[0]["optimizer"]["diloco"],
+        },
+        "inner_steps": sorted({r["inner_steps"] for r in alive}),
+        "recoveries": alive[0]["recoveries"],
+        "world_size": alive[0]["world_size"],
+    }
+
+
+def run_killed(
+    world_size: int, steps: int, kills: tuple[WorkerKill, ...], deadline_s: float = DEADLINE_S
+) -> dict[str, Any]:
+    """``world_size`` workers for ``steps`` steps, losing those of ``kills``."""
+    job = Workers(0, steps, world_size, tuple(range(world_size)), kills, deadline_s=deadline_s)
+    gone = [k.rank for k in kills]
+    return final_of(
+        run_local_world(run_worker, world_size, job, timeout_s=TIMEOUT_S, may_exit=gone)
+    )
+
+
+def run_reference(world_size: int, steps: int, kills: tuple[WorkerKill, ...]) -> dict[str, Any]:
+    """The same workers and batches with nobody dying: one launch per world,
+    each from every worker's state at the point the survivors went on from.
+
+    Returns:
+        As :func:`run_killed`, with ``segments``: ``(first step, last step
+        + 1, workers)`` of each launch.
+    """
+    workers = tuple(range(world_size))
+    start: dict[int, dict[str, Any]] | None = None
+    first, segments = 0, []
+    final: dict[str, Any] = {}
+    for lost, end in enumerate([*(k.kept for k in kills), steps]):
+        job = Workers(first, end, world_size, workers, start=start)
+        results = run_local_world(run_worker, len(workers), job, timeout_s=TIMEOUT_S)
+        start = {r["me"]: {"model": r["model"], "optimizer": r["optimizer"]} for r in results}
+        final = final_of(results)
+        segments.append((first, end, len(workers)))
+        first = end
+        if lost < len(kills):
+            workers = tuple(w for w in workers if w != kills[lost].rank)
+    return {**final, "segments": segments}
+
+
+def report(result: dict[str, Any], kills: tuple[WorkerKill, ...]) -> list[str]:
+    """Per kill, what the survivors did and the seconds it took (a
+    reference: the steps each world ran)."""
+    if "segments" in result:
+        return [
+            f"reference: steps {first} to {end - 1} on {size} workers"
+            for first, end, size in result["segments"]
+        ]
+    lines = []
+    for kill, r in zip(kills, result["recoveries"], strict=True):
+        how = "the sync finished forward" if r["forward"] else "the sync run again without it"
+        lines.append(
+            f"rank {kill.rank} lost in step {kill.step} ({kill.phase}): "
+            f"{r['sizes'][0]} -> {r['sizes'][1]} workers at step {r['step']}, {how}; "
+            f"recovered in {r['seconds']:.2f} s; steps lost: {r['steps_lost']}"
+        )
+    return lines
+
+
+def save_final(result: dict[str, Any], out_dir: str) -> str:
+    """Write ``final.pt`` (``model`` and ``optimizer``) in ``out_dir``; its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "final.pt")
+    torch.save({"model": result["model"], "optimizer": result["optimizer"]}, path)
+    return path
