@@ -63,8 +63,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import diloco_survival
 import torch
 import torch.distributed as dist
+from diloco_survival import WorkerKill
 from torch.nn.parallel import DistributedDataParallel as DDP
 from train_elastic import (
     CONFIGS,
@@ -73,6 +75,7 @@ from train_elastic import (
     Owners,
     _exit_after_local_step,
     exit_quietly,
+    legend,
     make_ddp,
     make_model,
     make_zero,
@@ -464,6 +467,25 @@ def report(result: dict[str, Any], kills: tuple[Kill, ...]) -> list[str]:
     return lines
 
 
+def run_diloco(args: argparse.Namespace, kills: tuple[Kill, ...]) -> None:
+    """``--config diloco``: each rank a DiLoCo worker (``diloco_survival.py``)."""
+    lost = tuple(WorkerKill(k.rank, k.step, k.phase) for k in kills)
+    if args.reference:
+        result = diloco_survival.run_reference(args.world_size, args.steps, lost)
+    else:
+        result = diloco_survival.run_killed(args.world_size, args.steps, lost, args.deadline_s)
+    path = diloco_survival.save_final(result, args.out)
+    print(
+        f"wrote {path}: {result['world_size']} of {args.world_size} workers at the end, "
+        f"{args.steps} steps done, inner step count {result['inner_steps']}"
+    )
+    for line in diloco_survival.report(result, lost):
+        print(line)
+    steps_lost = [r["steps_lost"] for r in result["recoveries"]]
+    if result["inner_steps"] != [args.steps] or any(n != 0 for n in steps_lost):
+        raise SystemExit(f"steps were lost: inner steps {result['inner_steps']}, {steps_lost}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, required=True, help="ranks to start")
@@ -486,9 +508,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--config",
-        choices=sorted(CONFIGS),
+        choices=[*sorted(CONFIGS), "diloco"],
         default="plain",
-        help="plain: fp32 parameters; masters: bf16 parameters with fp32 masters",
+        help=f"{legend()}; diloco: DiLoCo workers (diloco_survival.py)",
     )
     parser.add_argument("--out", required=True, help="directory for final.pt")
     parser.add_argument("--reference", action="store_true", help="the same, without dying")
@@ -500,6 +522,11 @@ def main(argv: list[str] | None = None) -> None:
         check_kills(args.world_size, args.steps, kills)
     except ValueError as error:
         parser.error(str(error))
+    if args.config == "diloco":
+        if pauses:
+            parser.error("--pause is for the ZeRO configurations; --config diloco takes --kill")
+        run_diloco(args, kills)
+        return
     config = CONFIGS[args.config]
     if args.reference:
         result = run_reference(args.world_size, args.steps, kills, config)

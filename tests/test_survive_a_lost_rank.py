@@ -19,6 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+import diloco_survival as diloco
 import survive_a_lost_rank as example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,3 +179,59 @@ def test_a_pause_is_rank_at_step_colon_seconds(text: str) -> None:
     with pytest.raises(Exception, match="RANK@STEP:SECONDS|must be positive"):
         example.parse_pause(text)
     assert example.parse_pause("2@12:15") == example.Pause(2, 12, 15.0)
+
+
+@pytest.mark.slow  # each case: a killed run and its reference, 3 or 4 launches of ranks
+@pytest.mark.parametrize(
+    "world_size,steps,kills",
+    [
+        (3, 8, ("1@4:exchange",)),
+        (3, 8, ("0@3:exchange",)),
+        (3, 8, ("2@4:backward",)),
+        (3, 8, ("1@4:between",)),
+        (4, 10, ("1@3:exchange", "3@6:between")),
+        (4, 10, ("3@2:backward", "0@6:exchange")),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, tuple) else " then ".join(v),
+)
+def test_diloco_workers_end_with_the_references_bits(
+    tmp_path: Path, world_size: int, steps: int, kills: tuple[str, ...]
+) -> None:
+    """``--config diloco``: a sync finished forward (the lost worker died
+    holding its sum) or run again without it, bitwise equal to the reference
+    that restarts the survivors from every worker's saved state."""
+    plan = tuple(diloco.WorkerKill(k.rank, k.step, k.phase) for k in map(example.parse_kill, kills))
+    killed = diloco.run_killed(world_size, steps, plan)
+    assert killed["world_size"] == world_size - len(plan)
+    assert killed["inner_steps"] == [steps]
+    for kill, r in zip(plan, killed["recoveries"], strict=True):
+        assert r["forward"] == (kill.phase == "exchange")
+        assert r["finished_step"]  # every failing step was inside its sync
+        assert r["step"] == kill.step + (kill.phase == "between")
+        assert r["steps_lost"] == 0 and r["seconds"] > 0
+    reference = diloco.run_reference(world_size, steps, plan)
+    ours = torch.load(diloco.save_final(killed, str(tmp_path / "killed")), weights_only=False)
+    theirs = torch.load(
+        diloco.save_final(reference, str(tmp_path / "reference")), weights_only=False
+    )
+    assert set(ours["model"]) == set(range(world_size)) - {k.rank for k in plan}
+    assert_bitwise_equal(ours, theirs)
+
+
+@pytest.mark.slow
+def test_the_diloco_command_line_end_to_end(tmp_path: Path) -> None:
+    common = ["--world-size", "3", "--steps", "4", "--kill", "1@2:exchange", "--config", "diloco"]
+    killed = _cli(*common, "--out", str(tmp_path / "killed"))
+    reference = _cli(*common, "--out", str(tmp_path / "reference"), "--reference")
+    wrote = "final.pt: 2 of 3 workers at the end, 4 steps done, inner step count [4]"
+    assert wrote in killed[-2] and wrote in reference[-3]
+    assert re.fullmatch(
+        r"rank 1 lost in step 2 \(exchange\): 3 -> 2 workers at step 2, the sync finished "
+        r"forward; recovered in \d+\.\d\d s; steps lost: 0",
+        killed[-1],
+    ), killed[-1]
+    ours, theirs = (
+        torch.load(tmp_path / name / "final.pt", weights_only=False)
+        for name in ("killed", "reference")
+    )
+    assert_bitwise_equal(ours, theirs)
