@@ -183,6 +183,25 @@ def two_ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     plan = plan_fragments([p.numel() for p in model.parameters()], 2, world_size)
     out["memory"] = (opt.memory_bytes(), outer_state_bytes(plan, rank, compressed=False))
 
+    # redundancy=2: the carried copy and the kept sum are counted as
+    # planned; a checkpoint hands each carrier its copy again on loading,
+    # and the resumed run goes on as the saved one does.
+    model = make_model()
+    opt = DiLoCoOptimizer(adamw(model.parameters()), sync_every=2, redundancy=2)
+    train(model, opt, range(4), rank)
+    plan = plan_fragments([p.numel() for p in model.parameters()], 1, world_size)
+    planned = outer_state_bytes(plan, rank, compressed=False, redundancy=2)
+    out["memory/redundancy"] = (opt.memory_bytes(), planned)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, range(4, 8), rank)
+    resumed_model = make_model()
+    resumed = DiLoCoOptimizer(adamw(resumed_model.parameters()), sync_every=2, redundancy=2)
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["opt"])
+    resumed.verify_copies()
+    train(resumed_model, resumed, range(4, 8), rank)
+    out["redundancy/resumed"] = (flat(model), flat(resumed_model))
+
     # DDP over the DiLoCo workers would all-reduce every inner step.
     ddp = DDP(make_model())
     try:
@@ -359,6 +378,16 @@ def test_each_rank_keeps_the_outer_state_the_core_plans(two: list[dict[str, Any]
         assert measured == planned
 
 
+def test_redundancy_counts_its_copy_and_a_checkpoint_restores_the_copies(
+    two: list[dict[str, Any]],
+) -> None:
+    for out in two:
+        measured, planned = out["memory/redundancy"]
+        assert measured == planned
+        continued, resumed = out["redundancy/resumed"]
+        assert torch.equal(continued, resumed)
+
+
 def test_ddp_that_all_reduces_across_workers_is_refused(two: list[dict[str, Any]]) -> None:
     for out in two:
         assert "noop_hook" in out["ddp refused"]
@@ -488,6 +517,10 @@ def lbfgs(ts: Any) -> torch.optim.Optimizer:
         ({"sync_every": 4, "compression": "int3"}, ValueError, "unknown compression"),
         ({"sync_every": 4, "compression": "topk"}, ValueError, r"TopK\(density=0.02"),
         ({"sync_every": 4, "compression": 0.02}, TypeError, "a zerofn.topk.TopK"),
+        ({"sync_every": 4, "redundancy": 3}, ValueError, "redundancy must be 1"),
+        ({"sync_every": 4, "redundancy": 2}, ValueError, "one worker has nobody"),
+        ({"sync_every": 4, "fragments": 2, "delay": 1, "redundancy": 2}, ValueError, "delay=0"),
+        ({"sync_every": 4, "compression": "int8", "redundancy": 2}, ValueError, "=None"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_changes(

@@ -20,6 +20,7 @@ from test_diloco_core import OUTER, Factory, World, drift, replicated, sizes_lis
 
 from zerofn.comm import answering
 from zerofn.diloco.checkpoint import consolidate, rank_state_dict, shard
+from zerofn.diloco.footprint import outer_state_bytes
 from zerofn.diloco.fragments import FragmentPlan, plan_fragments, read_fragment, write_fragment
 from zerofn.diloco.outer import OuterStep, outer_step
 from zerofn.diloco.redundancy import (
@@ -299,3 +300,20 @@ def test_a_rank_lost_with_its_carrier_or_a_world_left_with_one_rank_is_refused()
         regrouped(plan, held, [0, 3], 0)
     with pytest.raises(ValueError, match="redundancy=2 needs 2 ranks"):
         regrouped(plan, {0: world.held(0)}, [0], 0)
+
+
+@given(st.integers(1, 10**6), st.integers(2, 16), st.integers(1, 8), st.integers(0, 2))
+def test_the_planner_counts_the_carried_copy_and_the_kept_sum(
+    numel: int, world_size: int, fragments: int, state_tensors: int
+) -> None:
+    fragments = min(fragments, numel)
+    plan = plan_fragments([numel], fragments, world_size)
+    for rank in range(world_size):
+        alone = outer_state_bytes(plan, rank, False, state_tensors)
+        carried = outer_state_bytes(plan, carried_rank(rank, world_size), False, state_tensors)
+        largest = max(f.numel for f in plan.fragments)
+        assert outer_state_bytes(plan, rank, False, state_tensors, 2) == (
+            alone + carried + 4 * largest
+        )
+    with pytest.raises(ValueError, match="2 without compression"):
+        outer_state_bytes(plan, 0, True, state_tensors, 2)

@@ -57,9 +57,7 @@ def check_redundancy(
     if redundancy == 1:
         return
     why = None
-    if world_size < 2:
-        why = "one worker has nobody to keep a copy of its outer state"
-    elif config.delay:
+    if config.delay:
         why = (
             f"with delay={config.delay} a sync is in flight across inner steps, and a loss "
             "there is not handled yet; use delay=0"
@@ -69,6 +67,8 @@ def check_redundancy(
             "with compression each rank's replica and residual would need carrying too; "
             "sync uncompressed (compression=None)"
         )
+    elif world_size < 2:
+        why = "one worker has nobody to keep a copy of its outer state"
     elif not whole_job:
         why = (
             "the outer group must be the whole job (every rank a worker): a lost rank of a "

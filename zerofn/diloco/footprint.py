@@ -9,6 +9,11 @@ Compression adds the anchor's replica and the error-feedback residual,
 ``8`` bytes per parameter on every rank (see
 :mod:`zerofn.diloco.compressed_sync`). A sync in flight holds one
 fragment's ``float32`` values on top (``4 * N / P`` bytes), until applied.
+With ``redundancy=2`` (:mod:`zerofn.diloco.redundancy`) a rank also keeps
+a copy of the previous rank's slices and the last sync's sum (one
+fragment's ``float32`` values): about twice the outer state, plus
+``4 * N / P``. Its syncs hand the collectives the same bytes (an all-reduce
+instead of the reduces), which put 1.5 times the plain sync's on the wire.
 
 :func:`sync_bytes_per_rank` counts what one sync hands to the collectives,
 for each codec: fp32 (:func:`zerofn.diloco.sync.sync_bytes`) or compressed
@@ -20,13 +25,14 @@ from __future__ import annotations
 from zerofn.diloco.compressed_sync import compressed_sync_bytes
 from zerofn.diloco.config import Compression, codec_for
 from zerofn.diloco.fragments import FragmentPlan, plan_fragments
+from zerofn.diloco.redundancy import carried_rank
 from zerofn.diloco.sync import sync_bytes
 
 __all__ = ["outer_state_bytes", "outer_state_bytes_per_rank", "sync_bytes_per_rank"]
 
 
 def outer_state_bytes(
-    plan: FragmentPlan, rank: int, compressed: bool, state_tensors: int = 1
+    plan: FragmentPlan, rank: int, compressed: bool, state_tensors: int = 1, redundancy: int = 1
 ) -> int:
     """The outer state's bytes on rank ``rank``.
 
@@ -37,15 +43,24 @@ def outer_state_bytes(
             of every parameter).
         state_tensors: ``float32`` state tensors the outer optimizer keeps
             per element (SGD with momentum: 1; without: 0; Adam: 2).
+        redundancy: 2: the carried copy of the previous rank's slices, and
+            the largest fragment's sum (the last synced one's, at most).
 
     Raises:
-        ValueError: a negative ``state_tensors`` or a rank outside the plan.
+        ValueError: a negative ``state_tensors``, a rank outside the plan,
+            or ``redundancy`` other than 1, or 2 without compression.
     """
+    if redundancy not in (1, 2) or (redundancy == 2 and compressed):
+        raise ValueError(f"redundancy is 1, or 2 without compression; got {redundancy}")
     if state_tensors < 0:
         raise ValueError(f"state_tensors must be >= 0, got {state_tensors}")
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} is outside an outer group of {plan.world_size}")
-    owned = 4 * (1 + state_tensors) * plan.owned_numel(rank)
+    per_element = 4 * (1 + state_tensors)
+    owned = per_element * plan.owned_numel(rank)
+    if redundancy == 2:
+        carried = plan.owned_numel(carried_rank(rank, plan.world_size))
+        owned += per_element * carried + 4 * max(f.numel for f in plan.fragments)
     return owned + (8 * plan.numel if compressed else 0)
 
 
@@ -55,6 +70,7 @@ def outer_state_bytes_per_rank(
     fragments: int = 1,
     compressed: bool = False,
     state_tensors: int = 1,
+    redundancy: int = 1,
 ) -> int:
     """The outer state's bytes on the rank that keeps the most, for a model
     of ``numel`` elements on an outer group of ``world_size`` ranks.
@@ -65,7 +81,8 @@ def outer_state_bytes_per_rank(
     """
     plan = plan_fragments([numel], fragments, world_size)
     return max(
-        outer_state_bytes(plan, rank, compressed, state_tensors) for rank in range(world_size)
+        outer_state_bytes(plan, rank, compressed, state_tensors, redundancy)
+        for rank in range(world_size)
     )
 
 

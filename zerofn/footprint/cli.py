@@ -167,10 +167,13 @@ DILOCO_CODECS: dict[str, Compression] = {
 (``topk``: the top 2% of each chunk of 2048, 2-bit values)."""
 
 
-def _diloco_columns(fragments: int, compression: str | None) -> tuple[Column, ...]:
+def _diloco_columns(
+    fragments: int, compression: str | None, redundancy: int = 1
+) -> tuple[Column, ...]:
     """DiLoCo's bytes per sync on its busiest rank, fp32 and with
     ``compression``, then its outer state on its heaviest rank (with the
-    replica and residual a compressed sync keeps), from
+    replica and residual a compressed sync keeps; with ``redundancy=2`` and
+    no compression, the carried copy and the kept sum), from
     :mod:`zerofn.diloco.footprint`."""
 
     def sync(name: str) -> Column:
@@ -180,12 +183,19 @@ def _diloco_columns(fragments: int, compression: str | None) -> tuple[Column, ..
             lambda f: _mib(sync_bytes_per_rank(f.numel, f.world_size, fragments, codec)),
         )
 
+    compressed = compression is not None
+    copies = 1 if compressed else redundancy  # DiLoCo carries no compressed state
+
     def outer(f: Footprint) -> str:
-        compressed = compression is not None
-        return _gib(outer_state_bytes_per_rank(f.numel, f.world_size, fragments, compressed))
+        return _gib(
+            outer_state_bytes_per_rank(
+                f.numel, f.world_size, fragments, compressed, redundancy=copies
+            )
+        )
 
     syncs = (sync("fp32"),) + ((sync(compression),) if compression is not None else ())
-    return (*syncs, Column(f"DiLoCo outer GiB (P={fragments})", outer))
+    carried = ", redundancy 2" if copies == 2 else ""
+    return (*syncs, Column(f"DiLoCo outer GiB (P={fragments}{carried})", outer))
 
 
 def table(footprints: Sequence[Footprint], columns: Sequence[Column] = COLUMNS) -> str:
@@ -349,5 +359,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         total = len(COLUMNS) - 5  # before the totals: the carried copy is part of them
         columns = (*COLUMNS[:total], CARRIED, *COLUMNS[total:])
     if args.diloco_fragments is not None:
-        columns = (*columns, *_diloco_columns(args.diloco_fragments, args.diloco_compression))
+        diloco = _diloco_columns(args.diloco_fragments, args.diloco_compression, args.redundancy)
+        columns = (*columns, *diloco)
     print(table(footprints, columns))
