@@ -39,6 +39,8 @@ from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.elastic import DEADLINE_S, recover
 from zerofn_torch.runtime.launch import run_local_world
 
+from zerofn.diloco.config import DiLoCoConfig
+from zerofn.diloco.redundancy import SyncRecovery
 from zerofn.errors import CollectiveError
 
 SYNC_EVERY, FRAGMENTS = 2, 2
@@ -99,6 +101,12 @@ class WorkerRecovery:
     began: float
     seconds: float = float("nan")
     steps_lost: int | None = None
+    sync: int = 0
+
+
+def diloco_config() -> DiLoCoConfig:
+    """The workers' schedule (what :func:`make_diloco` builds)."""
+    return DiLoCoConfig(SYNC_EVERY, FRAGMENTS)
 
 
 def make_diloco(model: torch.nn.Module, redundancy: int) -> DiLoCoOptimizer:
@@ -152,6 +160,43 @@ def _inner_step(
     diloco.step()
 
 
+def step_surviving(
+    model: torch.nn.Module, diloco: DiLoCoOptimizer, step: int, job: Workers, me: int
+) -> list[WorkerRecovery]:
+    """Run ``step`` until it completes, recovering from each worker lost on
+    the way (``recover``), each recovery timed from the moment the lost
+    worker noted it went (else from when the failure was caught).
+
+    Raises:
+        zerofn.errors.CollectiveError: this worker was left behind (the
+            others went on without it), or the recovery failed.
+    """
+    recoveries = []
+    while True:
+        try:
+            _inner_step(model, diloco, step, job, me)
+            return recoveries
+        except (CollectiveError, RuntimeError) as error:
+            caught, generation, size = time.time(), diloco.generation, diloco.world_size
+            recovered = recover(diloco, error, deadline_s=job.deadline_s)
+            gone_at = _gone_at(generation)
+            point = recovered.point
+            assert isinstance(point, SyncRecovery)
+            recoveries.append(
+                WorkerRecovery(
+                    step,
+                    recovered.lost,
+                    recovered.finished_step,
+                    point.forward,
+                    (size, recovered.world_size),
+                    caught if gone_at is None else gone_at,
+                    sync=point.sync,
+                )
+            )
+            if recovered.finished_step:
+                return recoveries
+
+
 def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | None:
     """One worker's loop: steps ``job.first`` to ``job.last``, dying where
     ``job.kills`` say, the others recovering.
@@ -171,24 +216,7 @@ def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | Non
     recoveries: list[WorkerRecovery] = []
     for step in range(job.first, job.last):
         _arm(mine.get(step), model, diloco)
-        while True:
-            try:
-                _inner_step(model, diloco, step, job, me)
-                break
-            except (CollectiveError, RuntimeError) as error:
-                caught, generation, size = time.time(), diloco.generation, diloco.world_size
-                recovered = recover(diloco, error, deadline_s=job.deadline_s)
-                gone_at = _gone_at(generation)
-                forward = bool(getattr(recovered.point, "forward", False))
-                sizes = (size, recovered.world_size)
-                began = caught if gone_at is None else gone_at
-                recoveries.append(
-                    WorkerRecovery(
-                        step, recovered.lost, recovered.finished_step, forward, sizes, began
-                    )
-                )
-                if recovered.finished_step:
-                    break
+        recoveries += step_surviving(model, diloco, step, job, me)
         for recovery in recoveries:
             if recovery.steps_lost is None:  # the first step completed since
                 recovery.seconds = time.time() - recovery.began

@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from diloco_survival import FRAGMENTS, WorkerKill, Workers, diloco_config, make_diloco
+from diloco_survival import run_reference as diloco_reference
+from diloco_survival import step_surviving as diloco_step_surviving
 from train_elastic import (
     CONFIGS,
     DEADLINE_S,
@@ -51,6 +54,9 @@ from train_elastic import (
 from zerofn_torch.elastic import recover
 from zerofn_torch.runtime.launch import run_local_world
 
+from zerofn.diloco.fragments import plan_fragments, read_fragment
+from zerofn.diloco.redundancy import SyncRecovery
+from zerofn.diloco.schedule import fragment_synced_at
 from zerofn.errors import CollectiveError
 
 STEPS = 30
@@ -283,15 +289,167 @@ def soak(
     return {**counts, "seconds": seconds, "seed": seed}
 
 
+# ----- DiLoCo workers (--config diloco) --------------------------------------------------
+
+
+def train_diloco_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> dict[str, Any]:
+    """One DiLoCo worker's run (``diloco_survival.py``'s workers), recovering
+    from whatever the fault does.
+
+    Returns:
+        ``done``, ``inner_steps``, ``params``, ``outer`` (the consolidated
+        outer state), ``points`` (per recovery: the ranks lost, the sync it
+        went on from and whether it finished that sync forward), ``fenced``,
+        ``seconds``.
+    """
+    model = make_model(PLAIN)
+    diloco = make_diloco(model, redundancy=2)
+    job = Workers(0, steps, world_size, tuple(range(world_size)))
+    timer = _arm(fault) if rank == fault.rank else None
+    done, points = 0, []
+    began = time.perf_counter()
+    for step in range(steps):
+        try:
+            recovered = diloco_step_surviving(model, diloco, step, job, rank)
+        except CollectiveError as fenced:
+            if "left behind" not in str(fenced):
+                raise
+            return {"fenced": str(fenced), "done": done}
+        points += [(r.lost, r.sync, r.forward) for r in recovered]
+        done += 1
+    if timer is not None:
+        timer.cancel()
+    while True:  # a worker lost at the very end fails the others here
+        try:
+            outer = diloco.outer_state_dict()
+            break
+        except (CollectiveError, RuntimeError) as error:
+            survivors = recover(diloco, error, deadline_s=DEADLINE_S)
+            point = survivors.point
+            assert isinstance(point, SyncRecovery)
+            points.append((survivors.lost, point.sync, point.forward))
+    return {
+        "fenced": None,
+        "me": rank,
+        "done": done,
+        "inner_steps": diloco.inner_steps,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "outer": outer,
+        "points": points,
+        "world_size": diloco.world_size,
+        "seconds": time.perf_counter() - began,
+    }
+
+
+def check_diloco_run(results: list[Any], fault: Fault, steps: int, label: str) -> Outcome:
+    """A DiLoCo run's invariants: every survivor took every inner step once,
+    the survivors hold one outer state bit for bit, the fragment synced last
+    is the same on all of them, and they went on from the same syncs.
+
+    Raises:
+        AssertionError: naming ``label`` and what broke.
+    """
+    survivors = [r for r in results if r is not None and r["fenced"] is None]
+    fenced = [r for r in results if r is not None and r["fenced"] is not None]
+    lost = results[fault.rank] is None or bool(fenced)
+    assert all(r["done"] == r["inner_steps"] == steps for r in survivors), (label, "steps")
+    first = survivors[0]
+    for r in survivors[1:]:
+        assert same_state(r["outer"], first["outer"]), (label, "the outer states differ")
+    plan = plan_fragments([p.numel() for p in first["params"]], FRAGMENTS, 1)
+    last = plan.fragments[fragment_synced_at(diloco_config(), steps) or 0]
+    synced = [read_fragment(last, r["params"]) for r in survivors]
+    assert all(torch.equal(v, synced[0]) for v in synced), (label, "last sync's values differ")
+    agreed = {tuple(r["points"]) for r in survivors}
+    assert len(agreed) == 1, (label, "the survivors went on from different points", agreed)
+    assert fault.pause_s is not None or not fenced, (label, "a rank fenced without a pause")
+    points = first["points"]
+    transient = sum(1 for lost_, *_ in points if not lost_)
+    kept = None
+    if lost:
+        _, sync, forward = next(p for p in points if p[0])
+        kept = sync if forward else sync - 1
+    return Outcome(lost, transient, len(points), kept)
+
+
+def check_diloco_against_reference(
+    results: list[Any], world_size: int, lost: int, kept: int, steps: int
+) -> None:
+    """The survivors' models and outer state equal those of workers that
+    lost worker ``lost`` at step ``kept`` without dying, bit for bit.
+
+    Raises:
+        AssertionError: they differ.
+    """
+    kill = WorkerKill(lost, kept, "backward")  # the survivors' world runs from step kept
+    reference = diloco_reference(world_size, steps, (kill,))
+    for ours in (r for r in results if r is not None and r["fenced"] is None):
+        theirs = reference["model"][ours["me"]]
+        assert all(
+            torch.equal(a, b) for a, b in zip(ours["params"], theirs.values(), strict=True)
+        ), f"worker {ours['me']}'s parameters differ from the reference's"
+        assert same_state(ours["outer"], reference["optimizer"]["diloco"]), "outer state differs"
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """The same structure, every tensor equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def diloco_soak(
+    world_size: int, runs: int, seed: int, *, pauses: bool = True, steps: int = STEPS,
+    verbose: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`soak` for DiLoCo workers (``--config diloco``)."""
+    draw = random.Random(seed)
+    quiet = run_local_world(
+        train_diloco_with_fault, world_size, Fault(0, 1e9), steps, timeout_s=TIMEOUT_S
+    )
+    length_s = 0.6 * min(r["seconds"] for r in quiet)
+    counts = {"runs": 0, "losses": 0, "pauses": 0, "transient": 0, "referenced": 0}
+    seconds = []
+    for run in range(runs):
+        fault = draw_fault(draw, world_size, length_s, pauses)
+        label = f"seed {seed}, run {run}, {world_size} ranks, diloco, {fault}"
+        began = time.perf_counter()
+        results = run_local_world(
+            train_diloco_with_fault, world_size, fault, steps, timeout_s=TIMEOUT_S,
+            may_exit=[fault.rank],
+        )  # fmt: skip
+        seconds.append(time.perf_counter() - began)
+        outcome = check_diloco_run(results, fault, steps, label)
+        if verbose:
+            print(f"{label}: {outcome}", file=sys.stderr, flush=True)
+        counts["runs"] += 1
+        counts["losses"] += outcome.lost
+        counts["pauses"] += fault.pause_s is not None
+        counts["transient"] += outcome.transient
+        if outcome.lost and outcome.kept is not None and not counts["referenced"]:
+            check_diloco_against_reference(results, world_size, fault.rank, outcome.kept, steps)
+            counts["referenced"] += 1
+    return {**counts, "seconds": seconds, "seed": seed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="plain")
+    parser.add_argument("--config", choices=[*sorted(CONFIGS), "diloco"], default="plain")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    result = soak(args.world_size, args.runs, seed, verbose=True, config=CONFIGS[args.config])
+    if args.config == "diloco":
+        result = diloco_soak(args.world_size, args.runs, seed, verbose=True)
+    else:
+        result = soak(args.world_size, args.runs, seed, verbose=True, config=CONFIGS[args.config])
     print(
         f"{result['runs']} runs of {args.world_size} ranks of {args.config} (seed {seed}): "
         f"{result['losses']} "
