@@ -14,7 +14,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-from random_losses import STEPS, Fault, soak, train_with_fault
+from random_losses import STEPS, Fault, diloco_soak, soak, train_with_fault
 from train_elastic import CONFIGS, TIMEOUT_S
 from zerofn_torch.runtime.launch import run_local_world
 
@@ -28,6 +28,16 @@ from zerofn_torch.runtime.launch import run_local_world
 def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, config: str) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     result = soak(world_size, 5, seed, config=CONFIGS[config])
+    assert result["losses"] >= 2, f"seed {seed}: only {result['losses']} of 5 runs lost a rank"
+    assert result["referenced"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_diloco_workers_lost_at_random_moments_leave_one_consistent_state(world_size: int) -> None:
+    seed = int.from_bytes(os.urandom(4), "little")
+    result = diloco_soak(world_size, 5, seed)
     assert result["losses"] >= 2, f"seed {seed}: only {result['losses']} of 5 runs lost a rank"
     assert result["referenced"] == 1
 
