@@ -11,10 +11,14 @@ per rank from the collectives each side calls (ring estimate on 2 ranks, as
   bandwidth), and a compressed sync against an fp32 one: int8, int4, 2-bit
   (``"int2"``) and top-k (``TopK(density=0.02, bits=2)``);
 * the outer state each rank keeps (``memory_bytes()``) against the anchor and
-  momentum a replicated implementation keeps (8 bytes per parameter).
+  momentum a replicated implementation keeps (8 bytes per parameter);
+* with ``redundancy=2``: a sync's bytes (an all-reduce of the fragment
+  where the plain sync reduces each slice to its owner) and the outer state
+  (the carried copy and the kept sum) against the plain sync's.
 
 Timed: windows of H inner steps (forward, backward, step) of Streaming
-DiLoCo with ``delay=1`` (and ``delay=0``) against the same inner optimizer
+DiLoCo with ``delay=1`` (and ``delay=0``, with and without
+``redundancy=2``) against the same inner optimizer
 with no communication at all, taking turns window by window. Prints
 Markdown; no timing is asserted anywhere.
 """
@@ -107,6 +111,10 @@ def _bytes(rank: int, width: int, depth: int, batch: torch.Tensor) -> dict[str, 
         per_step = [sent(window(model, opt, batch, 1)) for _ in range(FRAGMENTS)]
         out[f"peak P={fragments} {name}"] = max(per_step)
         out[f"memory P={fragments} {name}"] = opt.memory_bytes()
+    model = make_model(width, depth)
+    opt = DiLoCoOptimizer(adamw(model), sync_every=FRAGMENTS, redundancy=2)
+    out["peak redundancy"] = max(sent(window(model, opt, batch, 1)) for _ in range(FRAGMENTS))
+    out["memory redundancy"] = opt.memory_bytes()
     out["numel"] = sum(p.numel() for p in model.parameters())
     return out
 
@@ -119,16 +127,18 @@ def _rank(rank: int, world: int, width: int, depth: int, rounds: int) -> dict[st
     local = make_model(width, depth)
     local_opt = adamw(local)
     streams = {}
-    for delay in (1, 0):
+    for delay, redundancy in ((1, 1), (0, 1), (0, 2)):
         model = make_model(width, depth)
-        streams[delay] = (
-            model,
-            DiLoCoOptimizer(adamw(model), sync_every=TIMED_H, fragments=FRAGMENTS, delay=delay),
-        )
+        opt = DiLoCoOptimizer(
+            adamw(model), sync_every=TIMED_H, fragments=FRAGMENTS, delay=delay,
+            redundancy=redundancy,
+        )  # fmt: skip
+        streams[delay, redundancy] = (model, opt)
     runs: dict[str, Callable[[], object]] = {
         "no communication": window(local, local_opt, batch, TIMED_H),
-        "DiLoCo delay 1": window(*streams[1], batch, TIMED_H),
-        "DiLoCo delay 0": window(*streams[0], batch, TIMED_H),
+        "DiLoCo delay 1": window(*streams[1, 1], batch, TIMED_H),
+        "DiLoCo delay 0": window(*streams[0, 1], batch, TIMED_H),
+        "DiLoCo delay 0, redundancy=2": window(*streams[0, 2], batch, TIMED_H),
     }
     out["times"] = take_turns(runs, rounds, warmup=2)
     # A delayed sync may still be in flight: finish it before the group goes.
@@ -194,6 +204,15 @@ def bench_diloco(quick: bool) -> Section:
         ]
         for name in CODECS
     ]
+    carried = r0["peak redundancy"] / whole
+    peak_rows.append(
+        [
+            "P = 1, fp32, redundancy=2",
+            f"{r0['peak redundancy']:,.0f}",
+            f"{carried:.3f}",
+            f"{r0['memory redundancy']:,} ({r0['memory redundancy'] / r0['memory P=1 None']:.2f}x)",
+        ]
+    )
     replicated = 8 * numel
     memory = r0["memory P=1 None"] / replicated
     headlines += [
@@ -226,6 +245,15 @@ def bench_diloco(quick: bool) -> Section:
                 else f"bytes: 1/{whole / r0[f'peak P=1 {name}']:.1f} of fp32's on the wire",
             )
             for name, most in (("int2", 1 / 14), ("topk", 1 / 100))
+        ),
+        Headline(
+            f"DiLoCo redundancy=2 ({model})",
+            "bytes per sync: redundancy=2 / redundancy=1",
+            Spread.exact(carried),
+            "<= 1.5",
+            carried <= 1.5 * 1.001,
+            short="DiLoCo redundancy bytes",
+            why="" if carried <= 1.5 * 1.001 else "the all-reduce's bytes on 2 ranks",
         ),
         Headline(
             f"DiLoCo ({model})",

@@ -644,7 +644,8 @@ def test_the_elastic_bench_watches_names_the_library_still_calls() -> None:
     outbox each rank sends and ends as the core's does."""
     import zerofn_torch.elastic as elastic
 
-    from zerofn.testing.zero import simulated_ranks, step_simulated, survivors_of
+    from zerofn.testing.elastic import survivors_of
+    from zerofn.testing.zero import simulated_ranks, step_simulated
     from zerofn.zero import regroup
     from zerofn.zero.plan import plan_shards
 

@@ -23,6 +23,7 @@ from _faults import FAULT_STEP, STEPS, Case, Outcome, Tick, run_family
 from _world import run_world
 from test_checkpoint_integrity import same
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.averaging import DiLoCoOptimizer
 from zerofn_torch.hooks import noop_hook
 from zerofn_torch.runtime.traffic import collective_traffic
@@ -201,6 +202,16 @@ def two_ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     resumed.verify_copies()
     train(resumed_model, resumed, range(4, 8), rank)
     out["redundancy/resumed"] = (flat(model), flat(resumed_model))
+
+    # An inner ZeRO optimizer sharded across the workers would lose a shard with a rank.
+    try:
+        DiLoCoOptimizer(
+            ZeroRedundancyOptimizer(make_model().parameters(), torch.optim.Adam),
+            sync_every=2,
+            redundancy=2,
+        )
+    except ValueError as e:
+        out["sharded inner refused"] = str(e)
 
     # DDP over the DiLoCo workers would all-reduce every inner step.
     ddp = DDP(make_model())
@@ -386,6 +397,13 @@ def test_redundancy_counts_its_copy_and_a_checkpoint_restores_the_copies(
         assert measured == planned
         continued, resumed = out["redundancy/resumed"]
         assert torch.equal(continued, resumed)
+
+
+def test_redundancy_over_an_inner_optimizer_sharded_across_workers_is_refused(
+    two: list[dict[str, Any]],
+) -> None:
+    for out in two:
+        assert "shards over 2 ranks" in out["sharded inner refused"]
 
 
 def test_ddp_that_all_reduces_across_workers_is_refused(two: list[dict[str, Any]]) -> None:

@@ -20,13 +20,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from zerofn.footprint import plan_footprint
-from zerofn.testing.zero import (
-    SimulatedRank,
-    grown_by,
-    simulated_ranks,
-    step_simulated,
-    survivors_of,
-)
+from zerofn.testing.elastic import grown_by, survivors_of
+from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.piece_state import state_of, whole_pieces
 from zerofn.zero.plan import ShardPlan, plan_shards

@@ -109,12 +109,11 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         mixing: the weight of the local values when a result is applied
             (0: take the global values, as DiLoCo; 0.5: Streaming DiLoCo's).
         redundancy: 2 keeps a copy of each rank's outer state on the next
-            rank (its carrier), so the workers go on when one is lost
-            (:func:`zerofn_torch.elastic.recover`); each sync then
-            all-reduces the fragment (1.5 times the bytes) and this rank
-            keeps the last sync's sum (4 bytes per element of a fragment).
-            Needs ``delay=0``, no compression and the whole job as the
-            outer group.
+            rank, so the workers go on when one is lost
+            (:func:`zerofn_torch.elastic.recover`); a sync then all-reduces
+            the fragment (1.5 times the bytes on the wire) and its sum is
+            kept until the next. Needs ``delay=0``, no compression, the
+            whole job as the outer group and an unsharded inner optimizer.
 
     Raises:
         ValueError, TypeError: a bad configuration (see
@@ -154,7 +153,8 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
             )
         params = [p for g in optim.param_groups for p in g["params"]]
         world_size = dist.get_world_size(group)
-        check_redundancy(redundancy, self.config, world_size, world_size == dist.get_world_size())
+        whole_job = world_size == dist.get_world_size()
+        check_redundancy(redundancy, self.config, world_size, whole_job, optim)
         plan = plan_fragments([p.numel() for p in params], fragments, world_size)
         refuse_all_reducing_ddp(params, group)
         refuse_carried_inner(optim)

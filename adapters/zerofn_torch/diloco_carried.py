@@ -33,6 +33,7 @@ from zerofn.errors import CollectiveError
 from zerofn.replicas import ReplicaMismatch, digests
 from zerofn_torch.runtime.heartbeat import Heartbeat
 from zerofn_torch.runtime.object_collectives import all_gather_objects
+from zerofn_torch.runtime.wrapped_optimizer import zero_rank_of
 
 __all__ = ["CarriedOuter", "CarryingWorker", "check_redundancy", "state_tensors"]
 
@@ -43,19 +44,33 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def check_redundancy(
-    redundancy: int, config: DiLoCoConfig, world_size: int, whole_job: bool
+    redundancy: int,
+    config: DiLoCoConfig,
+    world_size: int,
+    whole_job: bool,
+    inner: torch.optim.Optimizer | None = None,
 ) -> None:
     """Refuse a ``redundancy`` DiLoCo cannot keep, before anything is built.
 
+    Args:
+        redundancy: copies of each rank's outer state.
+        config: the schedule.
+        world_size: ranks of the outer group.
+        whole_job: whether the outer group is every rank of the job.
+        inner: the inner optimizer (one that shards over several ranks,
+            a ZeRO optimizer's, is refused).
+
     Raises:
         ValueError: ``redundancy`` other than 1 or 2; 2 with one worker,
-            with a ``delay``, with ``compression``, or over a group that is
-            not the whole job.
+            with a ``delay``, with ``compression``, over a group that is not
+            the whole job, or over an inner optimizer sharded across ranks.
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (outer state on its owner) or 2, got {redundancy}")
     if redundancy == 1:
         return
+    zero = None if inner is None else zero_rank_of(inner)
+    inner_ranks = 1 if zero is None else zero.options.world_size
     why = None
     if config.delay:
         why = (
@@ -69,6 +84,11 @@ def check_redundancy(
         )
     elif world_size < 2:
         why = "one worker has nobody to keep a copy of its outer state"
+    elif inner_ranks > 1:
+        why = (
+            f"the inner ZeroRedundancyOptimizer shards over {inner_ranks} ranks, and a lost "
+            "rank would take its shard with it; give each worker its own inner optimizer"
+        )
     elif not whole_job:
         why = (
             "the outer group must be the whole job (every rank a worker): a lost rank of a "

@@ -22,7 +22,7 @@ Which decisions are made where: the roll call is this module's (the job's
 store, a deadline); who owns and carries what afterwards, what moves, and
 the rebuilt rank are the core's (:func:`zerofn.zero.redundancy.plan_after_loss`,
 :mod:`zerofn.zero.regroup`), the same functions the simulated world runs
-(:func:`zerofn.testing.zero.survivors_of`).
+(:func:`zerofn.testing.elastic.survivors_of`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Who is let in is this module's (the joiners' announcements in the store,
 checked against the job's :class:`Fingerprint`); the grown plan, the moves and
 the rebuilt ranks are the core's (:func:`zerofn.zero.redundancy.plan_after_join`,
 :func:`zerofn.zero.regroup.regroup_program`), the same the simulated world
-runs (:func:`zerofn.testing.zero.grown_by`). Losing a rank is
+runs (:func:`zerofn.testing.elastic.grown_by`). Losing a rank is
 :mod:`zerofn_torch.elastic`'s, which also exports these names.
 """
 

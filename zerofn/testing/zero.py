@@ -16,7 +16,8 @@ test of your own partition tests the code training runs, without processes::
     # ranks[r] are rank r's parameters after the step: equal on every rank,
     # and equal to Adam stepping all parameters unsharded.
 
-The overlapped step has its own harness, :mod:`zerofn.testing.overlap`.
+The overlapped step has its own harness, :mod:`zerofn.testing.overlap`;
+worlds that lose or gain ranks are :mod:`zerofn.testing.elastic`'s.
 """
 
 from __future__ import annotations
@@ -36,18 +37,15 @@ from zerofn.zero.masters import Masters
 from zerofn.zero.options import resolve_options
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import ZeroRank, answer_local_step, build_rank
-from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
-from zerofn.zero.regroup import regroup_program
 from zerofn.zero.shards import Shards
 from zerofn.zero.step import Compressed, run_zero_step
 
 __all__ = [
     "SimulatedRank",
-    "grown_by",
+    "param_groups_of",
     "simulate_zero_steps",
     "simulated_ranks",
     "step_simulated",
-    "survivors_of",
 ]
 
 
@@ -136,7 +134,7 @@ def simulated_ranks(
     ranks = []
     for rank in range(plan.world_size):
         mine = [p.detach().clone() for p in params]
-        groups = _groups(plan, mine)
+        groups = param_groups_of(plan, mine)
         options = resolve_options(
             groups, optimizer_class, defaults,
             rank=rank, world_size=plan.world_size, via="broadcasts", bucket_view=bucket_view,
@@ -217,74 +215,8 @@ def simulate_zero_steps(
     return [sim.params for sim in ranks], requests
 
 
-def _groups(plan: ShardPlan, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+def param_groups_of(plan: ShardPlan, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """``params`` (one rank's, in the plan's order) cut into ``plan``'s param groups."""
     sizes = [len(group) for group in plan.partition.group_sizes]
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
     return [{"params": params[a : a + n]} for a, n in zip(starts, sizes, strict=True)]
-
-
-def survivors_of(
-    ranks: Sequence[SimulatedRank], lost: Sequence[int], interrupted: bool = False
-) -> list[SimulatedRank]:
-    """The simulated world after ranks ``lost`` are gone (``redundancy=2``),
-    rebuilt as ``zerofn_torch.elastic.recover`` rebuilds a real one: the
-    survivors' plan (:func:`~zerofn.zero.redundancy.plan_after_loss`), the
-    moves delivered, each survivor re-built from what it knew
-    (:func:`~zerofn.zero.regroup.regrouped`).
-
-    Args:
-        ranks: the world before the loss.
-        lost: the ranks that are gone.
-        interrupted: the loss came in a step's exchange, after every local
-            step: the survivors finish the step (the lost shards' updates
-            from their carried copies, then the exchange on the new world).
-
-    Returns:
-        The survivors, in their new rank order.
-
-    Raises:
-        ValueError: what :func:`~zerofn.zero.redundancy.plan_after_loss` refuses.
-    """
-    regrouping = plan_after_loss(ranks[0].zero.plan, lost)
-    alive = [ranks[old] for old in regrouping.survivors]
-    return _regrouped_world(alive, regrouping, finish_step=interrupted)
-
-
-def grown_by(ranks: Sequence[SimulatedRank], joiners: int) -> list[SimulatedRank]:
-    """The simulated world once ``joiners`` new ranks join (``redundancy=2``),
-    grown as ``zerofn_torch.elastic`` grows a real one: the plan
-    (:func:`~zerofn.zero.redundancy.plan_after_join`), each joiner built as its
-    own optimizer builds it and handed rank 0's parameters, the moves
-    delivered, every rank re-built (:func:`~zerofn.zero.regroup.regrouped`).
-
-    Returns:
-        The running ranks, then the joiners, in rank order.
-    """
-    first = ranks[0].zero
-    regrouping = plan_after_join(first.plan, joiners)
-    size = len(regrouping.old_ranks)
-    newcomers = []
-    for new in range(len(ranks), size):
-        mine = [p.detach().clone() for p in ranks[0].params]
-        options = attrs.evolve(first.options, rank=new, world_size=size)
-        newcomers.append(
-            SimulatedRank(mine, build_rank(_groups(first.plan, mine), options, regrouping.plan))
-        )
-    return _regrouped_world([*ranks, *newcomers], regrouping)
-
-
-def _regrouped_world(
-    world: Sequence[SimulatedRank], regrouping: Regrouping, *, finish_step: bool = False
-) -> list[SimulatedRank]:
-    """Every rank of the new world rebuilt (new rank = position) by the
-    core's :func:`~zerofn.zero.regroup.regroup_program`, which the adapter's
-    ``regroup`` drives too."""
-    programs = [
-        regroup_program(
-            sim.zero, _groups(regrouping.plan, sim.params), regrouping, new,
-            finish_step=finish_step,
-        )
-        for new, sim in enumerate(world)
-    ]  # fmt: skip
-    rebuilt = run_programs(programs, purpose="regrouping the simulated world")
-    return [SimulatedRank(sim.params, zero) for sim, zero in zip(world, rebuilt, strict=True)]
