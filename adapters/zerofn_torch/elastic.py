@@ -349,7 +349,14 @@ def recover_diloco(
         inner step and its sync is done (do not redo it).
 
     Raises:
-        As :func:`recover`.
+        ValueError: ``diloco`` keeps no copies (``redundancy=1``), or a
+            worker and its carrier are both lost: restart from a checkpoint.
+        BaseException: ``error`` itself, when every rank answered and it is
+            no failed collective.
+        zerofn.errors.CollectiveError: this rank was left behind; the
+            survivors' positions admit no common outer state; or a
+            collective on the new group failed.
+        zerofn.replicas.ReplicaMismatch: a carried copy differs from its owner's.
     """
     position = diloco.position()
     store = store if store is not None else dist.distributed_c10d._get_default_store()
