@@ -44,6 +44,10 @@ from zerofn.diloco.redundancy import SyncRecovery
 from zerofn.errors import CollectiveError
 
 SYNC_EVERY, FRAGMENTS = 2, 2
+STREAMING = DiLoCoConfig(4, 2, delay=1, mixing=0.5)
+"""``streaming=True``: Streaming DiLoCo, a fragment's sync every 2 steps,
+each merged (half and half) one inner step after it starts, so a loss can
+land while a sync is in flight across an inner step."""
 TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 """PyTorch's default group timeout: nothing waits for it."""
 
@@ -77,6 +81,7 @@ class Workers:
         start: each worker's saved state (``model``, ``optimizer``), or a fresh start.
         redundancy: 2 to survive a loss.
         deadline_s: the roll call's deadline.
+        streaming: the :data:`STREAMING` schedule instead of the blocking one.
     """
 
     first: int
@@ -87,6 +92,7 @@ class Workers:
     start: dict[int, dict[str, Any]] | None = None
     redundancy: int = 2
     deadline_s: float = DEADLINE_S
+    streaming: bool = False
 
 
 @dataclass
@@ -104,15 +110,21 @@ class WorkerRecovery:
     sync: int = 0
 
 
-def diloco_config() -> DiLoCoConfig:
+def diloco_config(streaming: bool = False) -> DiLoCoConfig:
     """The workers' schedule (what :func:`make_diloco` builds)."""
-    return DiLoCoConfig(SYNC_EVERY, FRAGMENTS)
+    return STREAMING if streaming else DiLoCoConfig(SYNC_EVERY, FRAGMENTS)
 
 
-def make_diloco(model: torch.nn.Module, redundancy: int) -> DiLoCoOptimizer:
+def make_diloco(
+    model: torch.nn.Module, redundancy: int, streaming: bool = False
+) -> DiLoCoOptimizer:
     """The worker's optimizer: inner Adam, DiLoCo's default outer SGD."""
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return DiLoCoOptimizer(inner, SYNC_EVERY, fragments=FRAGMENTS, redundancy=redundancy)
+    c = diloco_config(streaming)
+    return DiLoCoOptimizer(
+        inner, c.sync_every, fragments=c.fragments, delay=c.delay, mixing=c.mixing,
+        redundancy=redundancy,
+    )  # fmt: skip
 
 
 def _gone_key(generation: int) -> str:
@@ -144,7 +156,9 @@ def _arm(kill: WorkerKill | None, model: torch.nn.Module, diloco: DiLoCoOptimize
 
     def step_then_die(request: Any) -> torch.Tensor:
         stepped = answer(request)
-        if request.carried:  # both outer steps taken: it holds the sync's sum
+        # Both outer steps of the sync this step starts (a delayed sync may
+        # still be stepping one started before): it holds that sync's sum.
+        if request.carried and diloco.position().sync == kill.step + 1:
             _die(diloco)
         return stepped
 
@@ -208,7 +222,7 @@ def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | Non
     """
     me = job.workers[rank]
     model = make_model(PLAIN)
-    diloco = make_diloco(model, job.redundancy)
+    diloco = make_diloco(model, job.redundancy, job.streaming)
     if job.start is not None:  # after the constructor's broadcast of rank 0's parameters
         model.load_state_dict(job.start[me]["model"])
         diloco.load_state_dict(job.start[me]["optimizer"])
@@ -253,17 +267,24 @@ def final_of(results: list[dict[str, Any] | None]) -> dict[str, Any]:
 
 
 def run_killed(
-    world_size: int, steps: int, kills: tuple[WorkerKill, ...], deadline_s: float = DEADLINE_S
+    world_size: int,
+    steps: int,
+    kills: tuple[WorkerKill, ...],
+    deadline_s: float = DEADLINE_S,
+    streaming: bool = False,
 ) -> dict[str, Any]:
     """``world_size`` workers for ``steps`` steps, losing those of ``kills``."""
-    job = Workers(0, steps, world_size, tuple(range(world_size)), kills, deadline_s=deadline_s)
+    workers = tuple(range(world_size))
+    job = Workers(0, steps, world_size, workers, kills, deadline_s=deadline_s, streaming=streaming)
     gone = [k.rank for k in kills]
     return final_of(
         run_local_world(run_worker, world_size, job, timeout_s=TIMEOUT_S, may_exit=gone)
     )
 
 
-def run_reference(world_size: int, steps: int, kills: tuple[WorkerKill, ...]) -> dict[str, Any]:
+def run_reference(
+    world_size: int, steps: int, kills: tuple[WorkerKill, ...], streaming: bool = False
+) -> dict[str, Any]:
     """The same workers and batches with nobody dying: one launch per world,
     each from every worker's state at the point the survivors went on from.
 
@@ -276,7 +297,7 @@ def run_reference(world_size: int, steps: int, kills: tuple[WorkerKill, ...]) ->
     first, segments = 0, []
     final: dict[str, Any] = {}
     for lost, end in enumerate([*(k.kept for k in kills), steps]):
-        job = Workers(first, end, world_size, workers, start=start)
+        job = Workers(first, end, world_size, workers, start=start, streaming=streaming)
         results = run_local_world(run_worker, len(workers), job, timeout_s=TIMEOUT_S)
         start = {r["me"]: {"model": r["model"], "optimizer": r["optimizer"]} for r in results}
         final = final_of(results)
@@ -285,6 +306,19 @@ def run_reference(world_size: int, steps: int, kills: tuple[WorkerKill, ...]) ->
         if lost < len(kills):
             workers = tuple(w for w in workers if w != kills[lost].rank)
     return {**final, "segments": segments}
+
+
+def as_seen(
+    kills: tuple[WorkerKill, ...], recoveries: list[dict[str, Any]]
+) -> tuple[WorkerKill, ...]:
+    """The kills as the survivors went on from them: each lost worker's
+    reference world takes over after the sync finished forward, or before
+    the one run again. With a delay, where a kill lands in the syncs in
+    flight depends on timing; the recoveries say where it landed."""
+    return tuple(
+        WorkerKill(k.rank, r["sync"] if r["forward"] else r["sync"] - 1, "backward")
+        for k, r in zip(kills, recoveries, strict=True)
+    )
 
 
 def report(result: dict[str, Any], kills: tuple[WorkerKill, ...]) -> list[str]:

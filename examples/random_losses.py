@@ -292,7 +292,9 @@ def soak(
 # ----- DiLoCo workers (--config diloco) --------------------------------------------------
 
 
-def train_diloco_with_fault(rank: int, world_size: int, fault: Fault, steps: int) -> dict[str, Any]:
+def train_diloco_with_fault(
+    rank: int, world_size: int, fault: Fault, steps: int, streaming: bool = False
+) -> dict[str, Any]:
     """One DiLoCo worker's run (``diloco_survival.py``'s workers), recovering
     from whatever the fault does.
 
@@ -303,8 +305,8 @@ def train_diloco_with_fault(rank: int, world_size: int, fault: Fault, steps: int
         ``seconds``.
     """
     model = make_model(PLAIN)
-    diloco = make_diloco(model, redundancy=2)
-    job = Workers(0, steps, world_size, tuple(range(world_size)))
+    diloco = make_diloco(model, 2, streaming)
+    job = Workers(0, steps, world_size, tuple(range(world_size)), streaming=streaming)
     timer = _arm(fault) if rank == fault.rank else None
     done, points = 0, []
     began = time.perf_counter()
@@ -341,10 +343,13 @@ def train_diloco_with_fault(rank: int, world_size: int, fault: Fault, steps: int
     }
 
 
-def check_diloco_run(results: list[Any], fault: Fault, steps: int, label: str) -> Outcome:
+def check_diloco_run(
+    results: list[Any], fault: Fault, steps: int, label: str, streaming: bool = False
+) -> Outcome:
     """A DiLoCo run's invariants: every survivor took every inner step once,
     the survivors hold one outer state bit for bit, the fragment synced last
-    is the same on all of them, and they went on from the same syncs.
+    is the same on all of them (blocking syncs, which take the global
+    values), and they went on from the same syncs.
 
     Raises:
         AssertionError: naming ``label`` and what broke.
@@ -356,10 +361,11 @@ def check_diloco_run(results: list[Any], fault: Fault, steps: int, label: str) -
     first = survivors[0]
     for r in survivors[1:]:
         assert same_state(r["outer"], first["outer"]), (label, "the outer states differ")
-    plan = plan_fragments([p.numel() for p in first["params"]], FRAGMENTS, 1)
-    last = plan.fragments[fragment_synced_at(diloco_config(), steps) or 0]
-    synced = [read_fragment(last, r["params"]) for r in survivors]
-    assert all(torch.equal(v, synced[0]) for v in synced), (label, "last sync's values differ")
+    if not streaming:
+        plan = plan_fragments([p.numel() for p in first["params"]], FRAGMENTS, 1)
+        last = plan.fragments[fragment_synced_at(diloco_config(), steps) or 0]
+        synced = [read_fragment(last, r["params"]) for r in survivors]
+        assert all(torch.equal(v, synced[0]) for v in synced), (label, "last sync differs")
     agreed = {tuple(r["points"]) for r in survivors}
     assert len(agreed) == 1, (label, "the survivors went on from different points", agreed)
     assert fault.pause_s is not None or not fenced, (label, "a rank fenced without a pause")
@@ -373,7 +379,7 @@ def check_diloco_run(results: list[Any], fault: Fault, steps: int, label: str) -
 
 
 def check_diloco_against_reference(
-    results: list[Any], world_size: int, lost: int, kept: int, steps: int
+    results: list[Any], world_size: int, lost: int, kept: int, steps: int, streaming: bool = False
 ) -> None:
     """The survivors' models and outer state equal those of workers that
     lost worker ``lost`` at step ``kept`` without dying, bit for bit.
@@ -382,7 +388,7 @@ def check_diloco_against_reference(
         AssertionError: they differ.
     """
     kill = WorkerKill(lost, kept, "backward")  # the survivors' world runs from step kept
-    reference = diloco_reference(world_size, steps, (kill,))
+    reference = diloco_reference(world_size, steps, (kill,), streaming)
     for ours in (r for r in results if r is not None and r["fenced"] is None):
         theirs = reference["model"][ours["me"]]
         assert all(
@@ -406,26 +412,28 @@ def same_state(a: Any, b: Any) -> bool:
 
 def diloco_soak(
     world_size: int, runs: int, seed: int, *, pauses: bool = True, steps: int = STEPS,
-    verbose: bool = False,
+    verbose: bool = False, streaming: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """:func:`soak` for DiLoCo workers (``--config diloco``)."""
+    """:func:`soak` for DiLoCo workers (``--config diloco``; ``streaming``:
+    ``--config diloco-streaming``, a sync in flight across an inner step)."""
     draw = random.Random(seed)
     quiet = run_local_world(
-        train_diloco_with_fault, world_size, Fault(0, 1e9), steps, timeout_s=TIMEOUT_S
+        train_diloco_with_fault, world_size, Fault(0, 1e9), steps, streaming, timeout_s=TIMEOUT_S
     )
     length_s = 0.6 * min(r["seconds"] for r in quiet)
     counts = {"runs": 0, "losses": 0, "pauses": 0, "transient": 0, "referenced": 0}
     seconds = []
     for run in range(runs):
         fault = draw_fault(draw, world_size, length_s, pauses)
-        label = f"seed {seed}, run {run}, {world_size} ranks, diloco, {fault}"
+        name = "diloco-streaming" if streaming else "diloco"
+        label = f"seed {seed}, run {run}, {world_size} ranks, {name}, {fault}"
         began = time.perf_counter()
         results = run_local_world(
-            train_diloco_with_fault, world_size, fault, steps, timeout_s=TIMEOUT_S,
+            train_diloco_with_fault, world_size, fault, steps, streaming, timeout_s=TIMEOUT_S,
             may_exit=[fault.rank],
         )  # fmt: skip
         seconds.append(time.perf_counter() - began)
-        outcome = check_diloco_run(results, fault, steps, label)
+        outcome = check_diloco_run(results, fault, steps, label, streaming)
         if verbose:
             print(f"{label}: {outcome}", file=sys.stderr, flush=True)
         counts["runs"] += 1
@@ -433,7 +441,9 @@ def diloco_soak(
         counts["pauses"] += fault.pause_s is not None
         counts["transient"] += outcome.transient
         if outcome.lost and outcome.kept is not None and not counts["referenced"]:
-            check_diloco_against_reference(results, world_size, fault.rank, outcome.kept, steps)
+            check_diloco_against_reference(
+                results, world_size, fault.rank, outcome.kept, steps, streaming
+            )
             counts["referenced"] += 1
     return {**counts, "seconds": seconds, "seed": seed}
 
@@ -443,11 +453,14 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--config", choices=[*sorted(CONFIGS), "diloco"], default="plain")
+    parser.add_argument(
+        "--config", choices=[*sorted(CONFIGS), "diloco", "diloco-streaming"], default="plain"
+    )
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    if args.config == "diloco":
-        result = diloco_soak(args.world_size, args.runs, seed, verbose=True)
+    if args.config.startswith("diloco"):
+        streaming = args.config == "diloco-streaming"
+        result = diloco_soak(args.world_size, args.runs, seed, verbose=True, streaming=streaming)
     else:
         result = soak(args.world_size, args.runs, seed, verbose=True, config=CONFIGS[args.config])
     print(

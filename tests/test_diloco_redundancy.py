@@ -180,7 +180,7 @@ def interrupted_sync(
         for r, saw in zip(survivors, summed, strict=True):
             if saw:
                 programs[r].send(responses[r])  # the outer steps, then the gather
-    return [SyncPosition(0, 1, saw) for saw in summed]
+    return [SyncPosition(0, 1, 1, saw, taken=True) for saw in summed]
 
 
 def regroup(
@@ -264,32 +264,63 @@ def test_a_loss_inside_a_sync_regroups_into_a_world_that_lost_the_rank_before_or
         assert same_tensors(got.anchor, whole["anchor"])
 
 
+def at(steps: int, sync: int, summed: bool, delay: int = 0, taken: bool = False) -> SyncPosition:
+    return SyncPosition(steps, sync, sync + delay, summed, taken)
+
+
 def test_the_last_sync_entered_decides_and_a_sum_nobody_could_hold_is_refused() -> None:
-    back = sync_recovery([SyncPosition(3, 4, False), SyncPosition(2, 2, True)])
+    inside = at(3, 4, False, taken=True)  # in its step at 4, the sync not summed
+    back = sync_recovery([inside, at(2, 2, True)])
     assert (back.sync, back.forward, back.source) == (4, False, None)
-    assert back.runs_again(SyncPosition(3, 4, False))
-    assert not back.runs_again(SyncPosition(2, 2, True))
-    stuck = SyncPosition(1, 2, True)  # summed sync 2, stuck in its gather
-    assert sync_recovery([SyncPosition(3, 4, False), stuck]).applies_consolidated(stuck)
-    forward = sync_recovery([SyncPosition(4, 4, True), SyncPosition(3, 4, False)])
+    assert back.runs_again(inside) and inside.merges_now
+    assert not back.runs_again(at(2, 2, True))
+    stuck = at(1, 2, True, taken=True)  # summed sync 2, stuck in its gather
+    assert sync_recovery([inside, stuck]).applies_consolidated(stuck)
+    forward = sync_recovery([at(4, 4, True), at(3, 4, False, taken=True)])
     assert (forward.forward, forward.source) == (True, 0)
-    assert forward.needs_sum(SyncPosition(3, 4, False))
-    assert forward.applies_consolidated(SyncPosition(3, 4, False))
-    assert not forward.applies_consolidated(SyncPosition(4, 4, True))
-    everyone = sync_recovery([SyncPosition(3, 4, True), SyncPosition(3, 4, True)])
+    assert forward.needs_sum(at(3, 4, False))
+    assert forward.applies_consolidated(at(3, 4, False))
+    assert not forward.applies_consolidated(at(4, 4, True))
+    everyone = sync_recovery([at(3, 4, True), at(3, 4, True)])
     assert everyone.forward and everyone.source is None
     with pytest.raises(InconsistentSyncs, match="never entered"):
-        sync_recovery([SyncPosition(3, 4, True), SyncPosition(1, 2, True)])
+        sync_recovery([at(3, 4, True), at(1, 2, True)])
     with pytest.raises(InconsistentSyncs, match="no survivors"):
         sync_recovery([])
 
 
-@given(st.integers(0, 10**6), st.integers(0, 10**6), st.booleans())
-def test_positions_read_back_as_written(steps: int, sync: int, summed: bool) -> None:
-    position = SyncPosition(steps, sync, summed)
+def test_with_a_delay_a_result_is_merged_at_its_due_step() -> None:
+    """A sync started at 4 is due at 6: a survivor that failed in a poll at
+    step 5 keeps the result for step 6; one that failed merging it at 6
+    merges it now; one that merged it already needs nothing."""
+    polling = at(4, 4, False, delay=2)  # failed before its inner step 5
+    merging = at(5, 4, True, delay=2, taken=True)  # failed merging at 6
+    done = at(6, 4, True, delay=2)
+    forward = sync_recovery([polling, merging, done])
+    assert forward.forward and forward.source == 1
+    assert forward.applies_consolidated(polling) and not polling.merges_now
+    assert forward.applies_consolidated(merging) and merging.merges_now
+    assert not forward.applies_consolidated(done)
+    starting = at(3, 4, False, delay=2, taken=True)  # failed starting it at 4
+    back = sync_recovery([polling, starting])
+    assert back.runs_again(polling) and back.runs_again(starting)
+    assert not starting.merges_now
+
+
+@given(
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.integers(0, 8),
+    st.booleans(),
+    st.booleans(),
+)
+def test_positions_read_back_as_written(
+    steps: int, sync: int, delay: int, summed: bool, taken: bool
+) -> None:
+    position = SyncPosition(steps, sync, sync + delay, summed, taken)
     assert SyncPosition.from_text(position.to_text()) == position
     with pytest.raises(ValueError, match="not a DiLoCo sync position"):
-        SyncPosition.from_text(f"{steps}:{sync}")
+        SyncPosition.from_text(f"{steps}:{sync}:{int(summed)}")
 
 
 def test_a_rank_lost_with_its_carrier_or_a_world_left_with_one_rank_is_refused() -> None:
@@ -314,6 +345,9 @@ def test_the_planner_counts_the_carried_copy_and_the_kept_sum(
         largest = max(f.numel for f in plan.fragments)
         assert outer_state_bytes(plan, rank, False, state_tensors, 2) == (
             alone + carried + 4 * largest
+        )
+        assert outer_state_bytes(plan, rank, False, state_tensors, 2, delayed=True) == (
+            alone + carried + 8 * largest
         )
     with pytest.raises(ValueError, match="2 without compression"):
         outer_state_bytes(plan, 0, True, state_tensors, 2)

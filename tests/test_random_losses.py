@@ -34,10 +34,14 @@ def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, co
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_diloco_workers_lost_at_random_moments_leave_one_consistent_state(world_size: int) -> None:
+@pytest.mark.parametrize(
+    ("world_size", "streaming"), [(3, False), (4, False), (4, True)], ids=["3", "4", "4-streaming"]
+)
+def test_diloco_workers_lost_at_random_moments_leave_one_consistent_state(
+    world_size: int, streaming: bool
+) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
-    result = diloco_soak(world_size, 5, seed)
+    result = diloco_soak(world_size, 5, seed, streaming=streaming)
     assert result["losses"] >= 2, f"seed {seed}: only {result['losses']} of 5 runs lost a rank"
     assert result["referenced"] == 1
 

@@ -219,6 +219,38 @@ def test_diloco_workers_end_with_the_references_bits(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "world_size,steps,kills",
+    [
+        (3, 10, ("1@3:exchange",)),
+        (3, 10, ("2@4:between",)),
+        (4, 12, ("1@3:exchange", "3@7:backward")),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, tuple) else " then ".join(v),
+)
+def test_streaming_diloco_workers_end_with_the_references_bits(
+    tmp_path: Path, world_size: int, steps: int, kills: tuple[str, ...]
+) -> None:
+    """Streaming DiLoCo (a sync in flight across an inner step, merged half
+    and half): where a loss lands among the syncs in flight depends on
+    timing, so the reference takes over where the recoveries say the
+    survivors went on from; bitwise equal."""
+    plan = tuple(diloco.WorkerKill(k.rank, k.step, k.phase) for k in map(example.parse_kill, kills))
+    killed = diloco.run_killed(world_size, steps, plan, streaming=True)
+    assert killed["inner_steps"] == [steps]
+    assert all(r["steps_lost"] == 0 for r in killed["recoveries"])
+    for kill, r in zip(plan, killed["recoveries"], strict=True):
+        if kill.phase == "exchange":  # it died holding the sum of the sync it started
+            assert r["forward"] and r["sync"] == kill.step + 1
+    seen = diloco.as_seen(plan, killed["recoveries"])
+    reference = diloco.run_reference(world_size, steps, seen, streaming=True)
+    assert_bitwise_equal(
+        {"model": killed["model"], "optimizer": killed["optimizer"]},
+        {"model": reference["model"], "optimizer": reference["optimizer"]},
+    )
+
+
+@pytest.mark.slow
 def test_the_diloco_command_line_end_to_end(tmp_path: Path) -> None:
     common = ["--world-size", "3", "--steps", "4", "--kill", "1@2:exchange", "--config", "diloco"]
     killed = _cli(*common, "--out", str(tmp_path / "killed"))

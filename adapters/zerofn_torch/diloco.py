@@ -16,9 +16,8 @@ compressed mode's replica and residual) and the one sync in flight, which it
 moves on, request by request, whenever it gets the chance without waiting:
 at each ``step`` and ``zero_grad`` and as gradients accumulate during
 backward; it waits only when the result is due. A failed collective raises
-:class:`zerofn.errors.CollectiveError` there, on every live rank. With
-``redundancy=2`` the workers go on without a lost one
-(:mod:`zerofn_torch.diloco_carried`, :func:`zerofn_torch.elastic.recover`).
+:class:`zerofn.errors.CollectiveError` there, on every live rank; with
+``redundancy=2`` the others go on (:mod:`zerofn_torch.diloco_carried`).
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from zerofn.diloco.outer import (
     outer_step,
 )
 from zerofn.diloco.redundancy import carried_rank, redundant_sync_program
+from zerofn.diloco.schedule import applied_at
 from zerofn.diloco.start import agree_program
 from zerofn.diloco.state import DiLoCoState, InFlight, state_from_dict, take_inner_step
 from zerofn.diloco.sync import SyncProgram, run_sync, sync_program
@@ -71,11 +71,6 @@ from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, innermost, parameters_written
 
 __all__ = ["DiLoCoOptimizer"]
-
-
-def _remove(hooks: list[Any]) -> None:
-    for hook in hooks:
-        hook.remove()
 
 
 class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
@@ -109,11 +104,11 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         mixing: the weight of the local values when a result is applied
             (0: take the global values, as DiLoCo; 0.5: Streaming DiLoCo's).
         redundancy: 2 keeps a copy of each rank's outer state on the next
-            rank, so the workers go on when one is lost
-            (:func:`zerofn_torch.elastic.recover`); a sync then all-reduces
-            the fragment (1.5 times the bytes on the wire) and its sum is
-            kept until the next. Needs ``delay=0``, no compression, the
-            whole job as the outer group and an unsharded inner optimizer.
+            rank, so the others go on when one is lost (``recover`` of
+            :mod:`zerofn_torch.elastic`): a sync all-reduces the fragment
+            (1.5 times the bytes on the wire), its sum kept until the next
+            (with a delay, its starting values too). Needs no compression,
+            the whole job as the outer group, an unsharded inner optimizer.
 
     Raises:
         ValueError, TypeError: a bad configuration (see
@@ -196,6 +191,7 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         self._state = DiLoCoState()
         self._flight: PolledProgram[torch.Tensor] | None = None
         self._result: torch.Tensor | None = None
+        self._taken = False
         self._hooks = self._poll_during_backward()
 
     # ----- the optimizer's face ------------------------------------------------------
@@ -241,18 +237,18 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
                 failed (a peer died or hung), on every live rank.
         """
         self._check_inner()
-        self._check_alarm()
         self._poll()
         if stepped_in_backward(self.optim):
             loss = None  # DDP's backward took the inner step, through the overlap hook
         else:
             loss = self.optim.step() if closure is None else self.optim.step(closure)
+        self._taken = True  # a loss from here on finds this step taken
         after, actions = take_inner_step(self.config, self._state)
         if actions.start is not None:
             self._start(actions.start, after.step)
         if actions.apply is not None:
             self._apply(actions.apply)
-        self._state = after
+        self._state, self._taken = after, False
         return loss
 
     def _check_inner(self) -> None:
@@ -276,6 +272,7 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
     # ----- the sync in flight ------------------------------------------------------------
 
     def _poll(self) -> None:
+        self._check_alarm()
         if self._flight is not None:
             self._flight.poll()
 
@@ -292,15 +289,15 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         hooks = [
             p.register_post_accumulate_grad_hook(poll) for p in self._params if p.requires_grad
         ]
-        weakref.finalize(self, _remove, hooks)
+        weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
         return hooks
 
-    def _start(self, fragment: int, t: int) -> None:
+    def _start(self, fragment: int, t: int, values: torch.Tensor | None = None) -> None:
         f = self._plan.fragments[fragment]
-        values = read_fragment(f, self._params)
+        values = read_fragment(f, self._params) if values is None else values
         program: SyncProgram
         if self._carried is not None:
-            self._carried.entered(t, values)
+            self._carried.entered(t, applied_at(self.config, t), values)
             program = redundant_sync_program(
                 f, self._rank, values, self._anchors[fragment], self._carried.anchors[fragment]
             )

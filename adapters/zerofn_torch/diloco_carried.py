@@ -62,8 +62,8 @@ def check_redundancy(
 
     Raises:
         ValueError: ``redundancy`` other than 1 or 2; 2 with one worker,
-            with a ``delay``, with ``compression``, over a group that is not
-            the whole job, or over an inner optimizer sharded across ranks.
+            with ``compression``, over a group that is not the whole job, or
+            over an inner optimizer sharded across ranks.
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (outer state on its owner) or 2, got {redundancy}")
@@ -72,12 +72,7 @@ def check_redundancy(
     zero = None if inner is None else zero_rank_of(inner)
     inner_ranks = 1 if zero is None else zero.options.world_size
     why = None
-    if config.delay:
-        why = (
-            f"with delay={config.delay} a sync is in flight across inner steps, and a loss "
-            "there is not handled yet; use delay=0"
-        )
-    elif config.compression is not None:
+    if config.compression is not None:
         why = (
             "with compression each rank's replica and residual would need carrying too; "
             "sync uncompressed (compression=None)"
@@ -106,9 +101,13 @@ class CarriedOuter:
         anchors: the carried rank's anchor slice of every fragment.
         outer: an outer optimizer over them (the user's factory's).
         sync: the inner step whose sync this rank entered last (0: none).
+        due: the inner step that sync's result is merged at.
         summed: it holds that sync's sum (and stepped both slices from it).
         total: that sum (kept until the next sync starts: a survivor that
             lacks it after a loss takes it from here).
+        start: with a ``delay``, the values that sync started from (the
+            parameters move on before its result is due, and a sync run
+            again after a loss needs them); ``None`` without one.
     """
 
     def __init__(
@@ -121,9 +120,10 @@ class CarriedOuter:
             for f in plan.fragments
         ]
         self.outer = check_outer_optimizer(factory(self.anchors), self.anchors)
-        self.sync = 0
+        self.sync = self.due = 0
         self.summed = True
         self.total: torch.Tensor | None = None
+        self.start: torch.Tensor | None = None
 
     def fill(self, plan: FragmentPlan, rank: int, start: Sequence[torch.Tensor]) -> None:
         """Set the carried anchors from the fragments' starting values."""
@@ -131,14 +131,16 @@ class CarriedOuter:
         for anchor, f, values in zip(self.anchors, plan.fragments, start, strict=True):
             anchor.copy_(values[f.owned(carried)])
 
-    def entered(self, t: int, values: torch.Tensor) -> None:
+    def entered(self, t: int, due: int, values: torch.Tensor) -> None:
         """The sync after inner step ``t`` starts, with ``values`` (it holds
-        the sum once summed)."""
-        self.sync, self.summed, self.total = t, False, values
+        the sum once summed), its result due after inner step ``due``."""
+        self.start = values.clone() if due > t else None
+        self.sync, self.due, self.summed, self.total = t, due, False, values
 
-    def position(self, state: DiLoCoState) -> SyncPosition:
-        """Where this rank stands, for the roll call."""
-        return SyncPosition(state.step, self.sync, self.summed)
+    def position(self, state: DiLoCoState, taken: bool) -> SyncPosition:
+        """Where this rank stands, for the roll call (``taken``: the call
+        that failed had taken its inner step)."""
+        return SyncPosition(state.step, self.sync, self.due, self.summed, taken)
 
     def state_dict(self, plan: FragmentPlan, rank: int, state: DiLoCoState) -> dict[str, Any]:
         """The copy as the carried rank's state dict (:mod:`zerofn.diloco.checkpoint`)."""
@@ -147,7 +149,7 @@ class CarriedOuter:
 
     def tensors(self) -> list[torch.Tensor]:
         """What the copy holds in memory: anchors, outer state and the kept sum."""
-        kept = [] if self.total is None else [self.total]
+        kept = [t for t in (self.total, self.start) if t is not None]
         return [*self.anchors, *state_tensors(self.outer), *kept]
 
     def load(self, saved: Mapping[str, Any]) -> None:
@@ -178,9 +180,11 @@ class CarryingWorker:
     _anchors: list[torch.Tensor]
     _factory: OuterOptimizerFactory
     _result: torch.Tensor | None
+    _flight: Any
+    _taken: bool
 
     _merge: Callable[[int, torch.Tensor], None]
-    _start: Callable[[int, int], None]
+    _start: Callable[[int, int, torch.Tensor | None], None]
     drain: Callable[[], None]
 
     @property
@@ -233,7 +237,7 @@ class CarryingWorker:
         Raises:
             ValueError: built with ``redundancy=1``.
         """
-        return self._carrying().position(self._state)
+        return self._carrying().position(self._state, self._taken)
 
     def _carrying(self) -> CarriedOuter:
         if self._carried is None:
@@ -269,39 +273,50 @@ class CarryingWorker:
         self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
         self.outer.load_state_dict(regrouped.own["outer"])
         carried.load(regrouped.carried)
+        # The sync in flight, if any, was the old group's: it is finished or
+        # run again from here (resume, run_again), never polled again.
+        self._flight, self._result = None, None
         self._generation += 1
         if self._heartbeat is not None:
             self._heartbeat.beat_as(self._generation, new_rank, regrouped.plan.world_size)
 
     def resume(self, recovery: SyncRecovery, position: SyncPosition, anchor: Any) -> bool:
         """Bring this rank's parameters and schedule to where ``recovery``
-        leaves them: merge the result of a sync it stepped (from the
-        regrouped ``anchor``), or mark the sync it runs again
-        (:meth:`run_again`). Returns whether the call that failed here took
-        its inner step (do not redo it)."""
+        leaves them: the result of a sync it stepped (from the regrouped
+        ``anchor``) merged now if the failed call was to merge it, else kept
+        for its due step; a sync to run again is :meth:`run_again`'s.
+        Returns whether the call that failed here took its inner step (do
+        not redo it)."""
+        self._taken = False
         index = fragment_synced_at(self.config, position.sync)
         if recovery.applies_consolidated(position):
             assert index is not None
-            self._merge(index, anchor[index])
-        if position.inner_step_taken:
+            if position.merges_now:
+                self._merge(index, anchor[index])
+            else:
+                self._result = anchor[index].clone()
+        if position.taken:
             self._state = take_inner_step(self.config, self._state)[0]
-        return position.inner_step_taken
+        return position.taken
 
     def run_again(self, position: SyncPosition) -> None:
-        """Run the sync this rank entered last on the new group and merge
-        its result (the survivors' sync, without the lost ranks'
-        parameters); the others run it when their inner steps get there.
+        """Start again, on the new group, the sync this rank entered last,
+        from the values it started from (the survivors' sync, without the
+        lost ranks' parameters), and merge its result if the failed call
+        was to merge it; the others run it when their inner steps get there.
 
         Raises:
             zerofn.errors.CollectiveError: the sync failed.
         """
         index = fragment_synced_at(self.config, position.sync)
         assert index is not None
-        self._start(index, position.sync)
-        self.drain()
-        assert self._result is not None
-        self._merge(index, self._result)
-        self._result = None
+        start = self._carrying().start
+        self._start(index, position.sync, None if start is None else start.clone())
+        if position.merges_now:
+            self.drain()
+            assert self._result is not None
+            self._merge(index, self._result)
+            self._result = None
 
     def verify_copies(self) -> None:
         """Check that every carried copy of the outer state equals its

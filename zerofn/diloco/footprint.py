@@ -12,7 +12,8 @@ fragment's ``float32`` values on top (``4 * N / P`` bytes), until applied.
 With ``redundancy=2`` (:mod:`zerofn.diloco.redundancy`) a rank also keeps
 a copy of the previous rank's slices and the last sync's sum (one
 fragment's ``float32`` values): about twice the outer state, plus
-``4 * N / P``. Its syncs hand the collectives the same bytes (an all-reduce
+``4 * N / P`` (with a ``delay``, twice that: the values a sync in flight
+started from). Its syncs hand the collectives the same bytes (an all-reduce
 instead of the reduces), which put 1.5 times the plain sync's on the wire.
 
 :func:`sync_bytes_per_rank` counts what one sync hands to the collectives,
@@ -32,7 +33,12 @@ __all__ = ["outer_state_bytes", "outer_state_bytes_per_rank", "sync_bytes_per_ra
 
 
 def outer_state_bytes(
-    plan: FragmentPlan, rank: int, compressed: bool, state_tensors: int = 1, redundancy: int = 1
+    plan: FragmentPlan,
+    rank: int,
+    compressed: bool,
+    state_tensors: int = 1,
+    redundancy: int = 1,
+    delayed: bool = False,
 ) -> int:
     """The outer state's bytes on rank ``rank``.
 
@@ -45,6 +51,8 @@ def outer_state_bytes(
             per element (SGD with momentum: 1; without: 0; Adam: 2).
         redundancy: 2: the carried copy of the previous rank's slices, and
             the largest fragment's sum (the last synced one's, at most).
+        delayed: with ``redundancy=2`` and a ``delay``: the values a sync
+            in flight started from too (the largest fragment's).
 
     Raises:
         ValueError: a negative ``state_tensors``, a rank outside the plan,
@@ -60,7 +68,8 @@ def outer_state_bytes(
     owned = per_element * plan.owned_numel(rank)
     if redundancy == 2:
         carried = plan.owned_numel(carried_rank(rank, plan.world_size))
-        owned += per_element * carried + 4 * max(f.numel for f in plan.fragments)
+        kept = 2 if delayed else 1  # the sum, and with a delay the starting values
+        owned += per_element * carried + 4 * kept * max(f.numel for f in plan.fragments)
     return owned + (8 * plan.numel if compressed else 0)
 
 

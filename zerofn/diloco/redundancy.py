@@ -155,27 +155,34 @@ class SyncPosition:
     Attributes:
         steps: inner steps completed (``DiLoCoState.step``).
         sync: the inner step whose sync it entered last (0: none yet).
+        due: the inner step that sync's result is merged at (``sync +
+            delay``).
         summed: it holds that sync's sum (its all-reduce completed here, and
             it stepped its own and its carried slice).
+        taken: the call that failed here (a ``step``) had taken its inner
+            step: it failed starting a sync or merging one's result.
     """
 
     steps: int = attrs.field(validator=_non_negative)
     sync: int = attrs.field(validator=_non_negative)
+    due: int = attrs.field(validator=_non_negative)
     summed: bool
+    taken: bool = False
 
     @property
     def applied(self) -> bool:
-        """The result of :attr:`sync` is in this rank's parameters (its step completed)."""
-        return self.steps >= self.sync
+        """The result of :attr:`sync` is in this rank's parameters."""
+        return self.steps >= self.due
 
     @property
-    def inner_step_taken(self) -> bool:
-        """The call that failed here took its inner step: it failed inside its sync."""
-        return self.sync == self.steps + 1
+    def merges_now(self) -> bool:
+        """The call that failed here is the one that merges :attr:`sync`'s result."""
+        return self.taken and self.steps + 1 == self.due
 
     def to_text(self) -> str:
         """The position as the roll call's store keeps it."""
-        return f"{self.steps}:{self.sync}:{int(self.summed)}"
+        flags = f"{int(self.summed)}{int(self.taken)}"
+        return f"{self.steps}:{self.sync}:{self.due}:{flags}"
 
     @classmethod
     def from_text(cls, text: str) -> SyncPosition:
@@ -185,9 +192,15 @@ class SyncPosition:
             ValueError: not a position.
         """
         parts = text.split(":")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts) or parts[2] not in "01":
+        if (
+            len(parts) != 4
+            or not all(p.isdigit() for p in parts)
+            or len(parts[3]) != 2
+            or not set(parts[3]) <= {"0", "1"}
+        ):
             raise ValueError(f"not a DiLoCo sync position: {text!r}")
-        return cls(int(parts[0]), int(parts[1]), parts[2] == "1")
+        steps, sync, due, flags = parts
+        return cls(int(steps), int(sync), int(due), flags[0] == "1", flags[1] == "1")
 
 
 class InconsistentSyncs(ValueError):
@@ -218,7 +231,8 @@ class SyncRecovery:
     def applies_consolidated(self, position: SyncPosition) -> bool:
         """Whether a survivor at ``position`` takes the result of its last
         sync from the regrouped anchor (it stepped, or now steps, that
-        sync, and its parameters lack the result)."""
+        sync, and its parameters lack the result): merged at once when the
+        failed call was the one to merge it, else at its due step."""
         return not position.applied and (self.forward or position.sync < self.sync)
 
     def runs_again(self, position: SyncPosition) -> bool:
