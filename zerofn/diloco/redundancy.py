@@ -25,7 +25,10 @@ ways, decided by :func:`sync_recovery` from where each stood
   by the survivors (*back*), without the lost rank's parameters.
 
 Then :func:`regrouped` cuts the outer state for the survivors' world from
-each old rank's own state (or its carrier's copy, for a lost rank).
+each old rank's own state (or its carrier's copy, for a lost rank). With a
+``delay`` the sync may be in flight across inner steps: a result finished
+forward waits for its due step, and a sync run again starts from the values
+it started from (which each rank keeps while it is in flight).
 """
 
 from __future__ import annotations
