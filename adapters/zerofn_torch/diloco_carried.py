@@ -247,6 +247,14 @@ class CarryingWorker:
             )
         return self._carried
 
+    def leave_group(self) -> None:
+        """Never poll or wait for the sync in flight on the failed group
+        again, nor let the process's exit wait for it (it may never
+        complete): a recovery finishes it or runs it again on the new
+        group, and a rank left behind ends."""
+        if self._flight is not None:
+            self._flight.abandon()
+
     def held_state_dicts(self) -> StateDicts:
         """This rank's own DiLoCo rank state dict and its carried copy's."""
         own = rank_state_dict(
@@ -262,10 +270,18 @@ class CarryingWorker:
         total = carried.total if carried.summed else None
         return self._plan.fragments[index], total, self._anchors[index], carried.anchors[index]
 
+    def enter_world(self, new_rank: int, world_size: int) -> None:
+        """Beat (and watch, and heed the alarm) in the next world from now
+        on, as rank ``new_rank`` of ``world_size``: before the first
+        collective on its group, which the old world's alarm must not end."""
+        self._generation += 1
+        if self._heartbeat is not None:
+            self._heartbeat.beat_as(self._generation, new_rank, world_size)
+
     def regroup(self, group: Any, new_rank: int, regrouped: Regrouped) -> None:
         """Go on as rank ``new_rank`` of ``group`` with the regrouped outer
-        state (own and carried), in the next world. Not for training
-        loops: :func:`zerofn_torch.elastic.recover` calls it."""
+        state (own and carried), in the world :meth:`enter_world` entered.
+        Not for training loops: :func:`zerofn_torch.elastic.recover` calls it."""
         carried = self._carrying()
         self.process_group = group
         self._rank, self._plan = new_rank, regrouped.plan
@@ -273,12 +289,9 @@ class CarryingWorker:
         self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
         self.outer.load_state_dict(regrouped.own["outer"])
         carried.load(regrouped.carried)
-        # The sync in flight, if any, was the old group's: it is finished or
-        # run again from here (resume, run_again), never polled again.
+        # The sync in flight, if any, was the old group's (left already): it
+        # is finished or run again from here (resume, run_again).
         self._flight, self._result = None, None
-        self._generation += 1
-        if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._generation, new_rank, regrouped.plan.world_size)
 
     def resume(self, recovery: SyncRecovery, position: SyncPosition, anchor: Any) -> bool:
         """Bring this rank's parameters and schedule to where ``recovery``

@@ -361,6 +361,7 @@ def recover_diloco(
     position = diloco.position()
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     abandon(diloco.process_group)
+    diloco.leave_group()
     _refuse_if_left_behind(store, diloco.generation, error)
     raise_alarm(f"rank {diloco.rank} of {diloco.world_size}: {type(error).__name__}")
     prefix = f"zerofn/elastic/{diloco.generation}"
@@ -383,6 +384,7 @@ def recover_diloco(
         use_local_synchronization=True,
     )
     new_rank = call.alive.index(diloco.rank)
+    diloco.enter_world(new_rank, len(call.alive))
     index = fragment_synced_at(diloco.config, recovery.sync)
     program = regroup_program(
         recovery,

@@ -197,6 +197,12 @@ class PolledProgram(Generic[R]):
             self._running.advance()
         return wait(self._running.result, self._running.purpose)
 
+    def abandon(self) -> None:
+        """Never run it to its end: its group failed and was left (a
+        recovery goes on without it), so :func:`finish_polled` must not wait
+        for it either."""
+        _UNFINISHED.pop(self._key, None)
+
     @property
     def purpose(self) -> str:
         """What the program is for (named in its errors)."""
