@@ -27,7 +27,6 @@ outer state.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -338,11 +337,3 @@ def report(result: dict[str, Any], kills: tuple[WorkerKill, ...]) -> list[str]:
             f"recovered in {r['seconds']:.2f} s; steps lost: {r['steps_lost']}"
         )
     return lines
-
-
-def save_final(result: dict[str, Any], out_dir: str) -> str:
-    """Write ``final.pt`` (``model`` and ``optimizer``) in ``out_dir``; its path."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "final.pt")
-    torch.save({"model": result["model"], "optimizer": result["optimizer"]}, path)
-    return path

@@ -23,6 +23,7 @@ runs a few; ``benchmarks/bench_random_losses.py`` runs over a hundred.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import signal
@@ -253,10 +254,34 @@ def soak(
         AssertionError: a run broke an invariant (its label names the seed,
             the run and the fault).
     """
+    return _soak(
+        world_size, runs, seed, pauses, steps, verbose, config.name,
+        train_with_fault, config, check_run,
+        lambda results, world, lost, kept: check_against_reference(
+            results, world, lost, kept, steps, config
+        ),
+    )  # fmt: skip
+
+
+def _soak(
+    world_size: int,
+    runs: int,
+    seed: int,
+    pauses: bool,
+    steps: int,
+    verbose: bool,
+    name: str,
+    train: Callable[..., dict[str, Any]],
+    option: Any,
+    check: Callable[[list[Any], Fault, int, str], Outcome],
+    reference: Callable[[list[Any], int, int, int], None],
+) -> dict[str, Any]:
+    """The soak's runs, for any configuration: a quiet run timed, then
+    ``runs`` runs of ``train(rank, world_size, fault, steps, option)``, each
+    checked by ``check``, the first loss also by ``reference(results,
+    world_size, lost rank, kept)``."""
     draw = random.Random(seed)
-    quiet = run_local_world(
-        train_with_fault, world_size, Fault(0, 1e9), steps, config, timeout_s=TIMEOUT_S
-    )
+    quiet = run_local_world(train, world_size, Fault(0, 1e9), steps, option, timeout_s=TIMEOUT_S)
     # The first world of a process warms up: later runs train faster than
     # this one, so the faults are drawn within the first 60 % of it.
     length_s = 0.6 * min(r["seconds"] for r in quiet)
@@ -264,19 +289,13 @@ def soak(
     seconds = []
     for run in range(runs):
         fault = draw_fault(draw, world_size, length_s, pauses)
-        label = f"seed {seed}, run {run}, {world_size} ranks, {config.name}, {fault}"
+        label = f"seed {seed}, run {run}, {world_size} ranks, {name}, {fault}"
         began = time.perf_counter()
         results = run_local_world(
-            train_with_fault,
-            world_size,
-            fault,
-            steps,
-            config,
-            timeout_s=TIMEOUT_S,
-            may_exit=[fault.rank],
+            train, world_size, fault, steps, option, timeout_s=TIMEOUT_S, may_exit=[fault.rank]
         )
         seconds.append(time.perf_counter() - began)
-        outcome = check_run(results, fault, steps, label)
+        outcome = check(results, fault, steps, label)
         if verbose:
             print(f"{label}: {outcome}", file=sys.stderr, flush=True)
         counts["runs"] += 1
@@ -284,7 +303,7 @@ def soak(
         counts["pauses"] += fault.pause_s is not None
         counts["transient"] += outcome.transient
         if outcome.lost and outcome.kept is not None and not counts["referenced"]:
-            check_against_reference(results, world_size, fault.rank, outcome.kept, steps, config)
+            reference(results, world_size, fault.rank, outcome.kept)
             counts["referenced"] += 1
     return {**counts, "seconds": seconds, "seed": seed}
 
@@ -416,36 +435,15 @@ def diloco_soak(
 ) -> dict[str, Any]:  # fmt: skip
     """:func:`soak` for DiLoCo workers (``--config diloco``; ``streaming``:
     ``--config diloco-streaming``, a sync in flight across an inner step)."""
-    draw = random.Random(seed)
-    quiet = run_local_world(
-        train_diloco_with_fault, world_size, Fault(0, 1e9), steps, streaming, timeout_s=TIMEOUT_S
-    )
-    length_s = 0.6 * min(r["seconds"] for r in quiet)
-    counts = {"runs": 0, "losses": 0, "pauses": 0, "transient": 0, "referenced": 0}
-    seconds = []
-    for run in range(runs):
-        fault = draw_fault(draw, world_size, length_s, pauses)
-        name = "diloco-streaming" if streaming else "diloco"
-        label = f"seed {seed}, run {run}, {world_size} ranks, {name}, {fault}"
-        began = time.perf_counter()
-        results = run_local_world(
-            train_diloco_with_fault, world_size, fault, steps, streaming, timeout_s=TIMEOUT_S,
-            may_exit=[fault.rank],
-        )  # fmt: skip
-        seconds.append(time.perf_counter() - began)
-        outcome = check_diloco_run(results, fault, steps, label, streaming)
-        if verbose:
-            print(f"{label}: {outcome}", file=sys.stderr, flush=True)
-        counts["runs"] += 1
-        counts["losses"] += outcome.lost
-        counts["pauses"] += fault.pause_s is not None
-        counts["transient"] += outcome.transient
-        if outcome.lost and outcome.kept is not None and not counts["referenced"]:
-            check_diloco_against_reference(
-                results, world_size, fault.rank, outcome.kept, steps, streaming
-            )
-            counts["referenced"] += 1
-    return {**counts, "seconds": seconds, "seed": seed}
+    return _soak(
+        world_size, runs, seed, pauses, steps, verbose,
+        "diloco-streaming" if streaming else "diloco",
+        train_diloco_with_fault, streaming,
+        functools.partial(check_diloco_run, streaming=streaming),
+        lambda results, world, lost, kept: check_diloco_against_reference(
+            results, world, lost, kept, steps, streaming
+        ),
+    )  # fmt: skip
 
 
 def main() -> None:

@@ -474,7 +474,7 @@ def run_diloco(args: argparse.Namespace, kills: tuple[Kill, ...]) -> None:
         result = diloco_survival.run_reference(args.world_size, args.steps, lost)
     else:
         result = diloco_survival.run_killed(args.world_size, args.steps, lost, args.deadline_s)
-    path = diloco_survival.save_final(result, args.out)
+    path = save_final(result, args.out)
     print(
         f"wrote {path}: {result['world_size']} of {args.world_size} workers at the end, "
         f"{args.steps} steps done, inner step count {result['inner_steps']}"

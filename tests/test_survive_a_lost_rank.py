@@ -210,9 +210,9 @@ def test_diloco_workers_end_with_the_references_bits(
         assert r["step"] == kill.step + (kill.phase == "between")
         assert r["steps_lost"] == 0 and r["seconds"] > 0
     reference = diloco.run_reference(world_size, steps, plan)
-    ours = torch.load(diloco.save_final(killed, str(tmp_path / "killed")), weights_only=False)
+    ours = torch.load(example.save_final(killed, str(tmp_path / "killed")), weights_only=False)
     theirs = torch.load(
-        diloco.save_final(reference, str(tmp_path / "reference")), weights_only=False
+        example.save_final(reference, str(tmp_path / "reference")), weights_only=False
     )
     assert set(ours["model"]) == set(range(world_size)) - {k.rank for k in plan}
     assert_bitwise_equal(ours, theirs)

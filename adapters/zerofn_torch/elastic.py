@@ -28,6 +28,7 @@ the rebuilt rank are the core's (:func:`zerofn.zero.redundancy.plan_after_loss`,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
@@ -275,33 +276,9 @@ def recover(
             "each shard a lost rank's optimizer state is gone; restart from a checkpoint"
         )
     store = store if store is not None else dist.distributed_c10d._get_default_store()
-    # The failed world's group is never used again, and a collective of it
-    # may stay pending (a wait the alarm ended, or a peer that gave up): its
-    # destructor would wait for that, so it is kept for good.
-    abandon(zero.process_group)
-    _refuse_if_left_behind(store, zero.generation, error)
-    # Every rank still waiting on a collective of this world ends its wait.
-    raise_alarm(f"rank {zero.rank} of {zero.world_size}: {type(error).__name__}")
-    prefix = f"zerofn/elastic/{zero.generation}"
-    call = roll_call(
-        store, prefix, zero.rank, zero.world_size, zero.position, deadline_s,
-        generation=zero.generation,
-    )  # fmt: skip
-    try:
-        point = recovery_point(call.positions)
-    except InconsistentPositions as refused:
-        raise CollectiveError(
-            "the roll call", "going on without the lost ranks", prefix, str(refused)
-        ) from error
-    lost = tuple(r for r in range(zero.world_size) if r not in call.alive)
-    if not lost and not _is_collective_failure(error):
-        raise error  # every rank is here and no collective failed: not ours to mend
+    _, point, lost = _agree(zero, zero.position, recovery_point, error, store, deadline_s)
     regrouping = plan_after_loss(old.plan, lost)
-    group = dist.new_group(
-        [dist.get_global_rank(zero.process_group, r) for r in regrouping.survivors],
-        timeout=timedelta(seconds=_timeout_s(zero.process_group)),
-        use_local_synchronization=True,
-    )
+    group = _group_of(zero.process_group, regrouping.survivors)
     params = [p for g in zero.param_groups for p in g["params"]]
     new_rank = regrouping.new_rank(zero.rank)
     if point.behind:
@@ -360,29 +337,9 @@ def recover_diloco(
     """
     position = diloco.position()
     store = store if store is not None else dist.distributed_c10d._get_default_store()
-    abandon(diloco.process_group)
     diloco.leave_group()
-    _refuse_if_left_behind(store, diloco.generation, error)
-    raise_alarm(f"rank {diloco.rank} of {diloco.world_size}: {type(error).__name__}")
-    prefix = f"zerofn/elastic/{diloco.generation}"
-    call = roll_call(
-        store, prefix, diloco.rank, diloco.world_size, position, deadline_s,
-        generation=diloco.generation,
-    )  # fmt: skip
-    try:
-        recovery = sync_recovery(call.positions)
-    except InconsistentSyncs as refused:
-        raise CollectiveError(
-            "the roll call", "going on without the lost ranks", prefix, str(refused)
-        ) from error
-    lost = tuple(r for r in range(diloco.world_size) if r not in call.alive)
-    if not lost and not _is_collective_failure(error):
-        raise error
-    group = dist.new_group(
-        [dist.get_global_rank(diloco.process_group, r) for r in call.alive],
-        timeout=timedelta(seconds=_timeout_s(diloco.process_group)),
-        use_local_synchronization=True,
-    )
+    call, recovery, lost = _agree(diloco, position, sync_recovery, error, store, deadline_s)
+    group = _group_of(diloco.process_group, call.alive)
     new_rank = call.alive.index(diloco.rank)
     diloco.enter_world(new_rank, len(call.alive))
     index = fragment_synced_at(diloco.config, recovery.sync)
@@ -407,6 +364,66 @@ def recover_diloco(
     if recovery.runs_again(position):
         diloco.run_again(position)
     return Recovered(group, new_rank, len(call.alive), lost, finished, recovery)
+
+
+D = TypeVar("D")
+
+
+def _agree(
+    optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer,
+    position: P,
+    decide: Callable[[tuple[P, ...]], D],
+    error: BaseException,
+    store: Any,
+    deadline_s: float,
+) -> tuple[RollCall[P], D, tuple[int, ...]]:
+    """The survivors' agreement, the same for every optimizer that recovers:
+    the failed world left, the alarm raised, the roll call held, and from the
+    positions it gathered one decision (``decide``: the ZeRO step's
+    :func:`~zerofn.zero.recovery_point.recovery_point` or DiLoCo's
+    :func:`~zerofn.diloco.redundancy.sync_recovery`).
+
+    Returns:
+        The roll call, the decision, and the ranks lost.
+
+    Raises:
+        zerofn.errors.CollectiveError: this rank was left behind, or the
+            positions admit no decision (``decide`` refused them).
+        BaseException: ``error`` itself, when every rank answered and it is
+            no failed collective.
+    """
+    # The failed world's group is never used again, and a collective of it
+    # may stay pending (a wait the alarm ended, or a peer that gave up): its
+    # destructor would wait for that, so it is kept for good.
+    abandon(optimizer.process_group)
+    _refuse_if_left_behind(store, optimizer.generation, error)
+    # Every rank still waiting on a collective of this world ends its wait.
+    raise_alarm(f"rank {optimizer.rank} of {optimizer.world_size}: {type(error).__name__}")
+    prefix = f"zerofn/elastic/{optimizer.generation}"
+    call = roll_call(
+        store, prefix, optimizer.rank, optimizer.world_size, position, deadline_s,
+        generation=optimizer.generation,
+    )  # fmt: skip
+    try:
+        decision = decide(call.positions)
+    except (InconsistentPositions, InconsistentSyncs) as refused:
+        raise CollectiveError(
+            "the roll call", "going on without the lost ranks", prefix, str(refused)
+        ) from error
+    lost = tuple(r for r in range(optimizer.world_size) if r not in call.alive)
+    if not lost and not _is_collective_failure(error):
+        raise error  # every rank is here and no collective failed: not ours to mend
+    return call, decision, lost
+
+
+def _group_of(group: Any, survivors: Sequence[int]) -> Any:
+    """A process group of ``group``'s ranks ``survivors``, formed by them
+    alone, with ``group``'s timeout."""
+    return dist.new_group(
+        [dist.get_global_rank(group, r) for r in survivors],
+        timeout=timedelta(seconds=_timeout_s(group)),
+        use_local_synchronization=True,
+    )
 
 
 _TRANSPORT_FAILURES = ("CollectiveError", "gloo/transport", "NCCL", "Timed out waiting")
