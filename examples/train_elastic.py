@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.elastic import DEADLINE_S, Recovered, recover
+from zerofn_torch.elastic import DEADLINE_S, Recovered, init_process_group, recover
 from zerofn_torch.hooks import allreduce_hook
 from zerofn_torch.runtime.heartbeat import destroy_process_groups
 from zerofn_torch.runtime.launch import run_local_world
@@ -377,7 +377,8 @@ def torchrun_worker(out_dir: str, in_exchange: bool) -> None:
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as run_local_world's ranks: the same sums, bit for bit
-    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    # zerofn's init_process_group: a loss also frees a rank PyTorch blocked in C++.
+    init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     result = train(rank, dist.get_world_size(), in_exchange, kill_self)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -60,7 +60,11 @@ from zerofn_torch.diloco import DiLoCoOptimizer
 # Growing back is its own module; its names stay importable from here, beside recover.
 from zerofn_torch.growing import JOINERS, Admitted, Fingerprint, Joined, admit, fingerprint, join
 from zerofn_torch.replicas import verify_replicas
+from zerofn_torch.runtime import group_sockets
 from zerofn_torch.runtime.driver import drive
+
+# Starting the job through it lets a loss free a rank blocked in PyTorch's own collectives.
+from zerofn_torch.runtime.group_sockets import init_process_group
 from zerofn_torch.runtime.heartbeat import (
     abandon,
     beat_count,
@@ -80,6 +84,7 @@ __all__ = [
     "RollCall",
     "admit",
     "fingerprint",
+    "init_process_group",
     "join",
     "recover",
     "recover_diloco",
@@ -244,11 +249,12 @@ def recover(
             answered and it is no failed collective (a bug, not a loss).
         store: where the roll call is held (default: the default process
             group's store, which the launcher keeps).
-        deadline_s: how long a rank has to answer the roll call. A survivor
-            can stay blocked in the failed collective until the group's
-            timeout (gloo does not always report a dead peer to every rank
-            at once); with more than 3 ranks, keep this above that timeout,
-            or the roll call misses it and the survivors refuse to go on.
+        deadline_s: how long a rank has to answer the roll call, at most
+            (a rank whose heartbeat stands still is declared lost sooner).
+            A survivor blocked in the failed collective is freed by the
+            alarm: zerofn's waits end, and the world's group connections
+            are shut (:mod:`zerofn_torch.runtime.group_sockets`; the first
+            world's, when the job was started by :func:`init_process_group`).
 
     Returns:
         The new group (with the old group's timeout), this rank's place in
@@ -278,9 +284,10 @@ def recover(
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     _, point, lost = _agree(zero, zero.position, recovery_point, error, store, deadline_s)
     regrouping = plan_after_loss(old.plan, lost)
-    group = _group_of(zero.process_group, regrouping.survivors)
+    group = _group_of(zero, regrouping.survivors)
     params = [p for g in zero.param_groups for p in g["params"]]
     new_rank = regrouping.new_rank(zero.rank)
+    zero.enter_world(new_rank, len(regrouping.survivors))
     if point.behind:
         assert point.source is not None
         grads = broadcast_object(
@@ -339,7 +346,7 @@ def recover_diloco(
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     diloco.leave_group()
     call, recovery, lost = _agree(diloco, position, sync_recovery, error, store, deadline_s)
-    group = _group_of(diloco.process_group, call.alive)
+    group = _group_of(diloco, call.alive)
     new_rank = call.alive.index(diloco.rank)
     diloco.enter_world(new_rank, len(call.alive))
     index = fragment_synced_at(diloco.config, recovery.sync)
@@ -416,13 +423,20 @@ def _agree(
     return call, decision, lost
 
 
-def _group_of(group: Any, survivors: Sequence[int]) -> Any:
-    """A process group of ``group``'s ranks ``survivors``, formed by them
-    alone, with ``group``'s timeout."""
-    return dist.new_group(
-        [dist.get_global_rank(group, r) for r in survivors],
-        timeout=timedelta(seconds=_timeout_s(group)),
-        use_local_synchronization=True,
+def _group_of(
+    optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer, survivors: Sequence[int]
+) -> Any:
+    """A process group of ``optimizer``'s group's ranks ``survivors``, formed
+    by them alone, with that group's timeout; its connections are shut when
+    the alarm of the world it starts (or a later one) rings."""
+    group = optimizer.process_group
+    return group_sockets.opened(
+        lambda: dist.new_group(
+            [dist.get_global_rank(group, r) for r in survivors],
+            timeout=timedelta(seconds=_timeout_s(group)),
+            use_local_synchronization=True,
+        ),
+        optimizer.generation + 1,
     )
 
 

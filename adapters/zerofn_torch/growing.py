@@ -39,6 +39,7 @@ from zerofn.zero.precision import resolve_master_dtype
 from zerofn.zero.redundancy import Regrouping, plan_after_join
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
+from zerofn_torch.runtime import group_sockets
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.futures import settle
 from zerofn_torch.runtime.object_collectives import broadcast_object
@@ -174,15 +175,21 @@ def _decide(store: Any, job: Fingerprint) -> tuple[int, ...]:
     return tuple(admitted)
 
 
-def _new_world(store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> Any:
+def _new_world(
+    store: Any, prefix: str, rank: int, world_size: int, timeout_s: float, generation: int
+) -> Any:
     """This process's default group, now the new world's (every member, the
-    joiners included, starts it under the same ``prefix``)."""
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+    joiners included, starts it under the same ``prefix``), its connections
+    shut by the alarm of world ``generation`` or a later one's."""
+    group_sockets.opened(
+        lambda: dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        ),
+        generation,
     )
     return dist.group.WORLD
 
@@ -208,7 +215,8 @@ def _grow(
     params = [p for g in zero.param_groups for p in g["params"]]
     with torch.no_grad():
         drive(_broadcast_params(params), group, "the joiners' parameters").wait()
-    zero.regroup(group, regrouping, rank, finish_step=False, generation=generation)
+    zero.enter_world(rank, dist.get_world_size(group), generation)
+    zero.regroup(group, regrouping, rank, finish_step=False)
     verify_replicas(params, group)
     return extra
 
@@ -264,7 +272,7 @@ def admit(
     rank = zero.rank
     settle()  # no callback of ours may be running when the world's groups go
     dist.destroy_process_group()
-    new_group = _new_world(store, prefix, rank, size, timeout_s)
+    new_group = _new_world(store, prefix, rank, size, timeout_s, generation)
     extra = _grow(
         zero, new_group, plan_after_join(zero.shard_plan, len(tickets)), generation, extra
     )
@@ -334,7 +342,10 @@ def join(
     answer = pickle.loads(store.get(key))
     if "refused" in answer:
         raise ValueError(f"the running job refused this joiner: {answer['refused']}")
-    group = _new_world(store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s)
+    # The joiner's first world: every alarm it can hear is this one's or a later one's.
+    group = _new_world(
+        store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s, generation=0
+    )
     zero = ZeroRedundancyOptimizer(
         params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype,
         partition=partition, exchange_compression=exchange_compression, **defaults,

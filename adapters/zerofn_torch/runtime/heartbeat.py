@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from zerofn.errors import CollectiveError
 from zerofn.zero.liveness import BeatView, seen_beats, silent_ranks
+from zerofn_torch.runtime import group_sockets
 from zerofn_torch.runtime.futures import on_done
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "WATCH_SILENT_S",
     "Heartbeat",
     "abandon",
+    "abandoned",
     "beat_count",
     "beat_key",
     "destroy_process_groups",
@@ -174,11 +176,15 @@ class Heartbeat:
 
     def _ring(self, why: str, generation: int) -> None:
         """End every wait in progress: the alarm of ``generation`` is up
-        (nothing if the world changed since)."""
+        (nothing if the world changed since). The first ring also shuts the
+        connections of that world's groups (:func:`~zerofn_torch.runtime.group_sockets.shut`),
+        which ends the collectives PyTorch waits for in C++, here and on
+        every rank connected to this one."""
         with self._lock:
             if generation != self._generation:
                 return
-            if self._alarm is None:
+            first = self._alarm is None
+            if first:
                 self._alarm = why
             woken, self._woken = self._woken, set()
             failing, self._failing = self._failing, {}
@@ -186,6 +192,8 @@ class Heartbeat:
             event.set()
         for fut in failing.values():
             _fail(fut, self._alarm_error("a collective DDP waits for"))
+        if first:
+            group_sockets.shut(generation)
 
     def _alarm_error(self, purpose: str) -> CollectiveError:
         return CollectiveError(
@@ -348,6 +356,12 @@ def abandon(group: Any) -> None:
     """Keep ``group`` for good, never destroyed: a wait on one of its
     collectives was given up, and destroying it would wait for that."""
     _ABANDONED.append(group)
+
+
+def abandoned(group: Any) -> bool:
+    """Whether ``group`` was kept for good (:func:`abandon`): a failed world's,
+    its connections shut by the alarm, so no collective of it can run."""
+    return any(g is group for g in _ABANDONED)
 
 
 def destroy_process_groups() -> None:

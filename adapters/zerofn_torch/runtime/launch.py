@@ -27,7 +27,8 @@ from torch.multiprocessing.spawn import start_processes
 
 from zerofn.comm import AllReduce, Program
 from zerofn_torch.runtime.driver import drive, finish_polled
-from zerofn_torch.runtime.heartbeat import destroy_process_groups
+from zerofn_torch.runtime.group_sockets import init_process_group
+from zerofn_torch.runtime.heartbeat import abandoned, destroy_process_groups
 
 __all__ = ["run_local_world", "run_rank"]
 
@@ -63,7 +64,7 @@ def _in_group(
 ) -> Any:
     torch.manual_seed(0)
     torch.set_num_threads(threads)
-    dist.init_process_group(
+    init_process_group(
         "gloo",
         init_method=init_method,
         rank=rank,
@@ -79,9 +80,11 @@ def _in_group(
         if failed:  # the program's own error, which the function did not wait for
             raise failed[0][1]
         # A world that may have lost ranks, or that grew (zerofn_torch.elastic),
-        # is not the one started here: it has no barrier of this launcher's to hold.
-        if not may_exit and dist.get_world_size() == world_size:
-            drive(_barrier(), dist.group.WORLD, "the world's last barrier").wait()
+        # is not the one started here: it has no barrier of this launcher's to
+        # hold; nor has one that failed and was recovered from (its connections shut).
+        world = dist.group.WORLD
+        if not may_exit and dist.get_world_size() == world_size and not abandoned(world):
+            drive(_barrier(), world, "the world's last barrier").wait()
         return result
     finally:
         destroy_process_groups()

@@ -566,6 +566,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         world this process was in, so it never meets an old world's keys."""
         return self._generation
 
+    def enter_world(self, new_rank: int, world_size: int, generation: int | None = None) -> None:
+        """Count this rank as ``new_rank`` of a new world of ``world_size``
+        ranks from now on: its number in the job (``generation``: a joiner
+        takes the job's; ``None``: one more than this optimizer's), and the
+        heartbeat there. Called before the new group's first collective,
+        which the old world's alarm would otherwise end. Not for training
+        loops: :mod:`zerofn_torch.elastic` calls it before :meth:`regroup`."""
+        self._generation = self._generation + 1 if generation is None else generation
+        if self._heartbeat is not None:
+            self._heartbeat.beat_as(self._generation, new_rank, world_size)
+
     def regroup(
         self,
         group: Any,
@@ -573,14 +584,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         new_rank: int,
         *,
         finish_step: bool,
-        generation: int | None = None,
     ) -> None:
         """Go on as rank ``new_rank`` of ``group`` under ``regrouping``'s
         plan: the core's :func:`~zerofn.zero.regroup.regroup_program`, driven
         on ``group`` (the moves that restore redundancy, the optimizer
         rebuilt, and with ``finish_step`` the interrupted step finished).
         Not for training loops: :mod:`zerofn_torch.elastic` calls it on
-        every rank of ``group``.
+        every rank of ``group``, once in the new world (:meth:`enter_world`).
 
         Args:
             group: the new world's process group.
@@ -590,8 +600,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             new_rank: this rank in ``group``.
             finish_step: finish the step whose exchange a loss interrupted
                 (the lost shards' updates come from their carried copies).
-            generation: the new world's number in the job (a joiner takes
-                the job's); ``None``: one more than this optimizer's.
 
         Raises:
             zerofn.errors.CollectiveError: a collective on ``group`` failed.
@@ -603,9 +611,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.process_group = group
         self.rank, self.world_size = zero.options.rank, zero.options.world_size
         self._regroups += 1
-        self._generation = self._generation + 1 if generation is None else generation
-        if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._generation, self.rank, self.world_size)
         self._position = Position(0)  # a new world counts its own steps
         self._versions = self._read_versions()
 

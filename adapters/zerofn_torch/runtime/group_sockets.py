@@ -1,0 +1,179 @@
+"""The connections of the process groups a rank opened, and shutting them
+once its world failed: what frees a rank that gloo left blocked inside a
+collective zerofn does not wait on itself.
+
+zerofn's own waits end when the job's alarm rings
+(:mod:`zerofn_torch.runtime.heartbeat`). A collective that PyTorch issues
+and waits for in C++ cannot be told: DDP's bucket rebuild at the second
+forward after it is built, its buffer broadcast, its built-in all-reduce,
+a user's own ``dist.broadcast``. A rank blocked there stays there while its
+peers are alive and answer nothing (they went to the roll call), until the
+group's timeout: 30 minutes by default. gloo's ``abort`` and ``shutdown``
+do not end it (torch 2.13: both leave the connections open).
+
+What does end it is a connection that closes. So each group a rank opens
+through zerofn is opened by :func:`opened`, which notes the sockets the
+group connected (the process's sockets before and after); when the alarm of
+a world rings, :func:`shut` shuts every noted socket of that world and of
+the worlds before it (``shutdown``, not ``close``: the descriptor stays
+gloo's, so its number cannot be reused under it). Both ends' pending reads
+then fail at once: gloo raises "Connection closed by peer" on this rank and
+on every rank connected to it, and each joins the roll call.
+
+Listening sockets are never shut (gloo's accept loop aborts the process on
+one), and neither is anything this module did not see a group open: the
+job's store, a logger's connection. Where ``/proc/self/fd`` does not exist,
+nothing is noted and nothing shut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+import torch.distributed as dist
+
+__all__ = ["init_process_group", "noted_sockets", "opened", "shut"]
+
+G = TypeVar("G")
+
+_FDS = "/proc/self/fd"
+
+
+@attrs.frozen
+class _Noted:
+    """A socket a group opened: its descriptor, what the descriptor pointed
+    at then (``socket:[inode]``, so a number reused later is left alone), and
+    the first world that uses the group."""
+
+    fd: int
+    link: str
+    generation: int
+
+
+_LOCK = threading.Lock()
+_NOTED: list[_Noted] = []
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors and what each points at."""
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(_FDS)
+    except OSError:  # no procfs: nothing is noted
+        return found
+    for name in names:
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile
+            link = os.readlink(f"{_FDS}/{name}")
+            if link.startswith("socket:"):
+                found[int(name)] = link
+    return found
+
+
+def opened(create: Callable[[], G], generation: int) -> G:
+    """``create()``, the sockets it connected noted as those of a group first
+    used by the world ``generation`` (shut by that world's alarm and every
+    later one's, not by an earlier one's).
+
+    The process's other threads should not open sockets meanwhile (those
+    would be noted too); zerofn's heartbeat opens none after it starts.
+    """
+    with _LOCK:  # one group opened at a time, so each diff is one group's
+        before = _sockets()
+        group = create()
+        after = _sockets()
+        stores = _store_ports()
+        _NOTED.extend(
+            _Noted(fd, link, generation)
+            for fd, link in sorted(after.items())
+            if before.get(fd) != link and _is_peer_connection(fd, stores)
+        )
+    return group
+
+
+def _store_ports() -> frozenset[int]:
+    """The port of the default group's store, if it is a TCP store (its
+    clients' connections and, on the rank that serves it, their accepted
+    ends: never shut, the roll call runs there)."""
+    store = None
+    with contextlib.suppress(RuntimeError, ValueError, AttributeError):
+        store = dist.distributed_c10d._get_default_store()
+    ports = set()
+    while store is not None:
+        port = getattr(store, "port", None)
+        if isinstance(port, int):
+            ports.add(port)
+        store = getattr(store, "underlying_store", None)
+    return frozenset(ports)
+
+
+def _is_peer_connection(fd: int, store_ports: frozenset[int]) -> bool:
+    """Whether ``fd`` is a connected TCP socket that is not the store's."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    with sock:
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return False
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            ports = {sock.getsockname()[1], sock.getpeername()[1]}
+        except OSError:  # not connected
+            return False
+    return not ports & store_ports
+
+
+def init_process_group(*args: Any, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group(*args, **kwargs)``, its
+    connections noted as the first world's (see :func:`opened`): a rank
+    blocked inside one of PyTorch's own collectives of the default group is
+    freed when that world's alarm rings. Groups zerofn forms itself (after
+    a loss, a join) are noted without asking."""
+    from zerofn_torch.runtime.heartbeat import next_generation  # it imports this module
+
+    opened(lambda: dist.init_process_group(*args, **kwargs), next_generation())
+
+
+def noted_sockets(generation: int) -> int:
+    """How many noted sockets the alarm of ``generation`` would shut, still open."""
+    current = _sockets()
+    with _LOCK:
+        return sum(1 for n in _NOTED if n.generation <= generation and current.get(n.fd) == n.link)
+
+
+def shut(generation: int) -> int:
+    """Shut, in both directions, every noted socket of a group first used by
+    the world ``generation`` or an earlier one, and still open. Returns how
+    many were shut."""
+    current = _sockets()
+    count = 0
+    with _LOCK:
+        noted = [n for n in _NOTED if n.generation <= generation]
+        for n in noted:
+            if current.get(n.fd) == n.link and _shut_one(n.fd):
+                count += 1
+    return count
+
+
+def _shut_one(fd: int) -> bool:
+    """Shut connected socket ``fd`` both ways; a listening one, or one already
+    gone, is left. Whether it was shut."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    with sock:  # closes the duplicate only: ``fd`` stays open, shut
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected (any more), or not a socket we can shut
+            return False
+    return True
