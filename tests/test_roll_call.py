@@ -1,7 +1,8 @@
 """The survivors' roll call (``zerofn_torch.elastic.roll_call``), in one
 process: ranks are threads sharing one in-memory store. Everyone who
-answers by the deadline is alive; one that never answers is out, at once if
-its heartbeat went silent; one that answers too late finds itself declared
+answers is alive; one that never answers is out, at once if its heartbeat
+went silent, at the deadline if it never beat, and only at the patience's
+end while it beats on (busy, not gone); one that answers too late finds itself declared
 lost and raises rather than going on alone; every survivor learns where
 each stood."""
 
@@ -20,7 +21,12 @@ from zerofn.zero.recovery_point import Position
 
 
 def call_together(
-    store: Any, ranks: list[int], world: int, interrupted: set[int], deadline_s: float
+    store: Any,
+    ranks: list[int],
+    world: int,
+    interrupted: set[int],
+    deadline_s: float,
+    patience_s: float | None = None,
 ) -> dict[int, RollCall | BaseException]:
     """Ranks in ``interrupted`` took local step 1 and did not exchange it;
     the others stand after step 0."""
@@ -29,7 +35,9 @@ def call_together(
     def one(rank: int) -> None:
         try:
             position = Position(1, False) if rank in interrupted else Position(0)
-            out[rank] = roll_call(store, "call", rank, world, position, deadline_s)
+            out[rank] = roll_call(
+                store, "call", rank, world, position, deadline_s, patience_s=patience_s
+            )
         except BaseException as e:
             out[rank] = e
 
@@ -64,10 +72,15 @@ def test_a_rank_that_answers_too_late_raises_instead_of_going_on_alone() -> None
 
 
 def timed_call(
-    store: Any, beating: tuple[int, ...], deadline_s: float
+    store: Any,
+    beating: tuple[int, ...],
+    deadline_s: float,
+    patience_s: float | None = None,
+    late: float | None = None,
 ) -> tuple[dict[int, RollCall | BaseException], float]:
     """Ranks 0 and 1 of 3 hold the roll call while the ranks of ``beating``
-    beat (every 0.05 s); their answers and the seconds it took."""
+    beat (every 0.05 s), and rank 2 answers after ``late`` seconds (``None``:
+    never); the answers of ranks 0 and 1 and the seconds they took."""
     stop = threading.Event()
 
     def beat(rank: int) -> None:
@@ -75,12 +88,19 @@ def timed_call(
             store.add(beat_key(0, rank), 1)
             time.sleep(0.05)
 
+    def answer_late() -> None:
+        time.sleep(late or 0.0)
+        call_together(store, [2], 3, set(), deadline_s, patience_s)
+
     threads = [threading.Thread(target=beat, args=(r,)) for r in beating]
+    if late is not None:
+        threads.append(threading.Thread(target=answer_late))
     for t in threads:
         t.start()
     began = time.monotonic()
     try:
-        return call_together(store, [0, 1], 3, set(), deadline_s), time.monotonic() - began
+        answers = call_together(store, [0, 1], 3, set(), deadline_s, patience_s)
+        return answers, time.monotonic() - began
     finally:
         stop.set()
         for t in threads:
@@ -96,10 +116,20 @@ def test_a_rank_whose_heartbeat_stopped_is_out_long_before_the_deadline() -> Non
     assert SILENT_AFTER_S <= took < SILENT_AFTER_S + 1.0
 
 
-def test_a_rank_still_beating_is_waited_for_and_one_never_seen_beating_too() -> None:
-    """Alive but busy (its heartbeat goes on), or unknown (no heartbeat): the
-    roll call waits for either until the deadline."""
-    for beating in ((0, 1, 2), (0, 1)):
-        answers, took = timed_call(dist.HashStore(), beating, deadline_s=1.5)
-        assert answers[0] == answers[1] == RollCall((0, 1), (Position(0), Position(0)))
-        assert took >= 1.5
+def test_a_rank_never_seen_beating_is_out_at_the_deadline() -> None:
+    answers, took = timed_call(dist.HashStore(), (0, 1), deadline_s=1.5, patience_s=30.0)
+    assert answers[0] == answers[1] == RollCall((0, 1), (Position(0), Position(0)))
+    assert 1.5 <= took < 1.5 + 1.0
+
+
+def test_a_rank_still_beating_is_waited_for_past_the_deadline() -> None:
+    """Alive but busy (a long forward before it hears the alarm): it answers
+    after the deadline and is alive; one that beats on and never answers is
+    out at the patience's end."""
+    answers, took = timed_call(dist.HashStore(), (0, 1, 2), 0.3, patience_s=30.0, late=1.5)
+    everyone = RollCall((0, 1, 2), (Position(0), Position(0), Position(0)))
+    assert answers[0] == answers[1] == everyone
+    assert 1.5 <= took < 30.0
+    answers, took = timed_call(dist.HashStore(), (0, 1, 2), deadline_s=0.3, patience_s=1.5)
+    assert answers[0] == answers[1] == RollCall((0, 1), (Position(0), Position(0)))
+    assert took >= 1.5

@@ -97,8 +97,9 @@ rank in an older world was left behind (paused past its peers' recovery) and
 must fail alone."""
 
 DEADLINE_S = 5.0
-"""How long the roll call waits at most for a rank to say it is alive (one
-with no heartbeat to tell it is gone sooner)."""
+"""How long the roll call waits for a rank it never saw beat to say it is
+alive (one that beats is waited for as long as a collective would wait for
+it; one whose heartbeat stops is declared lost sooner)."""
 
 SILENT_AFTER_S = 0.75
 """How long a rank's heartbeat may stand still before the roll call declares
@@ -163,11 +164,16 @@ def roll_call(
     *,
     generation: int = 0,
     silent_after_s: float = SILENT_AFTER_S,
+    patience_s: float | None = None,
 ) -> RollCall[P]:
     """Every rank that can, says it is alive (and where it stands) under
     ``prefix`` in ``store``; a rank that has not is declared lost by any
     survivor once its heartbeat (``zerofn/beat/<generation>/<rank>``) has
-    been silent for ``silent_after_s``, or at the deadline. Each rank's
+    been silent for ``silent_after_s``; at ``deadline_s`` if it was never
+    seen to beat; and at ``patience_s`` (``None``: ``deadline_s``) if it
+    beats on and does not answer. A rank that beats is alive, busy in a long
+    forward or inner step before it can hear the alarm: declaring it lost
+    would cost its shard's redundancy, or the job. Each rank's
     answer is one key written once (compare-and-set: its position, or
     "lost"), so every survivor reads the same roll. It ends as soon as every
     rank has answered or been declared lost: within about ``silent_after_s``
@@ -191,11 +197,17 @@ def roll_call(
     # watched this world: a rank dead before the call is declared sooner.
     beating = running_heartbeat()
     view = None if beating is None else beating.view_of(generation)
-    end = time.monotonic() + deadline_s
+    began = time.monotonic()
+    end, patience_end = began + deadline_s, began + max(deadline_s, patience_s or deadline_s)
     while undecided := [r for r in range(world_size) if not store.check([keys[r]])]:
         now = time.monotonic()
-        view = seen_beats(view, [beat_count(store, k) for k in beats], now, silent_after_s / 3)
-        lost = silent_ranks(view, now, silent_after_s) if now < end else range(world_size)
+        counts = [beat_count(store, k) for k in beats]
+        view = seen_beats(view, counts, now, silent_after_s / 3)
+        lost = set(silent_ranks(view, now, silent_after_s))
+        if now >= end:
+            lost.update(r for r, count in enumerate(counts) if count is None)
+        if now >= patience_end:
+            lost.update(range(world_size))
         for r in set(undecided).intersection(lost):
             store.compare_set(keys[r], "", LOST)
         time.sleep(0.01)
@@ -249,8 +261,10 @@ def recover(
             answered and it is no failed collective (a bug, not a loss).
         store: where the roll call is held (default: the default process
             group's store, which the launcher keeps).
-        deadline_s: how long a rank has to answer the roll call, at most
-            (a rank whose heartbeat stands still is declared lost sooner).
+        deadline_s: how long a rank never seen to beat has to answer the
+            roll call (one whose heartbeat stands still is declared lost
+            sooner; one that beats on is waited for up to the group's
+            timeout, as its next collective would be).
             A survivor blocked in the failed collective is freed by the
             alarm: zerofn's waits end, and the world's group connections
             are shut (:mod:`zerofn_torch.runtime.group_sockets`; the first
@@ -409,7 +423,7 @@ def _agree(
     prefix = f"zerofn/elastic/{optimizer.generation}"
     call = roll_call(
         store, prefix, optimizer.rank, optimizer.world_size, position, deadline_s,
-        generation=optimizer.generation,
+        generation=optimizer.generation, patience_s=_timeout_s(optimizer.process_group),
     )  # fmt: skip
     try:
         decision = decide(call.positions)
