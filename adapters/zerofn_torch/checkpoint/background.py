@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerofn_torch.runtime import group_sockets
+from zerofn_torch.runtime.heartbeat import running_heartbeat
+
 __all__ = ["SaveHandle", "in_flight", "save_group", "settle_in_flight"]
 
 _LOG = logging.getLogger(__name__)
@@ -139,7 +142,13 @@ def save_group(group: Any) -> Any:
         timeout = backend.options._timeout
     except (AttributeError, RuntimeError):  # no CPU backend (NCCL alone): gloo's default
         timeout = None
-    created = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+    # Its connections are shut when the world's alarm rings: a save waiting
+    # on a lost rank fails at once (and writes nothing) instead of at the timeout.
+    beating = running_heartbeat()
+    created = group_sockets.opened(
+        lambda: dist.new_group(list(ranks), timeout=timeout, backend="gloo"),
+        0 if beating is None else beating.generation,
+    )
     _SAVE_GROUPS[ranks] = weakref.ref(created)
     return created
 
