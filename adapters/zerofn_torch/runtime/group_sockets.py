@@ -22,8 +22,9 @@ on every rank connected to it, and each joins the roll call.
 
 Listening sockets are never shut (gloo's accept loop aborts the process on
 one), and neither is anything this module did not see a group open: the
-job's store, a logger's connection. Where ``/proc/self/fd`` does not exist,
-nothing is noted and nothing shut.
+job's store, a logger's connection. Only gloo groups are noted: NCCL's
+bootstrap sockets are its own, and its waits end at the group's timeout.
+Where ``/proc/self/fd`` does not exist, nothing is noted and nothing shut.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def opened(create: Callable[[], G], generation: int) -> G:
         before = _sockets()
         group = create()
         after = _sockets()
+        if not _gloo_only(group if group is not None else dist.group.WORLD):
+            return group  # NCCL's sockets are its own: never touched
         stores = _store_ports()
         _NOTED.extend(
             _Noted(fd, link, generation)
@@ -94,6 +97,15 @@ def opened(create: Callable[[], G], generation: int) -> G:
             if before.get(fd) != link and _is_peer_connection(fd, stores)
         )
     return group
+
+
+def _gloo_only(group: Any) -> bool:
+    """Whether ``group`` runs on gloo alone (the only backend whose
+    connections are known to be plain sockets that fail cleanly)."""
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _store_ports() -> frozenset[int]:
