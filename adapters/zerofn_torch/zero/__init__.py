@@ -1,7 +1,6 @@
 """ZeRO stage 1 bound to a process group: the optimizer shell
-(:mod:`~zerofn_torch.zero.optimizer`), the collectives its gradient checks
-(:mod:`~zerofn_torch.zero.gradients`) and state dicts
-(:mod:`~zerofn_torch.zero.state_dicts`) run, and the loss scaler
+(:mod:`~zerofn_torch.zero.optimizer`) and its other parts, one per concern
+(:mod:`~zerofn_torch.zero.shell_state` names them), and the loss scaler
 (:mod:`~zerofn_torch.zero.loss_scaling`). What a rank holds and how it is
 built is the core's :mod:`zerofn.zero.rank`.
 

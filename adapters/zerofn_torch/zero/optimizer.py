@@ -20,15 +20,11 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
-from zerofn.zero.arguments import check_added_group, check_rank, plan_for
+from zerofn.zero.arguments import check_added_group, plan_for
 from zerofn.zero.hook_driven import OverlapBinding
-from zerofn.zero.local_step import LocalStep
 from zerofn.zero.options import resolve_options, via_for_backend
 from zerofn.zero.outside_writes import (
-    owned_parameters,
-    parameter_versions,
     rederive_from_parameters,
     written_since,
 )
@@ -40,28 +36,20 @@ from zerofn.zero.rank import (
     build_rank,
     copy_hyperparameters,
     drop_master_grads,
-    flat_params,
     memory_bytes,
     synced_hyperparameters,
     with_current_trainable,
 )
-from zerofn.zero.rank_state import (
-    full_state_dict,
-    load_global_state,
-    local_state_dict,
-    state_before_any_step,
-)
-from zerofn.zero.recovery_point import Position, exchanged, stepped
-from zerofn.zero.redundancy import Regrouping
-from zerofn.zero.regroup import regroup_program
-from zerofn.zero.replan import sharded_by_owners, with_added_group
-from zerofn.zero.shard_state import validate_global
+from zerofn.zero.recovery_point import Position, exchanged
+from zerofn.zero.replan import with_added_group
 from zerofn.zero.step import run_zero_step
 from zerofn_torch.join import Join, JoinHook
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.heartbeat import next_generation, start_heartbeat, wait
-from zerofn_torch.zero.gradients import clip_grad_norm, unscale_gradients
-from zerofn_torch.zero.state_dicts import consolidate_on, gather_global_state
+from zerofn_torch.zero.gradients import GradientChecks
+from zerofn_torch.zero.overlap_binding import HookDriven
+from zerofn_torch.zero.state_dicts import StateDicts, gather_global_state
+from zerofn_torch.zero.world_changes import WorldChanges
 
 __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 
@@ -81,9 +69,12 @@ class _ZeroJoinHook(JoinHook):
             self.zero._step_and_exchange(None)
 
 
-# PyTorch's Joinable base makes this both a PyTorch and a zerofn Joinable (the
-# latter registers the former), so either Join accepts it.
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+# One class of parts, one per concern, each in its module (zerofn_torch.zero.shell_state
+# says which). PyTorch's Joinable base makes this both a PyTorch and a zerofn
+# Joinable (the latter registers the former), so either Join accepts it.
+class ZeroRedundancyOptimizer(
+    GradientChecks, StateDicts, WorldChanges, HookDriven, Optimizer, Joinable
+):
     """Shard any ``torch.optim`` optimizer's state across the ranks of a group.
 
     Each rank keeps optimizer state only for the parameters it owns, steps
@@ -139,9 +130,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             steps its copy from the averaged gradients it already holds, with
             the owner's arithmetic: the copies stay bitwise equal and no byte
             more is sent; so :func:`zerofn_torch.elastic.recover` can go on
-            without a lost rank (see ``docs/resilience.md``). Whole-tensor
-            partitions, the plain step and the exact exchange; master copies
-            are carried too.
+            without a lost rank (see ``docs/resilience.md``). Every
+            partition, master copies and the compressed exchange (their
+            masters are carried too); not with ``overlap_with_ddp=True``.
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
@@ -238,10 +229,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Who owns what and how shards travel (the core's record; read only)."""
         return self._zero.plan
 
-    @property
-    def _all_params(self) -> list[torch.Tensor]:
-        return flat_params(self.param_groups)
-
     # ----- the step -----------------------------------------------------------
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -298,18 +285,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._versions = self._read_versions()
         return loss
 
-    def _counted(self, answer: Callable[[LocalStep], Any]) -> Callable[[LocalStep], Any]:
-        """``answer``, and the position moved on once the local step is over."""
-
-        def counted(request: LocalStep) -> Any:
-            self._untouched = False
-            out = answer(request)
-            if request.last:
-                self._position = stepped(self._position)
-            return out
-
-        return counted
-
     def refresh_from_parameters(self) -> None:
         """Take the parameters' current values as the truth: re-derive the
         master copies, the compressed exchange's exact values, a flat
@@ -331,9 +306,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         rederive_from_parameters(self._zero, self._all_params)
         self._versions = self._read_versions()
 
-    def _read_versions(self) -> dict[int, int]:
-        return parameter_versions(self._all_params, owned_parameters(self._zero))
-
     def _retrained(self, zero: ZeroRank) -> ZeroRank:
         """``zero`` re-placed if the parameters requiring grad changed."""
         placed = with_current_trainable(zero, self.param_groups)
@@ -347,85 +319,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients, and any the masters hold."""
         super().zero_grad(set_to_none)
-        drop_master_grads(self._zero)
-
-    # ----- gradients: clipping and loss scaling ---------------------------------
-
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Clip the gradients by their norm over the whole model, as
-        ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model (the
-        same norm and factor up to the order of additions and where they
-        are rounded: last bits in float32, up to 2 bf16 ulps on bf16
-        gradients without masters; see ``docs/mixed_precision.md``).
-
-        Collective (one all-reduce of one number): call on every rank, after
-        backward and before :meth:`step`. Scales the gradients in place, or
-        with ``master_dtype`` the masters' float32 ones (``.grad`` kept).
-
-        Args:
-            max_norm: the largest norm allowed.
-            norm_type: the norm's order (``float("inf")`` for the largest element).
-            error_if_nonfinite: raise if the norm is inf or nan.
-
-        Returns:
-            The norm before clipping: a float32 scalar, equal on every rank.
-
-        Raises:
-            ValueError: ``max_norm`` negative, ``norm_type`` not positive.
-            RuntimeError: with ``overlap_with_ddp=True``; inside ``Join``
-                (a joined rank's shard would be left out of the norm); a
-                non-finite norm with ``error_if_nonfinite``.
-            zerofn.errors.CollectiveError: the all-reduce failed.
-        """
-        self._refuse_inside_join("clip_grad_norm_", "global norm")
-        return clip_grad_norm(
-            self._zero, self._all_params, self.process_group,
-            max_norm, norm_type, error_if_nonfinite,
-        )  # fmt: skip
-
-    def unscale_gradients_(self, factor: float) -> bool:
-        """Multiply the gradients the step reads by ``factor`` (a loss
-        scaler's ``1 / scale``), and tell whether any rank's hold inf or nan.
-
-        With ``master_dtype`` the product lands in the float32 masters (fp16
-        gradients would underflow); without, gradients are scaled in place.
-        Collective: one all-reduce of one flag; call before
-        :meth:`clip_grad_norm_`, once per step.
-
-        Returns:
-            ``True`` on every rank if any rank found inf or nan: then skip
-            the step everywhere with :meth:`discard_step`.
-
-        Raises:
-            RuntimeError: with ``overlap_with_ddp=True``; inside ``Join``; or
-                if the gradients were already read for this step (clipped or
-                unscaled).
-            zerofn.errors.CollectiveError: the all-reduce failed.
-        """
-        self._refuse_inside_join("unscale_gradients_ (a loss scaler's unscale_)", "inf/nan check")
-        return unscale_gradients(self._zero, self._all_params, self.process_group, factor)
-
-    def _refuse_inside_join(self, what: str, question: str) -> None:
-        """Refuse a collective over every rank's shard inside ``Join``.
-
-        Raises:
-            RuntimeError: in a join context.
-        """
-        if self._join_config.enable:
-            raise RuntimeError(
-                f"{what} inside Join: its {question} is one all-reduce over every rank's "
-                "shard, and a rank that ran out of inputs neither takes part nor holds "
-                "gradients for its shard, so the answer would leave that shard out. Give "
-                "every rank the same number of steps, or leave the clipping or loss scaling "
-                "out of the Join context"
-            )
-
-    def discard_step(self) -> None:
-        """Skip this step: forget the gradients loaded for it (into the
-        masters). Every rank must skip alike; :meth:`unscale_gradients_`
-        tells them all the same."""
         drop_master_grads(self._zero)
 
     # ----- param groups -------------------------------------------------------
@@ -456,189 +349,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             old = gather_global_state(zero, groups, self.process_group)
         super().add_param_group(param_group)
         self._zero = with_added_group(zero, groups, old)
-
-    # ----- state dicts --------------------------------------------------------
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Collect the full optimizer state on rank ``to`` for :meth:`state_dict`.
-
-        Must be called on every rank. Only the local shards travel, to one rank.
-
-        Args:
-            to: the group rank that receives the state.
-
-        Raises:
-            TypeError: ``to`` is not an int.
-            ValueError: ``to`` is not a rank of the group; checked before any
-                collective, so the group stays usable.
-            RuntimeError: with ``overlap_with_ddp=True``, before DDP fixed its
-                buckets.
-        """
-        check_rank(to, self.world_size)
-        hook_driven.check_overlap_initialized(self._zero)
-        self._consolidated = consolidate_on(self._zero, self.param_groups, self.process_group, to)
-
-    def state_dict(self) -> StateDict:
-        """The full state gathered by the last :meth:`consolidate_state_dict`,
-        in ``torch.optim``'s format (loadable into the unsharded optimizer).
-
-        Before the first step (and with no state loaded) every rank answers
-        without consolidating: the state is empty everywhere, and only the
-        groups' options are known, as for a fresh ``torch.optim`` optimizer.
-
-        Returns:
-            ``{"state": ..., "param_groups": [...]}`` with the live groups' options.
-
-        Raises:
-            RuntimeError: if the state was not consolidated on this rank.
-        """
-        if self._consolidated is None and self._untouched:
-            return state_before_any_step(self.param_groups)
-        return full_state_dict(self._consolidated, self.param_groups, self.rank)
-
-    def load_state_dict(self, state_dict: StateDict) -> None:
-        """Load a full state dict (from :meth:`state_dict`, or from a plain
-        ``torch.optim`` optimizer over the same parameters), keeping this
-        rank's shard. ``state_dict`` is not modified.
-
-        Args:
-            state_dict: the full state, global parameter indices.
-
-        With ``overlap_with_ddp=True`` it loads before the first iteration
-        too: until DDP fixes its buckets every rank holds every parameter's
-        state, and keeps its own share once they are fixed.
-
-        Raises:
-            ValueError: if ``state_dict`` belongs to another model; then
-                nothing is changed.
-        """
-        validate_global(self._zero.plan.partition, state_dict)
-        load_global_state(self._zero, self.param_groups, state_dict)
-        self._untouched = self._untouched and not state_dict["state"]
-
-    def local_state_dict(self) -> StateDict:
-        """This rank's local optimizer state as checkpoints keep it: one
-        tensor per param group under a flat partition (chunks merged),
-        masters as ``"master_param"``; tensors are the live ones."""
-        return local_state_dict(self._zero)
-
-    # ----- going on without a lost rank (driven by zerofn_torch.elastic) -------------
-
-    @property
-    def position(self) -> Position:
-        """Where this rank stands in the step sequence: local steps taken
-        since the world last changed, and whether the last one's exchange
-        completed (what :func:`zerofn_torch.elastic.recover`'s roll call
-        reports)."""
-        return self._position
-
-    @property
-    def exchange_interrupted(self) -> bool:
-        """The last :meth:`step` failed in its exchange, after this rank's
-        local step: the step is to be finished, not redone."""
-        return not self._position.exchanged
-
-    def take_missed_local_step(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Take the local step this rank missed (it failed before it, while
-        other survivors took it), from ``grads``: every parameter's averaged
-        gradient of that step, which a survivor that took it hands over.
-        Not for training loops: :func:`zerofn_torch.elastic.recover` calls it.
-        """
-        params = self._all_params
-        with torch.no_grad():
-            for param, grad in zip(params, grads, strict=True):
-                param.grad = None if grad is None else grad.to(param.device, param.dtype).clone()
-        answer = self._counted(answer_local_step(self._zero, params, lambda optim: optim.step()))
-        with synced_hyperparameters(self.param_groups, self._zero):
-            answer(LocalStep(self.rank))
-
-    @property
-    def regroups(self) -> int:
-        """How many times the optimizer went on in another world
-        (:mod:`zerofn_torch.elastic`: a loss, or a join)."""
-        return self._regroups
-
-    @property
-    def generation(self) -> int:
-        """This world's number in the job (``redundancy=2``): where its
-        heartbeats, alarm and roll call live in the job's store. One more at
-        each change of world; a new optimizer starts one past the last
-        world this process was in, so it never meets an old world's keys."""
-        return self._generation
-
-    def enter_world(self, new_rank: int, world_size: int, generation: int | None = None) -> None:
-        """Count this rank as ``new_rank`` of a new world of ``world_size``
-        ranks from now on: its number in the job (``generation``: a joiner
-        takes the job's; ``None``: one more than this optimizer's), and the
-        heartbeat there. Called before the new group's first collective,
-        which the old world's alarm would otherwise end. Not for training
-        loops: :mod:`zerofn_torch.elastic` calls it before :meth:`regroup`."""
-        self._generation = self._generation + 1 if generation is None else generation
-        if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._generation, new_rank, world_size)
-
-    def regroup(
-        self,
-        group: Any,
-        regrouping: Regrouping,
-        new_rank: int,
-        *,
-        finish_step: bool,
-    ) -> None:
-        """Go on as rank ``new_rank`` of ``group`` under ``regrouping``'s
-        plan: the core's :func:`~zerofn.zero.regroup.regroup_program`, driven
-        on ``group`` (the moves that restore redundancy, the optimizer
-        rebuilt, and with ``finish_step`` the interrupted step finished).
-        Not for training loops: :mod:`zerofn_torch.elastic` calls it on
-        every rank of ``group``, once in the new world (:meth:`enter_world`).
-
-        Args:
-            group: the new world's process group.
-            regrouping: the core's decision
-                (:func:`~zerofn.zero.redundancy.plan_after_loss`,
-                :func:`~zerofn.zero.redundancy.plan_after_join`).
-            new_rank: this rank in ``group``.
-            finish_step: finish the step whose exchange a loss interrupted
-                (the lost shards' updates come from their carried copies).
-
-        Raises:
-            zerofn.errors.CollectiveError: a collective on ``group`` failed.
-        """
-        program = regroup_program(
-            self._zero, self.param_groups, regrouping, new_rank, finish_step=finish_step
-        )
-        self._zero = zero = drive(program, group, "regrouping the ZeRO optimizer").wait()
-        self.process_group = group
-        self.rank, self.world_size = zero.options.rank, zero.options.world_size
-        self._regroups += 1
-        self._position = Position(0)  # a new world counts its own steps
-        self._versions = self._read_versions()
-
-    # ----- overlap with DDP (driven by zerofn_torch.hooks.overlap) --------------------
-
-    def bind_overlap_hook(self) -> OverlapBinding:
-        """Let one overlap hook (``zerofn_torch.hooks.overlap``) drive this optimizer:
-        what it may do to it, and nothing else. Not for training loops.
-
-        Returns:
-            The hook's handles: step given gradients, adopt the owners.
-
-        Raises:
-            ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
-            RuntimeError: another hook drives it already.
-        """
-        self._zero = hook_driven.attach(self._zero)
-        return OverlapBinding(self._step_with_gradients, self._adopt_owners, self._send_compressed)
-
-    def _step_with_gradients(self, request: StepGradients) -> None:
-        self._untouched = False
-        hook_driven.step_rank_with_gradients(self._zero, self.param_groups, request)
-
-    def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
-        self._zero = sharded_by_owners(self._zero, self.param_groups, owned)
-
-    def _send_compressed(self) -> SendCompressed | None:
-        return hook_driven.send_compressed(self._zero, self._all_params)
 
     # ----- memory ---------------------------------------------------------------
 

@@ -1,0 +1,46 @@
+"""The optimizer's part that DDP's overlap hook drives
+(``overlap_with_ddp=True``): what the hook may do to the optimizer, bound
+once (:class:`~zerofn.zero.hook_driven.OverlapBinding`), each handle the
+core's (:mod:`zerofn.zero.hook_driven`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zerofn.overlap.orders import SendCompressed, StepGradients
+from zerofn.zero import hook_driven
+from zerofn.zero.hook_driven import OverlapBinding
+from zerofn.zero.replan import sharded_by_owners
+from zerofn_torch.zero.shell_state import ShellState
+
+__all__ = ["HookDriven"]
+
+
+class HookDriven(ShellState):
+    """Being stepped by DDP's overlap hook
+    (:func:`zerofn_torch.hooks.hook_with_zero_step`; see
+    :class:`~zerofn_torch.zero.shell_state.ShellState`)."""
+
+    def bind_overlap_hook(self) -> OverlapBinding:
+        """Let one overlap hook (``zerofn_torch.hooks.overlap``) drive this optimizer:
+        what it may do to it, and nothing else. Not for training loops.
+
+        Returns:
+            The hook's handles: step given gradients, adopt the owners.
+
+        Raises:
+            ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
+            RuntimeError: another hook drives it already.
+        """
+        self._zero = hook_driven.attach(self._zero)
+        return OverlapBinding(self._step_with_gradients, self._adopt_owners, self._send_compressed)
+
+    def _step_with_gradients(self, request: StepGradients) -> None:
+        self._untouched = False
+        hook_driven.step_rank_with_gradients(self._zero, self.param_groups, request)
+
+    def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
+        self._zero = sharded_by_owners(self._zero, self.param_groups, owned)
+
+    def _send_compressed(self) -> SendCompressed | None:
+        return hook_driven.send_compressed(self._zero, self._all_params)
