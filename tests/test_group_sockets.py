@@ -3,15 +3,22 @@
 ``dist.broadcast`` for a message rank 1 never sends (as a survivor waits in
 DDP's bucket rebuild for a peer that went to the roll call); rank 1 raises
 the alarm. Rank 0's broadcast fails with gloo's own error long before the
-group's timeout, and a group opened outside zerofn keeps working."""
+group's timeout, and a group opened outside zerofn keeps working. In one
+process, over loopback pairs: an alarm shuts the connections of its world's
+groups and of older ones, never a newer world's, a listener, a socket opened
+elsewhere, or a descriptor number reused since."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
+from zerofn_torch.runtime import group_sockets
 from zerofn_torch.runtime.group_sockets import noted_sockets
 from zerofn_torch.runtime.heartbeat import abandon, start_heartbeat
 from zerofn_torch.runtime.launch import run_local_world
@@ -57,3 +64,100 @@ def test_the_alarm_frees_a_rank_blocked_in_a_collective_of_pytorchs_own() -> Non
     # starved machine beats late, it does not wait a minute).
     assert blocked["blocked_s"] < GROUP_TIMEOUT_S / 4  # type: ignore[operator]
     assert blocked["untouched_sum"] == alarmed["untouched_sum"] == 2.0
+
+
+# ----- which sockets are shut, in one process -------------------------------------
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The module's registry empty, every group counted as gloo, no store."""
+    monkeypatch.setattr(group_sockets, "_NOTED", [])
+    monkeypatch.setattr(group_sockets, "_SHUT_THROUGH", [-1])
+    monkeypatch.setattr(group_sockets, "_gloo_only", lambda group: True)
+    monkeypatch.setattr(group_sockets, "_store_ports", lambda: frozenset())
+    yield
+
+
+class Pairs:
+    """Connected TCP pairs on loopback, to stand for a group's connections."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.made: list[tuple[socket.socket, socket.socket]] = []
+
+    def connect(self, count: int) -> list[tuple[socket.socket, socket.socket]]:
+        made = []
+        for _ in range(count):
+            near = socket.create_connection(self.listener.getsockname())
+            far, _ = self.listener.accept()
+            made.append((near, far))
+        self.made.extend(made)
+        return made
+
+    def close(self) -> None:
+        for near, far in self.made:
+            near.close()
+            far.close()
+        self.listener.close()
+
+
+def is_shut(near: socket.socket, far: socket.socket) -> bool:
+    """Whether the pair was shut: the far end reads the end of the stream."""
+    far.settimeout(2.0)
+    try:
+        near.sendall(b"x")
+    except OSError:
+        return True
+    return far.recv(1) == b""
+
+
+def test_an_alarm_shuts_its_worlds_connections_and_no_one_elses(fresh: None) -> None:
+    pairs = Pairs()
+    try:
+        first = group_sockets.opened(lambda: pairs.connect(2), generation=0)
+        later = group_sockets.opened(lambda: pairs.connect(1), generation=1)
+        (unnoted,) = pairs.connect(1)  # opened outside: a logger's, say
+        # Each group's near and far ends were opened inside, and both are noted.
+        assert group_sockets.noted_sockets(0) == 4 and group_sockets.noted_sockets(1) == 6
+        assert group_sockets.shut(0) == 4
+        assert all(is_shut(*pair) for pair in first)
+        assert not any(is_shut(*pair) for pair in later)  # the newer world's group
+        assert not is_shut(*unnoted)
+        pairs.connect(1)  # the listener still accepts
+        assert group_sockets.shut(1) == 2
+        assert all(is_shut(*pair) for pair in later)
+        assert not is_shut(*unnoted)
+    finally:
+        pairs.close()
+
+
+def test_a_group_made_after_its_world_failed_is_shut_at_once(fresh: None) -> None:
+    pairs = Pairs()
+    try:
+        group_sockets.shut(3)
+        (late,) = group_sockets.opened(lambda: pairs.connect(1), generation=3)
+        assert is_shut(*late)
+        (newer,) = group_sockets.opened(lambda: pairs.connect(1), generation=4)
+        assert not is_shut(*newer)
+    finally:
+        pairs.close()
+
+
+def test_a_descriptor_reused_by_another_socket_is_left_alone(fresh: None) -> None:
+    pairs = Pairs()
+    try:
+        ((near, far),) = group_sockets.opened(lambda: pairs.connect(1), generation=0)
+        number = near.fileno()
+        near.close()
+        far.close()
+        (reused,) = pairs.connect(1)
+        duplicated = reused[0].fileno() != number
+        if duplicated:  # the number went elsewhere: point it at the new socket
+            os.dup2(reused[0].fileno(), number)
+        assert group_sockets.shut(0) == 0
+        assert not is_shut(*reused)
+        if duplicated:
+            os.close(number)
+    finally:
+        pairs.close()

@@ -57,8 +57,10 @@ class _Noted:
     generation: int
 
 
-_LOCK = threading.Lock()
+_OPENING = threading.Lock()  # one group opened at a time, so each diff is one group's
+_LOCK = threading.Lock()  # the list below; never held across a collective or a wait
 _NOTED: list[_Noted] = []
+_SHUT_THROUGH = [-1]  # the newest world whose alarm shut its groups' connections
 
 
 def _sockets() -> dict[int, str]:
@@ -84,18 +86,25 @@ def opened(create: Callable[[], G], generation: int) -> G:
     The process's other threads should not open sockets meanwhile (those
     would be noted too); zerofn's heartbeat opens none after it starts.
     """
-    with _LOCK:  # one group opened at a time, so each diff is one group's
+    with _OPENING:
         before = _sockets()
         group = create()
         after = _sockets()
-        if not _gloo_only(group if group is not None else dist.group.WORLD):
-            return group  # NCCL's sockets are its own: never touched
-        stores = _store_ports()
-        _NOTED.extend(
-            _Noted(fd, link, generation)
-            for fd, link in sorted(after.items())
-            if before.get(fd) != link and _is_peer_connection(fd, stores)
-        )
+    if not _gloo_only(group if group is not None else dist.group.WORLD):
+        return group  # NCCL's sockets are its own: never touched
+    stores = _store_ports()
+    noted = [
+        _Noted(fd, link, generation)
+        for fd, link in sorted(after.items())
+        if before.get(fd) != link and _is_peer_connection(fd, stores)
+    ]
+    # The heartbeat thread shuts from its ring, so this lock is never held
+    # while a group is made: a creation that hangs must not stop the beats.
+    with _LOCK:
+        _NOTED.extend(noted)
+        if generation <= _SHUT_THROUGH[0]:  # its world failed while it was being made
+            for n in noted:
+                _shut_one(n.fd)
     return group
 
 
@@ -167,6 +176,7 @@ def shut(generation: int) -> int:
     current = _sockets()
     count = 0
     with _LOCK:
+        _SHUT_THROUGH[0] = max(_SHUT_THROUGH[0], generation)
         noted = [n for n in _NOTED if n.generation <= generation]
         for n in noted:
             if current.get(n.fd) == n.link and _shut_one(n.fd):
