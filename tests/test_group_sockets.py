@@ -4,8 +4,8 @@
 DDP's bucket rebuild for a peer that went to the roll call); rank 1 raises
 the alarm. Rank 0's broadcast fails with gloo's own error long before the
 group's timeout, and a group opened outside zerofn keeps working. In one
-process, over loopback pairs: an alarm shuts the connections of its world's
-groups and of older ones, never a newer world's, a listener, a socket opened
+process, over loopback pairs: an alarm shuts the connections noted for its
+world's group, never another group's, a listener, a socket opened
 elsewhere, or a descriptor number reused since."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -29,9 +30,9 @@ GROUP_TIMEOUT_S = 60.0
 def blocked_rank_is_freed(rank: int, world_size: int) -> dict[str, object]:
     # A group zerofn did not see open: its connections are not noted, so not shut.
     untouched = dist.new_group(list(range(world_size)))
-    beat = start_heartbeat(0, rank, world_size)
+    beat = start_heartbeat(0, rank, world_size, dist.group.WORLD)
     assert beat is not None
-    noted = noted_sockets(0)  # the launcher's default group
+    noted = noted_sockets(dist.group.WORLD)  # the launcher's default group
     dist.barrier(untouched)
     result: dict[str, object] = {"noted": noted}
     if rank == 0:
@@ -73,7 +74,7 @@ def test_the_alarm_frees_a_rank_blocked_in_a_collective_of_pytorchs_own() -> Non
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The module's registry empty, every group counted as gloo, no store."""
     monkeypatch.setattr(group_sockets, "_NOTED", [])
-    monkeypatch.setattr(group_sockets, "_SHUT_THROUGH", [-1])
+    monkeypatch.setattr(group_sockets, "_SHUT", weakref.WeakSet())
     monkeypatch.setattr(group_sockets, "_gloo_only", lambda group: True)
     monkeypatch.setattr(group_sockets, "_store_ports", lambda: frozenset())
     yield
@@ -112,42 +113,47 @@ def is_shut(near: socket.socket, far: socket.socket) -> bool:
     return far.recv(1) == b""
 
 
+class World:
+    """Stands for a world's process group."""
+
+
 def test_an_alarm_shuts_its_worlds_connections_and_no_one_elses(fresh: None) -> None:
-    pairs = Pairs()
+    pairs, failed, other = Pairs(), World(), World()
     try:
-        first = group_sockets.opened(lambda: pairs.connect(2), generation=0)
-        later = group_sockets.opened(lambda: pairs.connect(1), generation=1)
+        mine = group_sockets.opened(lambda: pairs.connect(2), part_of=failed)
+        theirs = group_sockets.opened(lambda: pairs.connect(1), part_of=other)
         (unnoted,) = pairs.connect(1)  # opened outside: a logger's, say
         # Each group's near and far ends were opened inside, and both are noted.
-        assert group_sockets.noted_sockets(0) == 4 and group_sockets.noted_sockets(1) == 6
-        assert group_sockets.shut(0) == 4
-        assert all(is_shut(*pair) for pair in first)
-        assert not any(is_shut(*pair) for pair in later)  # the newer world's group
+        assert group_sockets.noted_sockets(failed) == 4
+        assert group_sockets.noted_sockets(other) == 2
+        assert group_sockets.shut(failed) == 4
+        assert all(is_shut(*pair) for pair in mine)
+        assert not any(is_shut(*pair) for pair in theirs)  # another world's group
         assert not is_shut(*unnoted)
         pairs.connect(1)  # the listener still accepts
-        assert group_sockets.shut(1) == 2
-        assert all(is_shut(*pair) for pair in later)
+        assert group_sockets.shut(other) == 2
+        assert all(is_shut(*pair) for pair in theirs)
         assert not is_shut(*unnoted)
     finally:
         pairs.close()
 
 
-def test_a_group_made_after_its_world_failed_is_shut_at_once(fresh: None) -> None:
-    pairs = Pairs()
+def test_a_group_made_for_a_world_that_failed_is_shut_at_once(fresh: None) -> None:
+    pairs, failed, new = Pairs(), World(), World()
     try:
-        group_sockets.shut(3)
-        (late,) = group_sockets.opened(lambda: pairs.connect(1), generation=3)
+        group_sockets.shut(failed)
+        (late,) = group_sockets.opened(lambda: pairs.connect(1), part_of=failed)
         assert is_shut(*late)
-        (newer,) = group_sockets.opened(lambda: pairs.connect(1), generation=4)
+        (newer,) = group_sockets.opened(lambda: pairs.connect(1), part_of=new)
         assert not is_shut(*newer)
     finally:
         pairs.close()
 
 
 def test_a_descriptor_reused_by_another_socket_is_left_alone(fresh: None) -> None:
-    pairs = Pairs()
+    pairs, world = Pairs(), World()
     try:
-        ((near, far),) = group_sockets.opened(lambda: pairs.connect(1), generation=0)
+        ((near, far),) = group_sockets.opened(lambda: pairs.connect(1), part_of=world)
         number = near.fileno()
         near.close()
         far.close()
@@ -155,7 +161,7 @@ def test_a_descriptor_reused_by_another_socket_is_left_alone(fresh: None) -> Non
         duplicated = reused[0].fileno() != number
         if duplicated:  # the number went elsewhere: point it at the new socket
             os.dup2(reused[0].fileno(), number)
-        assert group_sockets.shut(0) == 0
+        assert group_sockets.shut(world) == 0
         assert not is_shut(*reused)
         if duplicated:
             os.close(number)

@@ -181,7 +181,7 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         # The others tell this rank is alive by its heartbeat (zerofn_torch.elastic).
         self._generation = next_generation() if redundancy == 2 else 0
         self._heartbeat = (
-            start_heartbeat(self._generation, rank, world_size) if redundancy == 2 else None
+            start_heartbeat(self._generation, rank, world_size, group) if redundancy == 2 else None
         )
         self._replica: torch.Tensor | None = None
         self._residual: torch.Tensor | None = None

@@ -270,13 +270,14 @@ class CarryingWorker:
         total = carried.total if carried.summed else None
         return self._plan.fragments[index], total, self._anchors[index], carried.anchors[index]
 
-    def enter_world(self, new_rank: int, world_size: int) -> None:
-        """Beat (and watch, and heed the alarm) in the next world from now
-        on, as rank ``new_rank`` of ``world_size``: before the first
-        collective on its group, which the old world's alarm must not end."""
+    def enter_world(self, group: Any, new_rank: int, world_size: int) -> None:
+        """Beat (and watch, and heed the alarm) in the next world, over
+        ``group``, from now on, as rank ``new_rank`` of ``world_size``: before
+        the first collective on ``group``, which the old world's alarm must
+        not end."""
         self._generation += 1
         if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._generation, new_rank, world_size)
+            self._heartbeat.beat_as(self._generation, new_rank, world_size, group)
 
     def regroup(self, group: Any, new_rank: int, regrouped: Regrouped) -> None:
         """Go on as rank ``new_rank`` of ``group`` with the regrouped outer

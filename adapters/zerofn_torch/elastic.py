@@ -266,9 +266,10 @@ def recover(
             sooner; one that beats on is waited for up to the group's
             timeout, as its next collective would be).
             A survivor blocked in the failed collective is freed by the
-            alarm: zerofn's waits end, and the world's group connections
-            are shut (:mod:`zerofn_torch.runtime.group_sockets`; the first
-            world's, when the job was started by :func:`init_process_group`).
+            alarm: zerofn's waits end, and the connections of the world's
+            group are shut (:mod:`zerofn_torch.runtime.group_sockets`; the
+            default group's when the job was started by
+            :func:`init_process_group`).
 
     Returns:
         The new group (with the old group's timeout), this rank's place in
@@ -301,7 +302,7 @@ def recover(
     group = _group_of(zero, regrouping.survivors)
     params = [p for g in zero.param_groups for p in g["params"]]
     new_rank = regrouping.new_rank(zero.rank)
-    zero.enter_world(new_rank, len(regrouping.survivors))
+    zero.enter_world(group, new_rank, len(regrouping.survivors))
     if point.behind:
         assert point.source is not None
         grads = broadcast_object(
@@ -362,7 +363,7 @@ def recover_diloco(
     call, recovery, lost = _agree(diloco, position, sync_recovery, error, store, deadline_s)
     group = _group_of(diloco, call.alive)
     new_rank = call.alive.index(diloco.rank)
-    diloco.enter_world(new_rank, len(call.alive))
+    diloco.enter_world(group, new_rank, len(call.alive))
     index = fragment_synced_at(diloco.config, recovery.sync)
     program = regroup_program(
         recovery,
@@ -442,15 +443,14 @@ def _group_of(
 ) -> Any:
     """A process group of ``optimizer``'s group's ranks ``survivors``, formed
     by them alone, with that group's timeout; its connections are shut when
-    the alarm of the world it starts (or a later one) rings."""
+    the alarm of the world over it rings."""
     group = optimizer.process_group
     return group_sockets.opened(
         lambda: dist.new_group(
             [dist.get_global_rank(group, r) for r in survivors],
             timeout=timedelta(seconds=_timeout_s(group)),
             use_local_synchronization=True,
-        ),
-        optimizer.generation + 1,
+        )
     )
 
 

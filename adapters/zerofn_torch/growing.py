@@ -175,12 +175,10 @@ def _decide(store: Any, job: Fingerprint) -> tuple[int, ...]:
     return tuple(admitted)
 
 
-def _new_world(
-    store: Any, prefix: str, rank: int, world_size: int, timeout_s: float, generation: int
-) -> Any:
+def _new_world(store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> Any:
     """This process's default group, now the new world's (every member, the
     joiners included, starts it under the same ``prefix``), its connections
-    shut by the alarm of world ``generation`` or a later one's."""
+    shut when that world's alarm rings."""
     group_sockets.opened(
         lambda: dist.init_process_group(
             "gloo",
@@ -188,8 +186,7 @@ def _new_world(
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
-        ),
-        generation,
+        )
     )
     return dist.group.WORLD
 
@@ -215,7 +212,7 @@ def _grow(
     params = [p for g in zero.param_groups for p in g["params"]]
     with torch.no_grad():
         drive(_broadcast_params(params), group, "the joiners' parameters").wait()
-    zero.enter_world(rank, dist.get_world_size(group), generation)
+    zero.enter_world(group, rank, dist.get_world_size(group), generation)
     zero.regroup(group, regrouping, rank, finish_step=False)
     verify_replicas(params, group)
     return extra
@@ -272,7 +269,7 @@ def admit(
     rank = zero.rank
     settle()  # no callback of ours may be running when the world's groups go
     dist.destroy_process_group()
-    new_group = _new_world(store, prefix, rank, size, timeout_s, generation)
+    new_group = _new_world(store, prefix, rank, size, timeout_s)
     extra = _grow(
         zero, new_group, plan_after_join(zero.shard_plan, len(tickets)), generation, extra
     )
@@ -342,10 +339,7 @@ def join(
     answer = pickle.loads(store.get(key))
     if "refused" in answer:
         raise ValueError(f"the running job refused this joiner: {answer['refused']}")
-    # The joiner's first world: every alarm it can hear is this one's or a later one's.
-    group = _new_world(
-        store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s, generation=0
-    )
+    group = _new_world(store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s)
     zero = ZeroRedundancyOptimizer(
         params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype,
         partition=partition, exchange_compression=exchange_compression, **defaults,

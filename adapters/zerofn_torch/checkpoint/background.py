@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from zerofn_torch.runtime import group_sockets
-from zerofn_torch.runtime.heartbeat import running_heartbeat
 
 __all__ = ["SaveHandle", "in_flight", "save_group", "settle_in_flight"]
 
@@ -142,12 +141,12 @@ def save_group(group: Any) -> Any:
         timeout = backend.options._timeout
     except (AttributeError, RuntimeError):  # no CPU backend (NCCL alone): gloo's default
         timeout = None
-    # Its connections are shut when the world's alarm rings: a save waiting
-    # on a lost rank fails at once (and writes nothing) instead of at the timeout.
-    beating = running_heartbeat()
+    # Its connections are shut when the alarm of the world over ``group``
+    # rings: a save waiting on a lost rank fails at once (and writes nothing)
+    # instead of at the timeout.
     created = group_sockets.opened(
         lambda: dist.new_group(list(ranks), timeout=timeout, backend="gloo"),
-        0 if beating is None else beating.generation,
+        part_of=group if group is not None else dist.group.WORLD,
     )
     _SAVE_GROUPS[ranks] = weakref.ref(created)
     return created

@@ -1,5 +1,5 @@
 """The connections of the process groups a rank opened, and shutting them
-once its world failed: what frees a rank that gloo left blocked inside a
+once their world failed: what frees a rank that gloo left blocked inside a
 collective zerofn does not wait on itself.
 
 zerofn's own waits end when the job's alarm rings
@@ -11,20 +11,23 @@ peers are alive and answer nothing (they went to the roll call), until the
 group's timeout: 30 minutes by default. gloo's ``abort`` and ``shutdown``
 do not end it (torch 2.13: both leave the connections open).
 
-What does end it is a connection that closes. So each group a rank opens
-through zerofn is opened by :func:`opened`, which notes the sockets the
-group connected (the process's sockets before and after); when the alarm of
-a world rings, :func:`shut` shuts every noted socket of that world and of
-the worlds before it (``shutdown``, not ``close``: the descriptor stays
-gloo's, so its number cannot be reused under it). Both ends' pending reads
-then fail at once: gloo raises "Connection closed by peer" on this rank and
-on every rank connected to it, and each joins the roll call.
+What does end it is a connection that closes. So a group zerofn opens is
+opened by :func:`opened`, which notes the sockets it connected (the
+process's sockets before and after), as belonging to that group, or to the
+group whose world it serves (a background save's group). When a world's
+alarm rings, the heartbeat calls :func:`shut` with the world's group (the
+optimizer's): every socket noted for it is shut (``shutdown``, not
+``close``: the descriptor stays gloo's, so its number cannot be reused
+under it). Both ends' pending reads then fail at once: gloo raises
+"Connection closed by peer" on this rank and on every rank connected to
+it, and each joins the roll call.
 
-Listening sockets are never shut (gloo's accept loop aborts the process on
-one), and neither is anything this module did not see a group open: the
-job's store, a logger's connection. Only gloo groups are noted: NCCL's
-bootstrap sockets are its own, and its waits end at the group's timeout.
-Where ``/proc/self/fd`` does not exist, nothing is noted and nothing shut.
+Nothing else is touched: not another group's connections (a group the job
+uses for its own bookkeeping goes on), not a listening socket (gloo's
+accept loop aborts the process on one), not the job's store, not a
+logger's connection. Only gloo groups are noted: NCCL's bootstrap sockets
+are its own, and its waits end at the group's timeout. Where
+``/proc/self/fd`` does not exist, nothing is noted and nothing shut.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import contextlib
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -50,17 +54,17 @@ _FDS = "/proc/self/fd"
 class _Noted:
     """A socket a group opened: its descriptor, what the descriptor pointed
     at then (``socket:[inode]``, so a number reused later is left alone), and
-    the first world that uses the group."""
+    the group whose world's failure shuts it."""
 
     fd: int
     link: str
-    generation: int
+    owner: weakref.ref[Any]
 
 
 _OPENING = threading.Lock()  # one group opened at a time, so each diff is one group's
-_LOCK = threading.Lock()  # the list below; never held across a collective or a wait
+_LOCK = threading.Lock()  # the state below; never held across a collective or a wait
 _NOTED: list[_Noted] = []
-_SHUT_THROUGH = [-1]  # the newest world whose alarm shut its groups' connections
+_SHUT: weakref.WeakSet[Any] = weakref.WeakSet()  # groups whose world's alarm rang
 
 
 def _sockets() -> dict[int, str]:
@@ -78,10 +82,10 @@ def _sockets() -> dict[int, str]:
     return found
 
 
-def opened(create: Callable[[], G], generation: int) -> G:
-    """``create()``, the sockets it connected noted as those of a group first
-    used by the world ``generation`` (shut by that world's alarm and every
-    later one's, not by an earlier one's).
+def opened(create: Callable[[], G], part_of: Any | None = None) -> G:
+    """``create()``, the sockets it connected noted as belonging to the group
+    it made (``create()``'s result, or the default group when that is
+    ``None``), or to ``part_of``: shut when :func:`shut` is called with it.
 
     The process's other threads should not open sockets meanwhile (those
     would be noted too); zerofn's heartbeat opens none after it starts.
@@ -90,11 +94,13 @@ def opened(create: Callable[[], G], generation: int) -> G:
         before = _sockets()
         group = create()
         after = _sockets()
-    if not _gloo_only(group if group is not None else dist.group.WORLD):
+    made = group if group is not None else dist.group.WORLD
+    if not _gloo_only(made):
         return group  # NCCL's sockets are its own: never touched
+    owner = made if part_of is None else part_of
     stores = _store_ports()
     noted = [
-        _Noted(fd, link, generation)
+        _Noted(fd, link, weakref.ref(owner))
         for fd, link in sorted(after.items())
         if before.get(fd) != link and _is_peer_connection(fd, stores)
     ]
@@ -102,7 +108,7 @@ def opened(create: Callable[[], G], generation: int) -> G:
     # while a group is made: a creation that hangs must not stop the beats.
     with _LOCK:
         _NOTED.extend(noted)
-        if generation <= _SHUT_THROUGH[0]:  # its world failed while it was being made
+        if owner in _SHUT:  # its world failed while it was being made
             for n in noted:
                 _shut_one(n.fd)
     return group
@@ -153,33 +159,33 @@ def _is_peer_connection(fd: int, store_ports: frozenset[int]) -> bool:
 
 def init_process_group(*args: Any, **kwargs: Any) -> None:
     """``torch.distributed.init_process_group(*args, **kwargs)``, its
-    connections noted as the first world's (see :func:`opened`): a rank
+    connections noted as the default group's (see :func:`opened`): a rank
     blocked inside one of PyTorch's own collectives of the default group is
-    freed when that world's alarm rings. Groups zerofn forms itself (after
-    a loss, a join) are noted without asking."""
-    from zerofn_torch.runtime.heartbeat import next_generation  # it imports this module
+    freed when the alarm of an optimizer's world over that group rings.
+    Groups zerofn forms itself (after a loss, a join) are noted without
+    asking."""
+    opened(lambda: dist.init_process_group(*args, **kwargs))
 
-    opened(lambda: dist.init_process_group(*args, **kwargs), next_generation())
 
-
-def noted_sockets(generation: int) -> int:
-    """How many noted sockets the alarm of ``generation`` would shut, still open."""
+def noted_sockets(group: Any) -> int:
+    """How many sockets noted for ``group`` are still open (shut or not)."""
     current = _sockets()
     with _LOCK:
-        return sum(1 for n in _NOTED if n.generation <= generation and current.get(n.fd) == n.link)
+        return sum(1 for n in _NOTED if n.owner() is group and current.get(n.fd) == n.link)
 
 
-def shut(generation: int) -> int:
-    """Shut, in both directions, every noted socket of a group first used by
-    the world ``generation`` or an earlier one, and still open. Returns how
-    many were shut."""
+def shut(group: Any) -> int:
+    """Shut, in both directions, every socket noted for ``group`` and still
+    open, now and for any group opened as part of it later. Returns how many
+    were shut."""
+    if group is None:
+        return 0
     current = _sockets()
     count = 0
     with _LOCK:
-        _SHUT_THROUGH[0] = max(_SHUT_THROUGH[0], generation)
-        noted = [n for n in _NOTED if n.generation <= generation]
-        for n in noted:
-            if current.get(n.fd) == n.link and _shut_one(n.fd):
+        _SHUT.add(group)
+        for n in _NOTED:
+            if n.owner() is group and current.get(n.fd) == n.link and _shut_one(n.fd):
                 count += 1
     return count
 

@@ -95,10 +95,13 @@ class Heartbeat:
     """Beats for one rank and watches its world's alarm until :meth:`stop`,
     from a daemon thread."""
 
-    def __init__(self, store: Any, generation: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self, store: Any, generation: int, rank: int, world_size: int, group: Any = None
+    ) -> None:
         self._store = store.clone()  # the thread's own connection
         self._lock = threading.Lock()
         self._generation, self._rank, self._world_size = generation, rank, world_size
+        self._group = group  # the world's process group (None: not known here)
         self._view: BeatView | None = None
         self._alarm: str | None = None
         self._woken: set[threading.Event] = set()
@@ -128,14 +131,15 @@ class Heartbeat:
         """The world this rank beats in."""
         return self._generation
 
-    def beat_as(self, generation: int, rank: int, world_size: int) -> None:
+    def beat_as(self, generation: int, rank: int, world_size: int, group: Any = None) -> None:
         """Beat as ``rank`` of the world's ``generation`` (of ``world_size``
-        ranks) from now on, the world having changed, and watch that world;
-        in the world left, this rank ended cleanly (nobody still there
-        mistakes its moving on for silence)."""
+        ranks, over ``group``) from now on, the world having changed, and
+        watch that world; in the world left, this rank ended cleanly (nobody
+        still there mistakes its moving on for silence)."""
         with self._lock:
             left = (self._generation, self._rank)
             self._generation, self._rank, self._world_size = generation, rank, world_size
+            self._group = group
             self._alarm, self._view = None, None
         if left != (generation, rank):
             with contextlib.suppress(Exception):  # a store gone: nobody is watching
@@ -177,23 +181,25 @@ class Heartbeat:
     def _ring(self, why: str, generation: int) -> None:
         """End every wait in progress: the alarm of ``generation`` is up
         (nothing if the world changed since). The first ring also shuts the
-        connections of that world's groups (:func:`~zerofn_torch.runtime.group_sockets.shut`),
+        connections of that world's group (:func:`~zerofn_torch.runtime.group_sockets.shut`),
         which ends the collectives PyTorch waits for in C++, here and on
         every rank connected to this one."""
         with self._lock:
             if generation != self._generation:
                 return
-            first = self._alarm is None
+            first, group = self._alarm is None, self._group
             if first:
                 self._alarm = why
             woken, self._woken = self._woken, set()
             failing, self._failing = self._failing, {}
-        for event in woken:
-            event.set()
+        # DDP's futures fail before the waits wake: whoever a wait's error
+        # reaches finds them failed already.
         for fut in failing.values():
             _fail(fut, self._alarm_error("a collective DDP waits for"))
+        for event in woken:
+            event.set()
         if first:
-            group_sockets.shut(generation)
+            group_sockets.shut(group)
 
     def _alarm_error(self, purpose: str) -> CollectiveError:
         return CollectiveError(
@@ -306,19 +312,21 @@ def next_generation() -> int:
     return _RUNNING[0].generation + 1 if _RUNNING else 0
 
 
-def start_heartbeat(generation: int, rank: int, world_size: int) -> Heartbeat | None:
-    """This process's heartbeat, beating as ``rank`` of ``generation`` in the
-    default process group's store (the job's store, where
-    :func:`zerofn_torch.elastic.recover` holds its roll call): started on
-    the first call. ``None`` without a default group."""
+def start_heartbeat(
+    generation: int, rank: int, world_size: int, group: Any = None
+) -> Heartbeat | None:
+    """This process's heartbeat, beating as ``rank`` of ``generation`` (a
+    world over ``group``) in the default process group's store (the job's
+    store, where :func:`zerofn_torch.elastic.recover` holds its roll call):
+    started on the first call. ``None`` without a default group."""
     if _RUNNING:
-        _RUNNING[0].beat_as(generation, rank, world_size)
+        _RUNNING[0].beat_as(generation, rank, world_size, group)
         return _RUNNING[0]
     if not dist.is_initialized():
         return None
     try:
         store = dist.distributed_c10d._get_default_store()
-        _RUNNING.append(Heartbeat(store, generation, rank, world_size))
+        _RUNNING.append(Heartbeat(store, generation, rank, world_size, group))
     except (RuntimeError, ValueError, AttributeError):  # no store to clone
         return None
     return _RUNNING[0]

@@ -206,7 +206,7 @@ class ZeroRedundancyOptimizer(
         # in a world of its own (no earlier optimizer's alarm or roll call).
         self._generation = next_generation() if redundancy == 2 else 0
         self._heartbeat = (
-            start_heartbeat(self._generation, self.rank, self.world_size)
+            start_heartbeat(self._generation, self.rank, self.world_size, group)
             if redundancy == 2
             else None
         )

@@ -69,16 +69,19 @@ class WorldChanges(ShellState):
         world this process was in, so it never meets an old world's keys."""
         return self._generation
 
-    def enter_world(self, new_rank: int, world_size: int, generation: int | None = None) -> None:
+    def enter_world(
+        self, group: Any, new_rank: int, world_size: int, generation: int | None = None
+    ) -> None:
         """Count this rank as ``new_rank`` of a new world of ``world_size``
-        ranks from now on: its number in the job (``generation``: a joiner
-        takes the job's; ``None``: one more than this optimizer's), and the
-        heartbeat there. Called before the new group's first collective,
-        which the old world's alarm would otherwise end. Not for training
-        loops: :mod:`zerofn_torch.elastic` calls it before :meth:`regroup`."""
+        ranks over ``group`` from now on: its number in the job
+        (``generation``: a joiner takes the job's; ``None``: one more than
+        this optimizer's), and the heartbeat there. Called before the new
+        group's first collective, which the old world's alarm would otherwise
+        end. Not for training loops: :mod:`zerofn_torch.elastic` calls it
+        before :meth:`regroup`."""
         self._generation = self._generation + 1 if generation is None else generation
         if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._generation, new_rank, world_size)
+            self._heartbeat.beat_as(self._generation, new_rank, world_size, group)
 
     def regroup(
         self,
