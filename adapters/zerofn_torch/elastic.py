@@ -299,7 +299,7 @@ def recover(
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     _, point, lost = _agree(zero, zero.position, recovery_point, error, store, deadline_s)
     regrouping = plan_after_loss(old.plan, lost)
-    group = _group_of(zero, regrouping.survivors)
+    group = _group_of(zero.process_group, regrouping.survivors)
     params = [p for g in zero.param_groups for p in g["params"]]
     new_rank = regrouping.new_rank(zero.rank)
     zero.enter_world(group, new_rank, len(regrouping.survivors))
@@ -361,7 +361,7 @@ def recover_diloco(
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     diloco.leave_group()
     call, recovery, lost = _agree(diloco, position, sync_recovery, error, store, deadline_s)
-    group = _group_of(diloco, call.alive)
+    group = _group_of(diloco.process_group, call.alive)
     new_rank = call.alive.index(diloco.rank)
     diloco.enter_world(group, new_rank, len(call.alive))
     index = fragment_synced_at(diloco.config, recovery.sync)
@@ -438,13 +438,10 @@ def _agree(
     return call, decision, lost
 
 
-def _group_of(
-    optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer, survivors: Sequence[int]
-) -> Any:
-    """A process group of ``optimizer``'s group's ranks ``survivors``, formed
-    by them alone, with that group's timeout; its connections are shut when
-    the alarm of the world over it rings."""
-    group = optimizer.process_group
+def _group_of(group: Any, survivors: Sequence[int]) -> Any:
+    """A process group of ``group``'s ranks ``survivors``, formed by them
+    alone, with ``group``'s timeout; its connections are shut when the
+    alarm of the world over it rings."""
     return group_sockets.opened(
         lambda: dist.new_group(
             [dist.get_global_rank(group, r) for r in survivors],
