@@ -233,12 +233,6 @@ BEYOND: tuple[Beyond, ...] = (
         definitions=(
             *_in("zerofn/zero/step.py", "finish_masters"),
             *_in("zerofn/zero/rank_state.py", "_load_masters"),
-            *_in(
-                _OPTIMIZER,
-                "ZeroRedundancyOptimizer.clip_grad_norm_",
-                "ZeroRedundancyOptimizer.unscale_gradients_",
-                "ZeroRedundancyOptimizer.discard_step",
-            ),
         ),
     ),
     Beyond(
@@ -255,22 +249,14 @@ BEYOND: tuple[Beyond, ...] = (
             *_in("zerofn/overlap/step.py", "broadcast_differences_from_owners"),
             *_in("zerofn/overlap/orders.py", "SendCompressed"),
             *_in("zerofn/zero/hook_driven.py", "send_compressed"),
-            *_in(_OPTIMIZER, "ZeroRedundancyOptimizer._send_compressed"),
+            *_in("adapters/zerofn_torch/zero/overlap_binding.py", "HookDriven._send_compressed"),
         ),
     ),
     Beyond(
         "going on in another world (zerofn_torch.elastic's side of the optimizer)",
         _ZERO,
-        definitions=_in(
-            _OPTIMIZER,
-            "ZeroRedundancyOptimizer.exchange_interrupted",
-            "ZeroRedundancyOptimizer.position",
-            "ZeroRedundancyOptimizer.take_missed_local_step",
-            "ZeroRedundancyOptimizer._counted",
-            "ZeroRedundancyOptimizer.regroups",
-            "ZeroRedundancyOptimizer.generation",
-            "ZeroRedundancyOptimizer.regroup",
-        ),
+        files=("adapters/zerofn_torch/zero/world_changes.py",),
+        definitions=_in("adapters/zerofn_torch/zero/shell_state.py", "ShellState._counted"),
     ),
     Beyond(
         "memory accounting per rank",
