@@ -169,9 +169,8 @@ def init_process_group(*args: Any, **kwargs: Any) -> None:
 
 def noted_sockets(group: Any) -> int:
     """How many sockets noted for ``group`` are still open (shut or not)."""
-    current = _sockets()
     with _LOCK:
-        return sum(1 for n in _NOTED if n.owner() is group and current.get(n.fd) == n.link)
+        return len(_still_open(group))
 
 
 def shut(group: Any) -> int:
@@ -180,28 +179,27 @@ def shut(group: Any) -> int:
     were shut."""
     if group is None:
         return 0
-    current = _sockets()
-    count = 0
     with _LOCK:
         _SHUT.add(group)
-        for n in _NOTED:
-            if n.owner() is group and current.get(n.fd) == n.link and _shut_one(n.fd):
-                count += 1
-    return count
+        return sum(_shut_one(n.fd) for n in _still_open(group))
+
+
+def _still_open(group: Any) -> list[_Noted]:
+    """The sockets noted for ``group`` whose descriptors still point at them."""
+    current = _sockets()
+    return [n for n in _NOTED if n.owner() is group and current.get(n.fd) == n.link]
 
 
 def _shut_one(fd: int) -> bool:
-    """Shut connected socket ``fd`` both ways; a listening one, or one already
-    gone, is left. Whether it was shut."""
+    """Shut noted socket ``fd`` both ways (it was a connected one when noted,
+    and its descriptor still points at it). Whether it was shut."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
         return False
     with sock:  # closes the duplicate only: ``fd`` stays open, shut
         try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                return False
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # not connected (any more), or not a socket we can shut
+        except OSError:  # no longer connected
             return False
     return True
