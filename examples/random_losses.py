@@ -109,7 +109,7 @@ def train_with_fault(
     """
     model = make_model(config)
     zero = make_zero(model, config)
-    ddp = make_ddp(model)
+    ddp = make_ddp(model, zero=zero)
     timer = _arm(fault) if rank == fault.rank else None
     done, points = 0, []
     began = time.perf_counter()

@@ -343,7 +343,7 @@ def run_rank(rank: int, world_size: int, job: Segment) -> dict[str, Any] | None:
     zero = make_zero(model, job.config, job.redundancy, job.owners)
     if job.start is not None:
         zero.load_state_dict(job.start["optimizer"])
-    ddp = make_ddp(model)
+    ddp = make_ddp(model, zero=zero)
     mine = {k.step: k for k in job.kills if k.rank == rank}
     pauses = {p.step: p for p in job.pauses if p.rank == rank}
     recoveries: list[Recovery] = []

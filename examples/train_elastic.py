@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.elastic import DEADLINE_S, Recovered, init_process_group, recover
-from zerofn_torch.hooks import allreduce_hook
+from zerofn_torch.hooks import allreduce_hook, hook_with_zero_step
 from zerofn_torch.runtime.heartbeat import destroy_process_groups
 from zerofn_torch.runtime.launch import run_local_world
 
@@ -108,14 +108,19 @@ CONFIGS = {
         ),
         Config("flat", "fp32, a flat partition", options=(("partition", "flat"),)),
         Config("int8", "fp32, the int8 exchange", options=(("exchange_compression", "int8"),)),
+        Config(
+            "overlap", "fp32, stepped inside DDP's backward", options=(("overlap_with_ddp", True),)
+        ),
     )
 }
 """The configurations a lost rank is survived in, by name: ``plain`` (fp32
 parameters, Adam's state sharded by whole parameters), ``masters`` (bf16
 parameters, fp32 masters and Adam's state sharded, as a mixed-precision job
 trains), ``flat`` (fp32, every rank an equal range of the elements,
-the parameters views of the exchange buffer) and ``int8`` (fp32, the
-updated shards sent as int8 differences from fp32 masters)."""
+the parameters views of the exchange buffer), ``int8`` (fp32, the
+updated shards sent as int8 differences from fp32 masters) and ``overlap``
+(fp32, ``overlap_with_ddp=True``: DDP's hook takes the step when the last
+bucket is averaged)."""
 PLAIN = CONFIGS["plain"]
 
 
@@ -143,8 +148,13 @@ def make_zero(
     owners: Owners | None = None,
 ) -> ZeroRedundancyOptimizer:
     """The ZeRO optimizer of ``config`` over ``model``: Adam, lr 0.01;
-    ``owners`` gives a manual partition in place of the configuration's."""
+    ``owners`` gives a manual partition in place of the configuration's.
+    With ``redundancy=1`` (a reference) the overlapped configuration steps
+    after backward: its hook, with ``redundancy=2``, takes that same step,
+    from the same averaged gradients, inside backward."""
     options = dict(config.options)
+    if redundancy == 1:
+        options.pop("overlap_with_ddp", None)
     if owners is not None:
         params = list(model.parameters())
         options["partition"] = [[params[i] for i in owned] for owned in owners]
@@ -208,13 +218,19 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
     return x, y
 
 
-def make_ddp(model: torch.nn.Module, group: Any = None) -> DDP:
+def make_ddp(
+    model: torch.nn.Module, group: Any = None, zero: ZeroRedundancyOptimizer | None = None
+) -> DDP:
     """DDP over ``model`` in ``group`` (``None``: the default one), with
     zerofn's all-reduce hook: the same sums as DDP's own, and a future that
     fails once another rank raises the alarm, so a survivor blocked in
-    backward's all-reduce joins the roll call at once."""
+    backward's all-reduce joins the roll call at once. With a ``zero`` built
+    with ``overlap_with_ddp=True``, the hook steps it too."""
     ddp = DDP(model, process_group=group)
-    ddp.register_comm_hook(group, allreduce_hook)  # its state: the group to reduce in
+    if zero is not None and zero.zero_rank.stepped_by_hook:
+        ddp.register_comm_hook(group, hook_with_zero_step(allreduce_hook, ddp, zero))
+    else:
+        ddp.register_comm_hook(group, allreduce_hook)  # its state: the group to reduce in
     return ddp
 
 
@@ -223,7 +239,8 @@ def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, step: int) -> None:
     x, y = batch(step, zero.rank, zero.world_size)
     dtype = next(ddp.module.parameters()).dtype  # bf16 batches for a bf16 model
     torch.nn.functional.mse_loss(ddp(x.to(dtype)), y.to(dtype)).backward()
-    zero.step()
+    if not zero.zero_rank.stepped_by_hook:  # else backward stepped
+        zero.step()
 
 
 def fresh_phase(
@@ -245,7 +262,7 @@ def fresh_phase(
             for p, value in zip(model.parameters(), start["params"], strict=True):
                 p.copy_(value)
         zero.load_state_dict(start["state"])
-    ddp = make_ddp(model)
+    ddp = make_ddp(model, zero=zero)
     for step in steps:
         train_step(ddp, zero, step)
     zero.consolidate_state_dict(to=0)
@@ -301,7 +318,7 @@ def step_surviving(
             caught, generation, world_size = time.time(), zero.generation, zero.world_size
             began = time.perf_counter()
             survivors = recover(zero, error, deadline_s=deadline_s)
-            ddp = make_ddp(model, survivors.group)
+            ddp = make_ddp(model, survivors.group, zero)
             seconds = time.perf_counter() - began
             recoveries.append(Survived(survivors, caught, generation, world_size, seconds))
             if survivors.finished_step:
@@ -343,7 +360,7 @@ def train(
     """
     model = make_model()
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, redundancy=2, lr=0.01)
-    ddp = make_ddp(model)
+    ddp = make_ddp(model, zero=zero)
     recoveries = []
     for step in range(STEPS):
         if rank == LOST and step == LOST_AT:

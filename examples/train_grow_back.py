@@ -56,7 +56,7 @@ def running(rank: int, world_size: int, job_store: str, config: Config = PLAIN) 
     store = dist.FileStore(job_store, -1)
     model = make_model(config)
     zero = make_zero(model, config)
-    ddp = make_ddp(model)
+    ddp = make_ddp(model, zero=zero)
     log: list[str] = []
     for step in range(STEPS):
         if rank == LOST and step == LOST_AT:
@@ -67,7 +67,7 @@ def running(rank: int, world_size: int, job_store: str, config: Config = PLAIN) 
             store.wait([f"{JOINERS}/1/fingerprint"])
             grown = admit(zero, store, extra={"step": step})
             if grown is not None:
-                ddp = make_ddp(model)  # the new default group
+                ddp = make_ddp(model, zero=zero)  # the new default group
                 log.append(f"step {step}: {grown.joined} joined, {grown.world_size} ranks")
         while True:
             try:
@@ -75,7 +75,7 @@ def running(rank: int, world_size: int, job_store: str, config: Config = PLAIN) 
                 break
             except (CollectiveError, RuntimeError) as error:
                 survivors = recover(zero, error, deadline_s=2.0)
-                ddp = make_ddp(model, survivors.group)
+                ddp = make_ddp(model, survivors.group, zero)
                 log.append(
                     f"step {step}: lost {list(survivors.lost)}, {survivors.world_size} ranks"
                 )
@@ -92,7 +92,7 @@ def replacement(job_store: str, out: str, config: Config = PLAIN) -> None:
     model = make_model(config)
     joined = join(store, model, torch.optim.Adam, redundancy=2, lr=0.01, **dict(config.options))
     zero, first = joined.optimizer, joined.extra["step"]
-    ddp = make_ddp(model)
+    ddp = make_ddp(model, zero=zero)
     for step in range(first, STEPS):
         train_step(ddp, zero, step)
     result = _result(model, zero, [f"joined at step {first} as rank {joined.rank}"])

@@ -22,6 +22,15 @@ from zerofn_torch import hooks as zhooks
 from zerofn_torch.hooks.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
 from zerofn_torch.runtime.traffic import collective_traffic
 
+from zerofn.comm import AllReduce
+from zerofn.hooks.hook import (
+    BucketInfo,
+    allreduce_mean,
+    begin_bucket,
+    finish_iteration,
+    init_hook_state,
+)
+from zerofn.overlap.hook import OverlapConfig, StepOrder, zero_step_hook
 from zerofn.overlap.state import (
     OverlapState,
     finish_overlap_iteration,
@@ -57,6 +66,54 @@ def test_status_moves_uninitialized_collecting_initialized(
     owned = owned_params_per_rank(state)
     assert sorted(i for rank in owned for i in rank) == list(range(len(sizes)))
     assert observe_bucket(state, 0, indices[0], True) == state  # fixed from now on
+
+
+@given(
+    st.lists(st.integers(1, 3), min_size=1, max_size=5),
+    st.integers(2, 4),
+    st.integers(0, 3),
+    st.integers(1, 4),
+)
+def test_a_whole_step_hook_averages_every_bucket_and_orders_one_whole_step(
+    bucket_lengths: list[int], world: int, rank: int, iterations: int
+) -> None:
+    """With ``whole_step`` (``redundancy=2``) every bucket runs the inner
+    hook, in every iteration, before and after DDP's buckets are final; the
+    last bucket orders one whole step of every bucket, and the hook never
+    hands out a reshard: ownership stays the optimizer's own."""
+    rank %= world
+    indices, start = [], 0
+    for n in bucket_lengths:
+        indices.append(tuple(range(start, start + n)))
+        start += n
+    config = OverlapConfig(sizes=(2,) * start, world_size=world, rank=rank, whole_step=True)
+    hook = zero_step_hook(allreduce_mean(), config)
+    state = init_hook_state(hook)
+    for iteration in range(iterations):
+        for i, ix in enumerate(indices):
+            info = BucketInfo(
+                i, ((2,),) * len(ix), world, is_last=i == len(indices) - 1, params=ix,
+                final=iteration > 0,
+            )  # fmt: skip
+            state, program = begin_bucket(hook, state, torch.ones(2 * len(ix)), info)
+            assert isinstance(next(program), AllReduce)  # the inner hook's, on every rank
+            if info.is_last:
+                state = finish_iteration(hook, state)
+                whole = StepOrder(tuple(range(len(indices))), whole=True)
+                assert state.global_state.order == whole
+            else:
+                assert state.global_state.order is None
+        assert state.global_state.waiting == ()
+
+
+@pytest.mark.parametrize(
+    "options", [{"shard_buckets": True}, {"interleaved": True}, {"reduce_to_owner": True}]
+)
+def test_a_whole_step_with_an_option_that_divides_it_by_buckets_is_refused(
+    options: dict[str, bool],
+) -> None:
+    with pytest.raises(ValueError, match="whole_step"):
+        OverlapConfig(sizes=(2,), world_size=2, rank=0, whole_step=True, **options)
 
 
 # ----- on 2 ranks ---------------------------------------------------------------------------
@@ -149,6 +206,53 @@ def bytes_world(rank: int) -> dict[str, float]:
     }
 
 
+def redundant_overlap_run(rank: int, inner: Callable[..., Any]) -> dict[str, Any]:
+    """``redundancy=2`` with the overlap hook beside the plain step after
+    DDP (``redundancy=1``), the same inner hook: whether parameters and
+    consolidated state are bitwise equal, and the bytes of each step."""
+    cls, kwargs = OPTIMIZERS["adam"]
+    ours = DDP(make_model(), bucket_cap_mb=0.003)
+    zero = ZeroRedundancyOptimizer(
+        ours.parameters(), cls, overlap_with_ddp=True, redundancy=2, **kwargs
+    )
+    refused = []
+    for options in ({"shard_buckets": True}, {"max_grad_norm": 1.0}):
+        try:
+            hook_with_zero_step(inner, ours, zero, **options)  # type: ignore[arg-type]
+        except ValueError as e:
+            refused.append(str(e))
+    try:
+        hook_with_zero_step_interleaved(inner, ours, zero)
+    except ValueError as e:
+        refused.append(str(e))
+    ours.register_comm_hook(None, hook_with_zero_step(inner, ours, zero))  # still free
+    ref = DDP(make_model(), bucket_cap_mb=0.003)
+    ref.register_comm_hook(None, inner)
+    ref_zero = ZeroRedundancyOptimizer(ref.parameters(), cls, **kwargs)
+    equal, sent = True, {}
+    for x in batches(rank, 5):
+        zero.zero_grad()
+        ref_zero.zero_grad()
+
+        def separate(x: torch.Tensor = x) -> None:
+            ref(x).square().mean().backward()
+            ref_zero.step()
+
+        sent = {
+            "overlap": wire_bytes(lambda x=x: ours(x).square().mean().backward()),
+            "separate": wire_bytes(separate),
+        }
+        equal &= all(
+            torch.equal(p, q) for p, q in zip(ours.parameters(), ref.parameters(), strict=True)
+        )
+    zero.consolidate_state_dict(to=0)
+    ref_zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        mine, theirs = zero.state_dict()["state"], ref_zero.state_dict()["state"]
+        equal &= all(torch.equal(mine[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
+    return {"equal": equal, "sent": sent, "refused": refused}
+
+
 def overlap_world(rank: int, world: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for wrap_name, wrap in (
@@ -165,6 +269,7 @@ def overlap_world(rank: int, world: int) -> dict[Any, Any]:
                     rank, wrap, zhooks.allreduce_hook, opt, shard
                 )
     out["bytes"] = bytes_world(rank)
+    out["redundant"] = {name: redundant_overlap_run(rank, INNER[name]) for name in INNER}
     return out
 
 
@@ -176,7 +281,7 @@ def two_ranks() -> list[dict[Any, Any]]:
 @pytest.mark.timeout(240)
 def test_every_iteration_matches_ddp_then_zero(two_ranks: list[dict[Any, Any]]) -> None:
     for out in two_ranks:
-        cases = {k: v for k, v in out.items() if k != "bytes"}
+        cases = {k: v for k, v in out.items() if k not in ("bytes", "redundant")}
         assert len(cases) == 2 * 2 * 5
         for case, diff in cases.items():
             assert diff <= 1e-5, case
@@ -188,6 +293,25 @@ def test_bytes_per_step_equal_one_allreduce(two_ranks: list[dict[Any, Any]]) -> 
         one_allreduce = 1.0 * b["model"]  # 2(N-1)/N of the model, N = 2
         assert b["overlap"] == pytest.approx(one_allreduce)
         assert b["separate"] == pytest.approx(1.5 * one_allreduce)
+
+
+def test_with_redundancy_the_hook_takes_the_plain_steps_bits_and_bytes(
+    two_ranks: list[dict[Any, Any]],
+) -> None:
+    """``redundancy=2``: every bucket all-reduced (each carrier needs its
+    owner's averages), the optimizer's whole step after the last: the plain
+    step's parameters, state and bytes, for every inner hook."""
+    for out in two_ranks:
+        for inner, run in out["redundant"].items():
+            assert run["equal"], inner
+            assert run["sent"]["overlap"] == pytest.approx(run["sent"]["separate"]), inner
+            assert len(run["refused"]) == 3, inner
+            for text, option in zip(
+                run["refused"],
+                ("shard_buckets", "max_grad_norm", "hook_with_zero_step_interleaved"),
+                strict=True,
+            ):
+                assert option in text and "redundancy=2" in text
 
 
 def test_overlap_requires_overlap_mode(single_rank_group: None) -> None:

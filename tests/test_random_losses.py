@@ -23,7 +23,15 @@ from zerofn_torch.runtime.launch import run_local_world
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("world_size", "config"),
-    [(3, "plain"), (4, "plain"), (3, "masters"), (4, "masters"), (4, "flat"), (4, "int8")],
+    [
+        (3, "plain"),
+        (4, "plain"),
+        (3, "masters"),
+        (4, "masters"),
+        (4, "flat"),
+        (4, "int8"),
+        (4, "overlap"),
+    ],
 )
 def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, config: str) -> None:
     seed = int.from_bytes(os.urandom(4), "little")

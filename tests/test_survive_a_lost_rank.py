@@ -80,6 +80,7 @@ def _case(world_size: int, steps: int, kills: tuple[str, ...], config: str, slow
         # by its carrier (rank 0), then rank 0 itself is lost.
         _case(4, 22, ("3@10:exchange", "0@20:between"), "flat", slow=True),
         _case(4, 22, ("1@10:exchange", "3@20:exchange"), "int8", slow=True),
+        _case(4, 22, ("2@10:backward", "0@20:exchange"), "overlap", slow=True),
     ],
 )
 def test_the_survivors_end_with_the_references_bits(

@@ -285,6 +285,7 @@ def join(
     master_dtype: torch.dtype | None = None,
     partition: str = "greedy",
     exchange_compression: str | BlockQuantizer | None = None,
+    overlap_with_ddp: bool = False,
     timeout_s: float = 120.0,
     **defaults: Any,
 ) -> Joined:
@@ -303,6 +304,9 @@ def join(
         partition: ``"flat"`` for a job whose partition is flat; else any
             whole-tensor one (the joiner's share comes from the job's plan).
         exchange_compression: the job's compressed exchange (``None``: exact).
+        overlap_with_ddp: the job steps inside DDP's backward (register
+            ``hook_with_zero_step`` on the DDP built on the new group, as
+            the running ranks do).
         timeout_s: how long to wait to be admitted, and the group's timeout.
         **defaults: the job's optimizer options.
 
@@ -342,7 +346,8 @@ def join(
     group = _new_world(store, answer["prefix"], answer["rank"], answer["world_size"], timeout_s)
     zero = ZeroRedundancyOptimizer(
         params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype,
-        partition=partition, exchange_compression=exchange_compression, **defaults,
+        partition=partition, exchange_compression=exchange_compression,
+        overlap_with_ddp=overlap_with_ddp, **defaults,
     )  # fmt: skip
     extra = _grow(zero, group, None, 0, None)  # type: ignore[arg-type]
     return Joined(zero, answer["rank"], answer["world_size"], extra)

@@ -352,7 +352,7 @@ def plan_footprint(
     if bucket_view is None:
         bucket_view = partition == "flat"
     model = OPTIMIZERS[optimizer]
-    check_redundancy(redundancy, world_size, overlap_with_ddp=False)
+    check_redundancy(redundancy, world_size)
     ranks = _rank_bytes(
         plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer, redundancy
     )

@@ -11,7 +11,9 @@ hook is plain averaging, :func:`~zerofn.overlap.step.reduce_to_owners`.
 After each bucket the state carries a :class:`StepOrder`: which buckets'
 gradients to step now, whether this rank steps all of their parameters
 (until DDP's buckets are final) or only the shards it owns, and, once the
-plan is fixed, every rank's parameters from then on. Whoever runs the hook
+plan is fixed, every rank's parameters from then on; or, with
+``whole_step`` (an optimizer built with ``redundancy=2``), that every bucket
+was averaged and the optimizer takes its own whole step now. Whoever runs the hook
 (the adapter's ``hook_with_zero_step``, or :mod:`zerofn.testing.zero` on the
 simulated world) carries out the order: it reads the averaged gradients the order
 names (:func:`gradients_to_step`), steps them, and sends the owners' updates
@@ -66,6 +68,12 @@ class OverlapConfig:
         reduce_to_owner: the inner hook is plain averaging: once the plan
             is fixed, average each shard onto its owner instead (one
             all-reduce's bytes per step, not one and a half).
+        whole_step: every bucket is averaged on every rank by the inner
+            hook, and after the last one the optimizer takes its whole step
+            (its own partition, its carried copies, its exchange): what a
+            carrier needs (``redundancy=2``), at the plain step's bytes
+            (one all-reduce and one exchange). Ownership never follows the
+            buckets then; not with the options above.
     """
 
     sizes: tuple[int, ...] = attrs.field(converter=_int_tuple)
@@ -74,10 +82,16 @@ class OverlapConfig:
     shard_buckets: bool = False
     interleaved: bool = False
     reduce_to_owner: bool = False
+    whole_step: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not one of world_size={self.world_size} ranks")
+        if self.whole_step and (self.shard_buckets or self.interleaved or self.reduce_to_owner):
+            raise ValueError(
+                "whole_step (the optimizer's own step after the last bucket) takes no "
+                "shard_buckets, interleaved or reduce_to_owner: they divide the step by buckets"
+            )
 
 
 @attrs.frozen
@@ -92,11 +106,15 @@ class StepOrder:
         reshard: set once the bucket plan was fixed this iteration: the
             parameters each rank owns from now on (keep only yours, after
             this step).
+        whole: the buckets named are every bucket, averaged on every rank:
+            hand their gradients to the optimizer's whole step
+            (:attr:`OverlapConfig.whole_step`).
     """
 
     buckets: tuple[int, ...]
     everywhere: bool = False
     reshard: tuple[tuple[int, ...], ...] | None = None
+    whole: bool = False
 
 
 @attrs.frozen
@@ -121,6 +139,8 @@ def _order_after(
 ) -> tuple[tuple[int, ...], StepOrder | None]:
     """The buckets still waiting, and what to step, after ``bucket``."""
     waiting = (*state.waiting, bucket.index)
+    if bucket.is_last and config.whole_step:
+        return (), StepOrder(waiting, whole=True)
     if bucket.is_last:
         return (), StepOrder(waiting, everywhere=not overlapped)
     if overlapped and config.interleaved and len(waiting) >= 2:
@@ -172,7 +192,8 @@ def zero_step_hook(
         was_fixed = g.overlap.status == "initialized"
         overlap = finish_overlap_iteration(g.overlap, config.sizes, config.world_size)
         order = g.order
-        if not was_fixed and overlap.status == "initialized" and order is not None:
+        fixed_now = not was_fixed and overlap.status == "initialized"
+        if fixed_now and order is not None and not config.whole_step:
             owned = tuple(tuple(r) for r in owned_params_per_rank(overlap))
             order = attrs.evolve(order, reshard=owned)
         return OverlapHookState(overlap, inner.end_iteration(g.inner), g.waiting, order)

@@ -7,7 +7,7 @@ made that possible. Sharding by the owners DDP's buckets fix is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -47,18 +47,27 @@ class OverlapBinding:
         adopt_owners: keep only this rank's parameters (global indices per
             rank) and their state from now on.
         compressed: what compressed sends read (``None``: no compression).
+        step_whole: take the optimizer's whole step (its exchange included)
+            with these averaged gradients, by global parameter index
+            (``None`` with no whole step: ``redundancy=1``).
     """
 
     step: Callable[[StepGradients], None]
     adopt_owners: Callable[[Sequence[Sequence[int]]], None]
     compressed: Callable[[], SendCompressed | None]
+    step_whole: Callable[[Mapping[int, torch.Tensor]], None] | None = None
 
 
 def build_hook_driven_rank(groups: Sequence[dict[str, Any]], options: ZeroOptions) -> ZeroRank:
     """A new rank for ``overlap_with_ddp=True``, no hook attached yet: until
     DDP fixes its buckets every rank steps every parameter, so it owns them
     all (:func:`~zerofn.zero.replan.sharded_by_owners` keeps its share then).
+    With ``redundancy=2`` the hook runs the whole step instead, so the rank
+    is partitioned as the plain step's is, carried copy included.
     The optimizer and the simulated overlapped world build their ranks here."""
+    if options.redundancy == 2:
+        plan = plan_for(groups, options.world_size, "greedy")
+        return build_rank(groups, options, plan, "unattached")
     owned: list[list[torch.Tensor]] = [[] for _ in range(options.world_size)]
     owned[options.rank] = flat_params(groups)
     plan = plan_for(groups, options.world_size, owned)
@@ -107,7 +116,7 @@ def check_overlap_initialized(rank: ZeroRank) -> None:
         RuntimeError: with ``overlap_with_ddp=True``, before the bucket plan
             is fixed (every rank still holds every parameter's state).
     """
-    if rank.stepped_by_hook and rank.overlap != "sharded":
+    if rank.stepped_by_hook and rank.overlap != "sharded" and not rank.steps_whole_in_hook:
         raise RuntimeError(
             "this ZeroRedundancyOptimizer (overlap_with_ddp=True) is not initialized yet: "
             "DDP fixes its buckets during the first iterations"

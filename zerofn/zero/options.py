@@ -153,7 +153,7 @@ def resolve_options(
         RuntimeError: ``overlap_with_ddp`` with more than one param group.
     """
     _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
-    check_redundancy(redundancy, world_size, overlap_with_ddp=overlap_with_ddp)
+    check_redundancy(redundancy, world_size)
     first = next(p for g in groups for p in g["params"])
     quantizer = resolve_compression(exchange_compression, first.dtype)
     wide = (
@@ -198,8 +198,8 @@ def _check_arguments(
         )
     if overlap_with_ddp and partition != "greedy":
         raise ValueError(
-            "with overlap_with_ddp=True ownership follows DDP's buckets; leave partition "
-            "at its default"
+            "with overlap_with_ddp=True ownership follows DDP's buckets (with redundancy=2, "
+            "the default greedy partition); leave partition at its default"
         )
     if partition == "flat":
         check_elementwise(optimizer_class, elementwise)

@@ -74,7 +74,9 @@ OverlapMode = Literal["off", "unattached", "attached", "sharded"]
 """Who steps a rank's optimizer: ``"off"``, its own step; with
 ``overlap_with_ddp=True``, no hook yet (``"unattached"``), a DDP hook with
 every rank stepping every parameter (``"attached"``), or a hook after DDP
-fixed its buckets, each rank keeping its own (``"sharded"``)."""
+fixed its buckets, each rank keeping its own (``"sharded"``). With
+``redundancy=2`` as well the hook runs the rank's whole step after the last
+bucket (:attr:`ZeroRank.steps_whole_in_hook`): ``"attached"`` for good."""
 
 
 def flat_params(groups: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
@@ -116,6 +118,13 @@ class ZeroRank:
         return self.overlap != "off"
 
     @property
+    def steps_whole_in_hook(self) -> bool:
+        """DDP's hook runs this rank's whole step (its partition, carried
+        copy and exchange) once every bucket is averaged: ``overlap_with_ddp``
+        with ``redundancy=2``, whose carriers need every averaged gradient."""
+        return _whole_in_hook(self.overlap, self.options)
+
+    @property
     def compressed(self) -> Compressed | None:
         """What the step program's compressed exchange needs (``None``: exact).
         With a carried copy the local step is taken whole before the exchange,
@@ -130,6 +139,10 @@ class ZeroRank:
     def local_tensors(self) -> list[torch.Tensor]:
         """What the local optimizer steps, in its order."""
         return [t for g in self.optim.param_groups for t in g["params"]]
+
+
+def _whole_in_hook(overlap: OverlapMode, options: ZeroOptions) -> bool:
+    return overlap != "off" and options.redundancy == 2
 
 
 def placed_rank(
@@ -161,7 +174,7 @@ def placed_rank(
         carried: the carried copy to keep with ``optim``.
     """
     params = flat_params(groups)
-    hook = overlap != "off"
+    hook = overlap != "off" and not _whole_in_hook(overlap, options)
     # The overlap hook sends its own payloads, bucket by bucket.
     exchange = (
         None

@@ -54,28 +54,18 @@ __all__ = [
 ]
 
 
-def check_redundancy(redundancy: int, world_size: int, *, overlap_with_ddp: bool) -> None:
+def check_redundancy(redundancy: int, world_size: int) -> None:
     """Refuse a ``redundancy`` the optimizer cannot keep, before anything is built.
 
     Raises:
-        ValueError: ``redundancy`` other than 1 or 2; 2 with one rank, or
-            with ``overlap_with_ddp`` (the reduced gradients reach the
-            owners only, so a carrier would need bytes sent to it too).
+        ValueError: ``redundancy`` other than 1 or 2; 2 with one rank.
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (every shard on its owner) or 2, got {redundancy}")
-    if redundancy == 1:
-        return
-    why = None
-    if world_size < 2:
-        why = "one rank has no other rank to carry its shard"
-    elif overlap_with_ddp:
-        why = (
-            "with overlap_with_ddp=True gradients are reduced to their owners only, so the "
-            "carrier would need them sent too; use the plain step"
+    if redundancy == 2 and world_size < 2:
+        raise ValueError(
+            "redundancy=2 is not available here: one rank has no other rank to carry its shard"
         )
-    if why is not None:
-        raise ValueError(f"redundancy=2 is not available here: {why}")
 
 
 @attrs.frozen

@@ -22,7 +22,7 @@ from zerofn.zero.carried import write_pieces
 from zerofn.zero.compressed_finish import finish_compressed_program
 from zerofn.zero.partition import Piece
 from zerofn.zero.piece_state import ParamState, PieceStates, load_states, state_of, states_by_piece
-from zerofn.zero.rank import ZeroRank, flat_params, placed_rank
+from zerofn.zero.rank import OverlapMode, ZeroRank, flat_params, placed_rank
 from zerofn.zero.redundancy import Regrouping
 from zerofn.zero.step import run_zero_step
 
@@ -129,8 +129,10 @@ def regrouped(
     """
     world = len(regrouping.old_ranks)
     options = attrs.evolve(rank.options, rank=new, world_size=world)
+    # A rank DDP's hook stepped waits for a hook on the new world's DDP.
+    overlap: OverlapMode = "unattached" if rank.stepped_by_hook else "off"
     fresh = placed_rank(
-        groups, options, regrouping.plan, "off", masters=None, optim=None, rebuilt=True
+        groups, options, regrouping.plan, overlap, masters=None, optim=None, rebuilt=True
     )
     load_states(fresh.optim, fresh.shards.local_pieces(flat_params(groups)), known, fresh.masters)
     if fresh.carried is not None:

@@ -23,6 +23,13 @@ What differs from PyTorch's version:
   hook (fp16, PowerSGD, your own) runs as given and owners step from its result.
 * Any ``torch.optim`` optimizer; gloo works (every collective is issued from
   the hook call, in bucket order, the same on every rank).
+* With ``redundancy=2`` (each shard's state on its owner and on a carrier,
+  so ``zerofn_torch.elastic.recover`` can go on without a lost rank) the
+  hook runs ``hook`` on every bucket as given, so every rank holds every
+  average, and takes the optimizer's whole step after the last bucket, its
+  exchange included: the plain step's bytes and numbers, inside backward.
+  A step that fails there fails DDP's future (backward raises), so DDP ends
+  its iteration and a DDP rebuilt on the survivors' group takes a new hook.
 
 The hook is the core's :func:`zerofn.overlap.hook.zero_step_hook`, run in a
 :class:`~zerofn_torch.runtime.hook_cells.HookCell` like every other hook; its state decides
@@ -41,6 +48,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
 from zerofn.comm import answering, split_like
+from zerofn.errors import CollectiveError
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
 from zerofn.overlap.orders import Sent, StepChecks, StepGradients, carry_out, write_updates
@@ -48,8 +56,8 @@ from zerofn.zero.precision import clip_coefficient
 from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.foreign_hooks import foreign_hook
-from zerofn_torch.runtime.futures import for_ddp
-from zerofn_torch.runtime.heartbeat import interruptible
+from zerofn_torch.runtime.futures import failed, for_ddp
+from zerofn_torch.runtime.heartbeat import interruptible, wait
 from zerofn_torch.runtime.hook_cells import HookCell, bucket_info
 from zerofn_torch.zero.loss_scaling import LossScaler
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
@@ -120,6 +128,9 @@ class _OverlapRunner:
         params = [p for group in zero.param_groups for p in group["params"]]
         _check_covered(ddp, params)
         _check_scaler(loss_scaler)
+        whole = zero.zero_rank.steps_whole_in_hook
+        if whole:
+            _check_whole_step(shard_buckets, interleaved, max_grad_norm, loss_scaler)
         self.binding = zero.bind_overlap_hook()
         self.config = OverlapConfig(
             sizes=tuple(p.numel() for p in params),
@@ -127,7 +138,8 @@ class _OverlapRunner:
             rank=zero.rank,
             shard_buckets=shard_buckets,
             interleaved=interleaved,
-            reduce_to_owner=_is_averaging_hook(hook),
+            reduce_to_owner=_is_averaging_hook(hook) and not whole,
+            whole_step=whole,
         )
         self.hook = zero_step_hook(foreign_hook(hook), self.config)
         self.cell = HookCell(init_hook_state(self.hook))
@@ -155,7 +167,16 @@ class _OverlapRunner:
         _, _, reduced = self.cell.start(self.hook, bucket, group, info)
         self.handed[info.index] = (params, reduced)
         state = self.cell.state.global_state
-        if state.order is not None:
+        if state.order is not None and state.order.whole:
+            try:
+                self._step_whole(state.order)
+            except CollectiveError as error:
+                # Raised from here, the error would leave DDP's reducer inside
+                # this backward for good, and its hooks would refuse the next
+                # backward of the DDP rebuilt after a recovery; failed through
+                # the future, it ends the iteration and raises from backward.
+                return for_ddp(failed(error))
+        elif state.order is not None:
             self._carry_out(state, state.order)
         if info.is_last:
             self._receive()
@@ -195,11 +216,58 @@ class _OverlapRunner:
         if done.reshard is not None:
             self.binding.adopt_owners(done.reshard)
 
+    def _step_whole(self, order: StepOrder) -> None:
+        """Hand every bucket's averaged gradient to the optimizer's whole
+        step (``redundancy=2``): its exchange runs here, before backward ends.
+
+        Raises:
+            zerofn.errors.CollectiveError: a reduction, or the step's
+                exchange, failed (the optimizer's position says which).
+        """
+        self.cell.pipeline.drain()
+        grads: dict[int, torch.Tensor] = {}
+        for index in order.buckets:
+            params, reduced = self.handed.pop(index)
+            purpose = "the overlapped ZeRO step: a bucket's averaged gradients"
+            averaged = split_like(wait(reduced, purpose), params)
+            grads |= {self.index_of[id(p)]: g for p, g in zip(params, averaged, strict=True)}
+        assert self.binding.step_whole is not None
+        self.binding.step_whole(grads)
+
     def _receive(self) -> None:
         """Write the shards other ranks sent into this rank's parameters."""
         sending, self.sending = self.sending, []
         for indices, sent, differences in sending:
             write_updates(self.params, indices, sent.wait(), differences)
+
+
+def _check_whole_step(
+    shard_buckets: bool, interleaved: bool, max_grad_norm: float | None, loss_scaler: object
+) -> None:
+    """Refuse what divides the step by buckets, or asks inside backward what
+    the whole step cannot, for an optimizer built with ``redundancy=2``
+    (whose hook runs the whole step after the last bucket).
+
+    Raises:
+        ValueError: naming the option and ``redundancy=2``.
+    """
+    asked = [
+        name
+        for name, on in (
+            ("shard_buckets=True", shard_buckets),
+            ("hook_with_zero_step_interleaved", interleaved),
+            ("max_grad_norm", max_grad_norm is not None),
+            ("loss_scaler", loss_scaler is not None),
+        )
+        if on
+    ]
+    if asked:
+        raise ValueError(
+            f"{asked[0]} is not available with a ZeroRedundancyOptimizer built with "
+            "redundancy=2: its overlap hook averages every bucket on every rank (each carrier "
+            "needs its owner's gradients) and runs the optimizer's whole step after the last "
+            "one. Use hook_with_zero_step(hook, ddp, zero) alone, or redundancy=1"
+        )
 
 
 def _make_hook(runner: _OverlapRunner) -> DDPHook:
@@ -241,7 +309,8 @@ def hook_with_zero_step(
 
     Raises:
         ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``;
-            a negative or non-finite ``max_grad_norm``.
+            a negative or non-finite ``max_grad_norm``; ``shard_buckets``,
+            ``max_grad_norm`` or ``loss_scaler`` with ``redundancy=2``.
         RuntimeError: if ``zero`` is already driven by another hook.
     """
     runner = _OverlapRunner(hook, ddp, zero, shard_buckets, False, max_grad_norm, loss_scaler)
@@ -262,7 +331,8 @@ def hook_with_zero_step_interleaved(
     sitting out.
 
     Raises:
-        ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``.
+        ValueError: if ``zero`` was not built with ``overlap_with_ddp=True``,
+            or was built with ``redundancy=2`` (whose step is taken whole).
         RuntimeError: if ``zero`` is already driven by another hook.
     """
     return _make_hook(_OverlapRunner(hook, ddp, zero, shard_buckets, interleaved=True))

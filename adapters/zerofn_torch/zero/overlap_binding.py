@@ -5,7 +5,9 @@ core's (:mod:`zerofn.zero.hook_driven`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import torch
 
 from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
@@ -32,12 +34,31 @@ class HookDriven(ShellState):
             ValueError: the optimizer was not built with ``overlap_with_ddp=True``.
             RuntimeError: another hook drives it already.
         """
-        self._zero = hook_driven.attach(self._zero)
-        return OverlapBinding(self._step_with_gradients, self._adopt_owners, self._send_compressed)
+        self._zero = zero = hook_driven.attach(self._zero)
+        whole = self._step_whole if zero.steps_whole_in_hook else None
+        return OverlapBinding(
+            self._step_with_gradients, self._adopt_owners, self._send_compressed, whole
+        )
 
     def _step_with_gradients(self, request: StepGradients) -> None:
         self._untouched = False
         hook_driven.step_rank_with_gradients(self._zero, self.param_groups, request)
+
+    def _step_whole(self, grads: Mapping[int, torch.Tensor]) -> None:
+        """The plain step, exchange included, from the hook's averaged
+        gradients, written into ``.grad`` first as DDP writes them after
+        backward (where a loss finds them: a survivor that missed the local
+        step takes it from another's ``.grad``)."""
+        params = self._all_params
+        with torch.no_grad():
+            for index, grad in grads.items():
+                param = params[index]
+                if param.grad is None:
+                    param.grad = grad.detach().clone()
+                else:
+                    param.grad.copy_(grad)
+        self._untouched = False
+        self._step_and_exchange(None)
 
     def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
         self._zero = sharded_by_owners(self._zero, self.param_groups, owned)

@@ -51,6 +51,8 @@ class ShellState:
     _regroups: int
     _generation: int
     _heartbeat: Heartbeat | None
+    # The step past its checks (the optimizer's; the overlap hook's whole step runs it).
+    _step_and_exchange: Callable[..., Any]
 
     @property
     def _all_params(self) -> list[torch.Tensor]:
