@@ -253,6 +253,16 @@ BEYOND: tuple[Beyond, ...] = (
         ),
     ),
     Beyond(
+        "the overlapped step with redundancy=2 (every bucket averaged, the whole step after it)",
+        _ZERO,
+        definitions=(
+            *_in("zerofn/zero/rank.py", "ZeroRank.steps_whole_in_hook", "_whole_in_hook"),
+            *_in("adapters/zerofn_torch/hooks/overlap.py", "_OverlapRunner._step_whole"),
+            *_in("adapters/zerofn_torch/hooks/overlap.py", "_check_whole_step"),
+            *_in("adapters/zerofn_torch/zero/overlap_binding.py", "HookDriven._step_whole"),
+        ),
+    ),
+    Beyond(
         "going on in another world (zerofn_torch.elastic's side of the optimizer)",
         _ZERO,
         files=("adapters/zerofn_torch/zero/world_changes.py",),
