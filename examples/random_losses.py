@@ -1,7 +1,7 @@
 """Faults at moments nobody chose: in each run of DDP + ZeRO(Adam,
 ``redundancy=2``; ``--config`` names a configuration of
 ``train_elastic.CONFIGS``: bf16 parameters with fp32 masters, a flat
-partition, the int8 exchange) on W gloo ranks, one rank drawn at random is ended
+partition, the int8 exchange, the step inside DDP's backward) on W gloo ranks, one rank drawn at random is ended
 (``os._exit``) or paused (``SIGSTOP``, resumed later by a helper process)
 from a timer thread after a random delay, wherever its main thread is:
 forward, backward, the all-reduce, the local step, the exchange, between
