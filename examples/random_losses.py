@@ -1,11 +1,12 @@
 """Faults at moments nobody chose: in each run of DDP + ZeRO(Adam,
 ``redundancy=2``; ``--config`` names a configuration of
 ``train_elastic.CONFIGS``: bf16 parameters with fp32 masters, a flat
-partition, the int8 exchange, the step inside DDP's backward) on W gloo ranks, one rank drawn at random is ended
-(``os._exit``) or paused (``SIGSTOP``, resumed later by a helper process)
-from a timer thread after a random delay, wherever its main thread is:
-forward, backward, the all-reduce, the local step, the exchange, between
-steps, or a recovery. The others recover in-process and train on::
+partition, the int8 exchange, the step inside DDP's backward) on W gloo
+ranks, one rank drawn at random is ended (``os._exit``) or paused
+(``SIGSTOP``, resumed later by a helper process) from a timer thread after a
+random delay, wherever its main thread is: forward, backward, the
+all-reduce, the local step, the exchange, between steps, or a recovery. The
+others recover in-process and train on::
 
     .venv/bin/python examples/random_losses.py --world-size 4 --runs 20
 
