@@ -103,9 +103,6 @@ class ZeroRedundancyOptimizer(
             ``parameters_as_bucket_view`` do not apply, and :meth:`step` does
             nothing. Until DDP fixes its buckets every rank steps all
             parameters itself, so no iteration goes without an update.
-            With ``redundancy=2`` the hook averages every bucket on every
-            rank and takes this optimizer's whole step after the last one
-            (its partition, its carried copies, its exchange).
         partition: ``"greedy"`` (PyTorch's sorted-greedy, the default),
             ``"balanced"`` (whole tensors, heaviest rank never heavier than
             greedy's), ``"flat"`` (tensors split so each rank holds within one
@@ -136,9 +133,7 @@ class ZeroRedundancyOptimizer(
             without a lost rank (see ``docs/resilience.md``). Every
             partition, master copies and the compressed exchange (their
             masters are carried too), and ``overlap_with_ddp=True`` (its
-            hook then all-reduces: one all-reduce and one exchange per
-            step, the plain step's bytes, where reducing to the owners
-            alone moves one all-reduce's).
+            hook then takes the whole plain step after the last bucket).
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
