@@ -24,13 +24,16 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
-import bench_elastic
 import bench_modes
 import bench_overlap
 import bench_precision
 import bench_soak
 import bench_zero
 import blocks
+import elastic_costs
+import elastic_join
+import elastic_loss
+import elastic_setup
 import generated_blocks
 from report import (
     Headline,
@@ -459,7 +462,7 @@ def test_overlap_bytes_miss_says_what_the_collectives_carried() -> None:
 
 
 def _survivor(applied: int = 3, finished: bool = False, detect_s: float = 0.05) -> dict[str, Any]:
-    """What a survivor of :func:`bench_elastic._loss_rank` returns (made up)."""
+    """What a survivor of :func:`elastic_loss._loss_rank` returns (made up)."""
     loss = {
         "step": 3,
         "done_before": 3,
@@ -480,30 +483,30 @@ def _survivor(applied: int = 3, finished: bool = False, detect_s: float = 0.05) 
 
 
 def test_a_loss_counts_the_steps_its_survivors_state_lacks() -> None:
-    redone = bench_elastic.Loss.of(False, [_survivor(), _survivor(), None])
+    redone = elastic_loss.Loss.of(False, [_survivor(), _survivor(), None])
     assert (redone.steps_lost, redone.moved_bytes, redone.state_bytes) == (0, 16.0, 32)
     assert (redone.step_before_s, redone.step_after_s) == (0.15, 0.1)
-    finished = bench_elastic.Loss.of(True, [_survivor(4, True), _survivor(4, True), None])
+    finished = elastic_loss.Loss.of(True, [_survivor(4, True), _survivor(4, True), None])
     assert finished.steps_lost == 0  # the step finished from the carried copies counts
-    assert bench_elastic.Loss.of(False, [_survivor(2), _survivor(2), None]).steps_lost == 1
+    assert elastic_loss.Loss.of(False, [_survivor(2), _survivor(2), None]).steps_lost == 1
     gone_on_alone = _survivor() | {"world_size": 3}
     with pytest.raises(RuntimeError, match="did not go on"):
-        bench_elastic.Loss.of(False, [_survivor(), gone_on_alone, None])
+        elastic_loss.Loss.of(False, [_survivor(), gone_on_alone, None])
 
 
 def test_the_loss_summary_quotes_the_restart_soak_and_a_stall_at_the_timeout() -> None:
     with open(os.path.join(ROOT, "docs", "resilience.md"), encoding="utf-8") as f:
-        figures = bench_elastic.restart_figures(f.read())
+        figures = elastic_loss.restart_figures(f.read())
     assert figures is not None, "the soak block on docs/resilience.md lost its summary line"
     seconds, lost = figures
     assert float(seconds.split()[0]) > 0 and float(lost.split()[0]) >= 0
-    assert bench_elastic.restart_figures("a page without the soak block") is None
-    losses = [bench_elastic.Loss.of(False, [_survivor(), _survivor(), None])] * 2
-    summary = bench_elastic.loss_summary(losses, figures)
+    assert elastic_loss.restart_figures("a page without the soak block") is None
+    losses = [elastic_loss.Loss.of(False, [_survivor(), _survivor(), None])] * 2
+    summary = elastic_loss.loss_summary(losses, figures)
     assert f"{seconds} s from a kill to training again and {lost} steps lost" in summary
     assert "0.50 of the model's optimizer state" in summary and "timeout" not in summary
-    stalled = bench_elastic.Loss.of(True, [_survivor(4, True, 29.99), _survivor(4, True), None])
-    summary = bench_elastic.loss_summary([*losses, stalled], None)
+    stalled = elastic_loss.Loss.of(True, [_survivor(4, True, 29.99), _survivor(4, True), None])
+    summary = elastic_loss.loss_summary([*losses, stalled], None)
     assert "In 1 of 3 losses the survivors' collective failed only at the group's 30 s" in summary
     assert "its soak block was not found" in summary
 
@@ -512,35 +515,35 @@ def test_the_extra_of_redundancy_is_held_to_the_carriers_own_work() -> None:
     one = [0.10, 0.12, 0.09, 0.11]
     adam, copies = [0.010, 0.012, 0.011, 0.010], [0.004, 0.005, 0.004, 0.006]
     at = round_sums(one, round_sums(adam, copies))
-    line = bench_elastic.bound_line("2 ranks, iteration", one, at, adam, copies)
+    line = elastic_costs.bound_line("2 ranks, iteration", one, at, adam, copies)
     assert line.startswith("2 ranks, iteration: redundancy=2 adds +15.5 ms, 1.48x the extra")
     assert line.endswith("1.00x the whole floor; its ratio 1.14 is at the floor's 1.14")
-    above = bench_elastic.bound_line("x", one, [t * 2 for t in one], adam, copies)
+    above = elastic_costs.bound_line("x", one, [t * 2 for t in one], adam, copies)
     assert "is above the floor's (the step pays more than the carrier's own work) 1.1" in above
-    cost = bench_elastic.Cost(
+    cost = elastic_costs.Cost(
         2,
         [
-            {"steps": {bench_elastic.ADAM: [1.0, 3.0], bench_elastic.COPIES: [1.0, 1.0]}},
-            {"steps": {bench_elastic.ADAM: [2.0, 1.0], bench_elastic.COPIES: [1.0, 0.0]}},
+            {"steps": {elastic_costs.ADAM: [1.0, 3.0], elastic_costs.COPIES: [1.0, 1.0]}},
+            {"steps": {elastic_costs.ADAM: [2.0, 1.0], elastic_costs.COPIES: [1.0, 0.0]}},
         ],
     )
     assert cost.floor("steps") == [3.0, 4.0]  # the slowest carrier's, round by round
-    assert cost.floor("steps", bench_elastic.ADAM) == [2.0, 3.0]
+    assert cost.floor("steps", elastic_costs.ADAM) == [2.0, 3.0]
 
 
 def test_a_replica_check_is_charged_its_slowest_rank_over_its_interval() -> None:
-    iterations = {bench_elastic.ITERATION[1]: [0.1, 0.2]}
-    cost = bench_elastic.Cost(
+    iterations = {elastic_costs.ITERATION[1]: [0.1, 0.2]}
+    cost = elastic_costs.Cost(
         2,
         [
-            {"iterations": iterations | {bench_elastic.VERIFY: [0.01, 0.02]}, "tensors": 8},
-            {"iterations": {bench_elastic.VERIFY: [0.03, 0.01]}},
+            {"iterations": iterations | {elastic_costs.VERIFY: [0.01, 0.02]}, "tensors": 8},
+            {"iterations": {elastic_costs.VERIFY: [0.03, 0.01]}},
         ],
     )
     assert cost.checks() == [0.03, 0.02]
-    every = bench_elastic.VERIFY_EVERY
+    every = elastic_costs.VERIFY_EVERY
     assert cost.verify_share().median == pytest.approx((0.03 / 0.1 + 0.02 / 0.2) / 2 / every)
-    line = bench_elastic.verify_line([cost])
+    line = elastic_costs.verify_line([cost])
     assert "each of the model's 8 tensors" in line
     assert "2 ranks, plain: a check takes 25.00 [22.50, 27.50] ms, 0.20 [0.15, 0.25] %" in line
 
@@ -548,7 +551,7 @@ def test_a_replica_check_is_charged_its_slowest_rank_over_its_interval() -> None
 def _grown(
     to_joiner: dict[int, int], between: int = 0, empty: tuple[float, ...] = (0.002, 0.004)
 ) -> list[dict[str, Any]]:
-    """What the 2 running ranks of :func:`bench_elastic._running_rank` return
+    """What the 2 running ranks of :func:`elastic_join._running_rank` return
     (made up): a model of 4 parameters of 10, 10, 20 and 20 elements; the
     joiner owns parameter 2 and carries 0 and 1."""
     params = [torch.zeros(3)]
@@ -591,7 +594,7 @@ def _grown(
 
 def test_a_join_splits_the_joiners_seconds_and_the_state_it_was_sent() -> None:
     sent = {0: 84, 1: 84, 2: 164}  # Adam: 2 float32 states per element, a 4-byte step
-    join = bench_elastic.Join.of(_grown(sent))
+    join = elastic_join.Join.of(_grown(sent))
     parts = (join.start_s, join.wait_s, join.grow_s, join.ddp_s, join.first_step_s)
     assert parts == pytest.approx((5.0, 0.2, 1.3, 0.1, 0.2))
     assert sum(parts) == pytest.approx(join.total_s)  # the parts add up to the whole
@@ -599,38 +602,38 @@ def test_a_join_splits_the_joiners_seconds_and_the_state_it_was_sent() -> None:
     assert (join.shard_bytes, join.carried_bytes, join.moved_bytes) == (164, 168, 332)
     assert (join.shard_planned, join.carried_planned) == (164, 168)
     assert join.gathered_bytes == 2 * 400  # every outbox padded to the largest, from 2 ranks
-    assert bench_elastic.planned_state_bytes([10, 20], [1]) == 2 * 20 * 4 + 4
-    summary = bench_elastic.join_summary([join, join])
+    assert elastic_join.planned_state_bytes([10, 20], [1]) == 2 * 20 * 4 + 4
+    summary = elastic_join.join_summary([join, join])
     assert "to its first completed step: 6.80 (6.80 to 6.80) s" in summary
     assert "they reach one every 150 ms here" in summary
     assert "(median of 4 calls at the boundaries" in summary and "takes 3.00 ms" in summary
     assert "as planned;" in summary and "nothing between the running ranks" in summary
     assert "ended 0 apart" in summary
-    moved = bench_elastic.Join.of(_grown(sent, between=2**20))
-    assert "1.0 MiB between the running ranks as the ring" in bench_elastic.join_summary([moved])
-    short = bench_elastic.Join.of(_grown({0: 84, 2: 164}))  # the carried copy half sent
-    assert "**NOT as planned**" in bench_elastic.join_summary([short])
-    assert "the state addressed to it" in bench_elastic.join_bytes_table([join])
-    assert bench_elastic.join_table([join, short]).count("\n") == 3
+    moved = elastic_join.Join.of(_grown(sent, between=2**20))
+    assert "1.0 MiB between the running ranks as the ring" in elastic_join.join_summary([moved])
+    short = elastic_join.Join.of(_grown({0: 84, 2: 164}))  # the carried copy half sent
+    assert "**NOT as planned**" in elastic_join.join_summary([short])
+    assert "the state addressed to it" in elastic_join.join_bytes_table([join])
+    assert elastic_join.join_table([join, short]).count("\n") == 3
 
 
 def test_a_join_that_went_wrong_is_refused() -> None:
     stray = _grown({3: 8})  # state for a parameter the joiner neither owns nor carries
     with pytest.raises(RuntimeError, match=r"parameters \[3\] reached the joiner"):
-        bench_elastic.Join.of(stray)
+        elastic_join.Join.of(stray)
     alone = _grown({2: 164})
     del alone[0]["joiner"]
     with pytest.raises(RuntimeError, match="did not grow"):
-        bench_elastic.Join.of(alone)
+        elastic_join.Join.of(alone)
     with pytest.raises(RuntimeError, match="made 0 outboxes"):
-        bench_elastic._grown_outbox([])
+        elastic_join._grown_outbox([])
     halves = {
         Piece(5, 0, 2): {"exp_avg": torch.zeros(2)},
         Piece(5, 2, 4): {"exp_avg": torch.zeros(2)},
     }
-    sized = bench_elastic._grown_outbox([{2: halves}])
+    sized = elastic_join._grown_outbox([{2: halves}])
     assert sized["to"] == {2: {5: 16}} and sized["pickled"] > 16
-    command = bench_elastic._joiner_command("/tmp/job", "/tmp/out.pt", True)
+    command = elastic_join._joiner_command("/tmp/job", "/tmp/out.pt", True)
     assert (
         command[0] == sys.executable
         and "joiner_main('/tmp/job', '/tmp/out.pt', True)" in command[2]
@@ -662,12 +665,12 @@ def test_the_elastic_bench_watches_names_the_library_still_calls() -> None:
     kept = regroup.outgoing_states
     seen: list[Any] = []
     try:
-        bench_elastic._watch_outboxes(seen.append)
+        elastic_setup._watch_outboxes(seen.append)
         watched = survivors_of(world(), [2])
     finally:
         regroup.outgoing_states = kept  # type: ignore[assignment]
     plain = survivors_of(world(), [2])
     assert len(seen) == 2 and any(any(outbox.values()) for outbox in seen)
-    assert sum(bench_elastic._tensor_bytes(outbox) for outbox in seen) > 0
+    assert sum(elastic_setup._tensor_bytes(outbox) for outbox in seen) > 0
     for mine, theirs in zip(watched, plain, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(mine.params, theirs.params, strict=True))
