@@ -1,4 +1,5 @@
-"""The shaped-link benchmark's pure parts (``benchmarks/bench_links.py``).
+"""The shaped-link benchmark's pure parts (``benchmarks/bench_links.py`` and
+its ``links_*.py`` modules).
 
 The measurements run inside network namespaces through ``make bench`` (CI:
 ``--quick``, one short run at 1 Gbit/s); here, on one process and without a
@@ -31,6 +32,11 @@ import bench_links
 import bench_loss_time
 import bench_overlap
 import generated_blocks
+import links_curves
+import links_payoffs
+import links_ranks
+import links_setup
+import links_why
 from report import headline_table
 
 from zerofn.blockquant import quantizer_for
@@ -42,30 +48,30 @@ GBIT = 1e9
 
 
 def test_link_time_is_bytes_times_eight_over_the_rate() -> None:
-    assert bench_links.link_seconds(125_000_000, GBIT) == pytest.approx(1.0)
-    assert bench_links.rate_label(1e9) == "1 Gbit/s"
-    assert bench_links.rate_label(1e10) == "10 Gbit/s"
-    assert bench_links.rate_label(1e8) == "100 Mbit/s"
+    assert links_setup.link_seconds(125_000_000, GBIT) == pytest.approx(1.0)
+    assert links_setup.rate_label(1e9) == "1 Gbit/s"
+    assert links_setup.rate_label(1e10) == "10 Gbit/s"
+    assert links_setup.rate_label(1e8) == "100 Mbit/s"
 
 
 def test_the_delay_covers_the_link_time_in_whole_steps() -> None:
     # 4.33 MB at 1 Gbit/s: 34.6 ms; steps of 10 ms need 4 of them.
-    assert bench_links.streaming_delay(4_330_000, GBIT, 0.010) == 4
+    assert links_setup.streaming_delay(4_330_000, GBIT, 0.010) == 4
     # Exactly one step's worth needs one step, not two.
-    assert bench_links.streaming_delay(1_250_000, GBIT, 0.010) == 1
+    assert links_setup.streaming_delay(1_250_000, GBIT, 0.010) == 1
     # A link faster than a step still delays by one (delay 0 would block).
-    assert bench_links.streaming_delay(1_000, GBIT, 0.010) == 1
+    assert links_setup.streaming_delay(1_000, GBIT, 0.010) == 1
     with pytest.raises(ValueError, match="must take time"):
-        bench_links.streaming_delay(1_000, GBIT, 0.0)
+        links_setup.streaming_delay(1_000, GBIT, 0.0)
 
 
 @given(st.integers(0, 60), st.sampled_from([1, 2, 4, 5]))
 def test_sync_every_admits_the_delay(delay: int, fragments: int) -> None:
-    h = bench_links.streaming_sync_every(delay, fragments)
-    assert h >= bench_links.MIN_SYNC_EVERY and h % fragments == 0
+    h = links_setup.streaming_sync_every(delay, fragments)
+    assert h >= links_setup.MIN_SYNC_EVERY and h % fragments == 0
     DiLoCoConfig(h, fragments, delay)  # raises unless delay < h // fragments
-    if delay + 1 < -(-bench_links.MIN_SYNC_EVERY // fragments):
-        assert h == fragments * -(-bench_links.MIN_SYNC_EVERY // fragments)
+    if delay + 1 < -(-links_setup.MIN_SYNC_EVERY // fragments):
+        assert h == fragments * -(-links_setup.MIN_SYNC_EVERY // fragments)
 
 
 def test_fragment_bytes_on_the_link_are_every_owners_payload_twice() -> None:
@@ -73,18 +79,18 @@ def test_fragment_bytes_on_the_link_are_every_owners_payload_twice() -> None:
     quantizer = quantizer_for("int8")
     plan = plan_fragments(sizes, 2, 2)
     expected = max(2 * sum(quantizer.payload_nbytes(n) for n in f.lengths) for f in plan.fragments)
-    assert bench_links.fragment_link_bytes(sizes, 2, "int8") == expected
+    assert links_setup.fragment_link_bytes(sizes, 2, "int8") == expected
     # What both ranks send is what they hand over, less what each keeps: the
     # all-to-all's own part is empty, and a broadcast's root does not receive.
     handed = sum(compressed_sync_bytes(plan.fragments[0], quantizer, r) for r in range(2))
     payloads = sum(quantizer.payload_nbytes(n) for n in plan.fragments[0].lengths)
     assert handed - payloads == 2 * payloads
     # int8: about a byte per element of the fragment, twice.
-    assert bench_links.fragment_link_bytes([4096], 1, "int8") == pytest.approx(2 * 4096, rel=0.04)
+    assert links_setup.fragment_link_bytes([4096], 1, "int8") == pytest.approx(2 * 4096, rel=0.04)
 
 
 def test_the_delay_formula_shows_its_numbers() -> None:
-    line = bench_links.delay_formula(4_329_600, GBIT, 0.010)
+    line = links_setup.delay_formula(4_329_600, GBIT, 0.010)
     assert "ceil(4,329,600 x 8 / 1 Gbit/s / 10.00 ms)" in line
     assert "ceil(34.64 ms / 10.00 ms) = 4" in line
     assert "H = 50 (P = 2, stride 25 > delay)" in line
@@ -115,7 +121,7 @@ def _zero_times(int8: float = 0.40) -> dict[str, list[float]]:
 
 
 def test_zero_why_sets_the_codec_in_turn_against_beside_the_wire() -> None:
-    why = bench_links.zero_why("zerofn int8", _zero_times(), 21_300_000, GBIT)
+    why = links_why.zero_why("zerofn int8", _zero_times(), 21_300_000, GBIT)
     # 21.3 MB at 1 Gbit/s = 170 ms; in turn (60 + 100 + 170) / 800 = 0.41;
     # beside the wire max(60 + 100, 170) / 800 = 0.21; 400 / 330 = 1.21.
     assert "its bytes take 170 ms on the link alone (21.3 MB x 8 / 1 Gbit/s" in why
@@ -126,7 +132,7 @@ def test_zero_why_sets_the_codec_in_turn_against_beside_the_wire() -> None:
 
 
 def test_zero_why_of_the_exact_step_sits_it_at_pytorchs_floor() -> None:
-    why = bench_links.zero_why("zerofn exact", _zero_times(), 82_700_000, GBIT)
+    why = links_why.zero_why("zerofn exact", _zero_times(), 82_700_000, GBIT)
     assert "its bytes take 662 ms on the link alone" in why
     assert "the same bytes as PyTorch's" in why
     assert "zerofn exact runs" in why or "both sit at the same floor" in why
@@ -148,7 +154,7 @@ def _overlap_times() -> dict[str, list[float]]:
 def test_overlap_why_gives_each_iterations_bytes_on_the_link_first() -> None:
     factors = {"reduce": 2.25, "all-reduce": 2.0, "broadcast": 1.0}
     on_link = {"overlapped": 42_000_000, "pytorch": 50_400_000}
-    why = bench_links.overlap_why(_overlap_times(), on_link, factors, GBIT)
+    why = links_why.overlap_why(_overlap_times(), on_link, factors, GBIT)
     assert why.startswith("the overlapped iteration puts 42.0 MB on the link (336 ms at 1 Gbit/s)")
     assert "against PyTorch's 50.4 MB (403 ms), 0.83 of its bytes" in why
     assert "gloo's own reduce puts 2.25x its payload on the link" in why
@@ -157,31 +163,31 @@ def test_overlap_why_gives_each_iterations_bytes_on_the_link_first() -> None:
 
 def test_powersgd_why_says_what_the_iteration_spends_beside_its_bytes() -> None:
     times = {"zerofn": _flat(0.10), bench_hooks.BUILTIN: _flat(0.30)}
-    why = bench_links.powersgd_why(times, 150_000, 33_600_000, GBIT)
+    why = links_why.powersgd_why(times, 150_000, 33_600_000, GBIT)
     assert "DDP's all-reduce puts 33.6 MB on the link (269 ms at 1 Gbit/s)" in why
     assert "PowerSGD 150.0 kB (1.20 ms)" in why
     assert "of which 99 ms beside its bytes" in why and "0.33 of DDP's 300 ms" in why
 
 
 def _diloco_raw(delay: int = 2, step: float = 0.020) -> dict[str, Any]:
-    long = bench_links.covering_name(delay)
-    short = long if delay == 1 else bench_links.streaming_name(1)
+    long = links_setup.covering_name(delay)
+    short = long if delay == 1 else links_setup.streaming_name(1)
     names = [
-        bench_links.QUIET,
-        bench_links.DDP_NAME,
-        *map(bench_links.blocking_name, bench_links.BLOCKING),
+        links_setup.QUIET,
+        links_setup.DDP_NAME,
+        *map(links_setup.blocking_name, links_setup.BLOCKING),
         long,
         short,
     ]
     steps = {name: 10 for name in names} | {
-        bench_links.blocking_name(50): 50,
-        bench_links.DDP_NAME: bench_links.DDP_STEPS,
+        links_setup.blocking_name(50): 50,
+        links_setup.DDP_NAME: links_setup.DDP_STEPS,
     }
     per_step = {
-        bench_links.QUIET: step,
-        bench_links.DDP_NAME: 5 * step,
-        bench_links.blocking_name(10): 3 * step,
-        bench_links.blocking_name(50): 1.4 * step,
+        links_setup.QUIET: step,
+        links_setup.DDP_NAME: 5 * step,
+        links_setup.blocking_name(10): 3 * step,
+        links_setup.blocking_name(50): 1.4 * step,
         long: 1.2 * step,
         short: 1.08 * step,
     }
@@ -190,9 +196,9 @@ def _diloco_raw(delay: int = 2, step: float = 0.020) -> dict[str, Any]:
         "steps": steps,
         "wire": {name: 1e6 * steps[name] for name in names}
         | {
-            bench_links.DDP_NAME: 19.2e6 * bench_links.DDP_STEPS,
-            bench_links.blocking_name(10): 19.2e6,
-            bench_links.blocking_name(50): 19.2e6,
+            links_setup.DDP_NAME: 19.2e6 * links_setup.DDP_STEPS,
+            links_setup.blocking_name(10): 19.2e6,
+            links_setup.blocking_name(50): 19.2e6,
         },
         "codec": _flat(0.030),  # both ranks' arithmetic: 15 ms a sync each
         "quiet_step": step,
@@ -207,7 +213,7 @@ def _diloco_raw(delay: int = 2, step: float = 0.020) -> dict[str, Any]:
 
 def test_diloco_why_sets_the_syncs_link_time_against_the_steps_it_hides_under() -> None:
     raw = _diloco_raw()
-    why = bench_links.diloco_why(bench_links.streaming_name(1), raw, GBIT)
+    why = links_why.diloco_why(links_setup.streaming_name(1), raw, GBIT)
     # 34.6 ms on the link under one 20 ms step: 14.6 ms to wait, 2.93 ms per step (stride 5).
     said = "puts 4,329,600 bytes on the link, 35 ms at 1 Gbit/s, more than the 1 inner step"
     assert f"{said} of 20 ms it may take" in why
@@ -222,9 +228,9 @@ def test_diloco_why_sets_the_syncs_link_time_against_the_steps_it_hides_under() 
     assert why.endswith(
         "; blocking DiLoCo with the same H = 10, which hides nothing, took 40 ms more"
     )
-    alone = bench_links.diloco_why(bench_links.streaming_name(1), raw | {"sync_every": 20}, GBIT)
+    alone = links_why.diloco_why(links_setup.streaming_name(1), raw | {"sync_every": 20}, GBIT)
     assert alone.endswith("beyond the wait and the arithmetic")
-    covered = bench_links.diloco_why(raw["long"], raw, GBIT)
+    covered = links_why.diloco_why(raw["long"], raw, GBIT)
     assert "within the 2 inner steps of 20 ms it may take (0.00 ms left to wait" in covered
 
 
@@ -232,7 +238,7 @@ def test_diloco_why_sets_the_syncs_link_time_against_the_steps_it_hides_under() 
 
 
 def _zero_raw() -> dict[str, Any]:
-    labels = bench_links.ZERO_LABELS
+    labels = links_setup.ZERO_LABELS
     return {
         "times": _zero_times(),
         "on_link": dict(zip(labels, (83e6, 83e6, 21.4e6, 11.1e6), strict=True)),
@@ -298,8 +304,8 @@ def test_the_section_holds_each_target_at_the_rates_it_is_set_for() -> None:
         "step time: zerofn int4 / PyTorch": "<= 0.2",
         "iteration time: overlapped / PyTorch's DDP + separate ZeRO step": "<= 0.75",
         "iteration time: zerofn PowerSGD / DDP all-reduce": "<= 0.3",
-        f"time per inner step: {bench_links.covering_name(2)} / no communication": "<= 1.05",
-        f"time per inner step: {bench_links.streaming_name(1)} / no communication": "<= 1.1",
+        f"time per inner step: {links_setup.covering_name(2)} / no communication": "<= 1.05",
+        f"time per inner step: {links_setup.streaming_name(1)} / no communication": "<= 1.1",
     }
     # At 10 Gbit/s only DiLoCo's (its delay is computed for the rate).
     assert {h.target for h in at_10 if h.target} == {"<= 1.05", "<= 1.1"}
@@ -372,20 +378,20 @@ def test_without_namespaces_the_section_says_why_and_runs_nothing(
 
 
 def test_the_loopbacks_counter_is_read() -> None:
-    assert bench_links.lo_tx_bytes() >= 0
+    assert links_ranks.lo_tx_bytes() >= 0
 
 
 # ----- where each feature starts to pay ------------------------------------------------
 
 
 def test_the_crossover_is_where_the_bytes_take_as_long_as_the_seconds() -> None:
-    assert bench_links.crossover_rate(125_000_000, 1.0) == pytest.approx(GBIT)
-    assert bench_links.crossover_rate(1_000, 0.0) == bench_links.EVERY_RATE
-    assert bench_links.crossover_rate(0, 1.0) == 0.0
-    assert bench_links.crossover_rate(-5, 0.0) == 0.0  # nothing saved: never
-    assert bench_links.rate_phrase(bench_links.EVERY_RATE) == "at every rate"
-    assert bench_links.rate_phrase(0.0) == "at no rate"
-    assert bench_links.rate_phrase(1.6e9) == "below 1.6 Gbit/s"
+    assert links_payoffs.crossover_rate(125_000_000, 1.0) == pytest.approx(GBIT)
+    assert links_payoffs.crossover_rate(1_000, 0.0) == links_payoffs.EVERY_RATE
+    assert links_payoffs.crossover_rate(0, 1.0) == 0.0
+    assert links_payoffs.crossover_rate(-5, 0.0) == 0.0  # nothing saved: never
+    assert links_payoffs.rate_phrase(links_payoffs.EVERY_RATE) == "at every rate"
+    assert links_payoffs.rate_phrase(0.0) == "at no rate"
+    assert links_payoffs.rate_phrase(1.6e9) == "below 1.6 Gbit/s"
 
 
 @given(
@@ -398,10 +404,10 @@ def test_the_crossover_is_where_the_bytes_take_as_long_as_the_seconds() -> None:
 def test_a_compressed_step_beats_pytorchs_exactly_below_the_crossover(
     update: float, codec: float, fp32: float, share: float, rate: float
 ) -> None:
-    r_star = bench_links.compressed_pays_below(fp32, codec)
+    r_star = links_payoffs.compressed_pays_below(fp32, codec)
     assert r_star == pytest.approx(8 * fp32 / codec)
-    mine = bench_links.compressed_step_model(update, codec, share * fp32, rate)
-    theirs = bench_links.pytorch_step_model(update, fp32, rate)
+    mine = links_setup.compressed_step_model(update, codec, share * fp32, rate)
+    theirs = links_setup.pytorch_step_model(update, fp32, rate)
     if not math.isclose(rate, r_star, rel_tol=1e-6):
         assert (mine < theirs) == (rate < r_star)
 
@@ -410,22 +416,22 @@ def test_a_codec_slower_than_the_link_at_every_rate_pays_below_all_of_them() -> 
     # 10 s of codec against 82.7 MB: R* = 66 Mbit/s, under every rate drawn;
     # the codec is the larger term at each of them, so the step is u + c.
     fp32, int8, codec, update = 82.7e6, 21.3e6, 10.0, 0.02
-    r_star = bench_links.compressed_pays_below(fp32, codec)
+    r_star = links_payoffs.compressed_pays_below(fp32, codec)
     assert r_star == pytest.approx(66.16e6)
-    assert bench_links.rate_phrase(bench_links._sig(r_star)) == "below 66 Mbit/s"
-    for rate in map(bench_links.links.parse_rate, bench_links.CURVE_RATES):
-        assert bench_links.link_seconds(int8, rate) < codec
-        mine = bench_links.compressed_step_model(update, codec, int8, rate)
+    assert links_payoffs.rate_phrase(links_payoffs._sig(r_star)) == "below 66 Mbit/s"
+    for rate in map(bench_links.links.parse_rate, links_curves.CURVE_RATES):
+        assert links_setup.link_seconds(int8, rate) < codec
+        mine = links_setup.compressed_step_model(update, codec, int8, rate)
         assert mine == pytest.approx(update + codec)
-        assert mine > bench_links.pytorch_step_model(update, fp32, rate)
+        assert mine > links_setup.pytorch_step_model(update, fp32, rate)
     # ... and at a rate below R* it pays.
-    assert bench_links.compressed_step_model(
+    assert links_setup.compressed_step_model(
         update, codec, int8, 50e6
-    ) < bench_links.pytorch_step_model(update, fp32, 50e6)
+    ) < links_setup.pytorch_step_model(update, fp32, 50e6)
 
 
 def test_the_int8_and_int4_exchange_pay_below_8_fp32_bytes_over_their_codec() -> None:
-    int8, int4 = bench_links.compressed_payoffs(_zero_raw(), GBIT)
+    int8, int4 = links_payoffs.compressed_payoffs(_zero_raw(), GBIT)
     # PyTorch's 83 MB on the link; the int8 codec 100 ms, int4 40 ms.
     assert int8.rate == pytest.approx(8 * 83e6 / 0.10)
     assert int4.rate == pytest.approx(8 * 83e6 / 0.04)
@@ -437,7 +443,7 @@ def test_the_int8_and_int4_exchange_pay_below_8_fp32_bytes_over_their_codec() ->
 
 
 def test_powersgd_pays_below_the_bytes_it_saves_over_its_extra_arithmetic() -> None:
-    payoff = bench_links.powersgd_payoff(_powersgd_raw(), GBIT)
+    payoff = links_payoffs.powersgd_payoff(_powersgd_raw(), GBIT)
     # zerofn 80 ms - 1.2 ms of link = 78.8 ms; DDP 290 ms - 268.8 ms = 21.2 ms:
     # 57.6 ms of compression against 33.45 MB saved.
     arithmetic = (0.08 - 150_000 * 8 / GBIT) - (0.29 - 33_600_000 * 8 / GBIT)
@@ -446,31 +452,31 @@ def test_powersgd_pays_below_the_bytes_it_saves_over_its_extra_arithmetic() -> N
     assert "a = what its iteration spends beside its bytes' link time (79 ms)" in payoff.how
     # An iteration that spends no more than DDP's beside its bytes pays everywhere.
     fast = _powersgd_raw() | {"times": {"zerofn": _flat(0.01), bench_hooks.BUILTIN: _flat(0.29)}}
-    assert bench_links.powersgd_payoff(fast, GBIT).rate == bench_links.EVERY_RATE
+    assert links_payoffs.powersgd_payoff(fast, GBIT).rate == links_payoffs.EVERY_RATE
 
 
 def test_the_overlapped_step_pays_at_every_rate_it_saves_bytes() -> None:
     raw = _overlap_raw()
-    payoff = bench_links.overlap_payoff(raw, GBIT)
-    assert payoff.rate == bench_links.EVERY_RATE and payoff.row()[2] == "at every rate"
+    payoff = links_payoffs.overlap_payoff(raw, GBIT)
+    assert payoff.rate == links_payoffs.EVERY_RATE and payoff.row()[2] == "at every rate"
     assert "42.0 MB on the link per iteration against 50.4 MB (0.83 of the bytes)" in payoff.how
     assert "8 x 8.4 MB / R a step, 67 ms at 1 Gbit/s" in payoff.how
     more = raw | {"on_link": {"overlapped": 50.4e6, "pytorch": 50.4e6}}
-    never = bench_links.overlap_payoff(more, GBIT)
+    never = links_payoffs.overlap_payoff(more, GBIT)
     assert never.rate == 0.0 and "no fewer bytes" in never.how
 
 
 def test_diloco_pays_from_its_bytes_per_inner_step_and_its_syncs_arithmetic() -> None:
     raw = _diloco_raw()
-    h10, h50, streaming = bench_links.diloco_payoffs(raw, GBIT)
-    assert h10.rate == h50.rate == bench_links.EVERY_RATE
+    h10, h50, streaming = links_payoffs.diloco_payoffs(raw, GBIT)
+    assert h10.rate == h50.rate == links_payoffs.EVERY_RATE
     assert "1.9 MB on the link per inner step against DDP's 19.2 MB per step" in h10.how
     # 19.2 MB - 1 MB saved per inner step, 15 ms of arithmetic a sync every 5 steps.
     assert streaming.rate == pytest.approx(8 * (19.2e6 - 1e6) / (0.015 / 5))
     # The sync's 4.33 MB hides behind one 20 ms step from 1.7 Gbit/s, two from 0.87.
     assert "1.7 Gbit/s at delay 1, 870 Mbit/s at the delay used here (2)" in streaming.how
     section = bench_links.section_from({"1gbit": _results()}, {"1gbit": 1.0})
-    assert set(section.blocks) == set(bench_links.PAYS_AT.values())
+    assert set(section.blocks) == set(links_payoffs.PAYS_AT.values())
     assert "DiLoCo blocking, H=10" in section.blocks["pays-at-diloco"]
     assert "int8 exchange" not in section.blocks["pays-at-diloco"]
     assert "**Where each feature starts to pay**" in section.body
@@ -486,7 +492,7 @@ def test_the_pay_off_blocks_are_quoted_on_the_features_pages(
     }
     pages = {page: names for page, names in pages.items() if names}
     assert sorted(n for names in pages.values() for n in names) == sorted(
-        bench_links.PAYS_AT.values()
+        links_payoffs.PAYS_AT.values()
     )
     for page in pages:
         (tmp_path / "docs").mkdir(exist_ok=True)
@@ -509,18 +515,18 @@ def test_the_pay_off_blocks_are_quoted_on_the_features_pages(
 
 def test_the_papers_sync_time_is_a_ring_all_reduce() -> None:
     # 2 N (W - 1) / W bytes: N bytes on 2 ranks, 1.75 N on 8.
-    assert bench_links.model_sync_seconds(125e6, 2, GBIT) == pytest.approx(1.0)
-    assert bench_links.model_sync_seconds(125e6, 8, GBIT) == pytest.approx(1.75)
-    assert bench_links.model_utilization(0.1, 1.0, 10) == pytest.approx(0.5)
-    assert bench_links.model_utilization(0.1, 1.0, 1) == pytest.approx(0.1 / 1.1)
-    assert bench_links.model_utilization(0.1, 1.0, 5, hidden=2.0) == 1.0
+    assert links_curves.model_sync_seconds(125e6, 2, GBIT) == pytest.approx(1.0)
+    assert links_curves.model_sync_seconds(125e6, 8, GBIT) == pytest.approx(1.75)
+    assert links_curves.model_utilization(0.1, 1.0, 10) == pytest.approx(0.5)
+    assert links_curves.model_utilization(0.1, 1.0, 1) == pytest.approx(0.1 / 1.1)
+    assert links_curves.model_utilization(0.1, 1.0, 5, hidden=2.0) == 1.0
 
 
 def test_the_model_curves_rise_with_the_rate_and_with_h() -> None:
     raw = _diloco_raw()
-    rates = [float(bench_links.links.parse_rate(r)) for r in bench_links.CURVE_RATES]
-    curves = bench_links.model_curves(raw, rates)
-    ddp, h10, h50 = (curves[k] for k in (bench_links.DDP_NAME, "blocking, H=10", "blocking, H=50"))
+    rates = [float(bench_links.links.parse_rate(r)) for r in links_curves.CURVE_RATES]
+    curves = links_curves.model_curves(raw, rates)
+    ddp, h10, h50 = (curves[k] for k in (links_setup.DDP_NAME, "blocking, H=10", "blocking, H=50"))
     for curve in (ddp, h10, h50):
         assert curve == sorted(curve) and all(0 < u <= 1 for u in curve)
     assert all(a < b < c for a, b, c in zip(ddp, h10, h50, strict=True))
@@ -528,7 +534,7 @@ def test_the_model_curves_rise_with_the_rate_and_with_h() -> None:
     # against a 20 ms step.
     assert ddp[2] == pytest.approx(0.020 / (0.020 + 8 * 4 * 2_400_000 / GBIT))
     # Streaming at the delay that covers the link hides its sync entirely.
-    assert curves[f"streaming int8, P={bench_links.FRAGMENTS}"] == [1.0] * len(rates)
+    assert curves[f"streaming int8, P={links_setup.FRAGMENTS}"] == [1.0] * len(rates)
 
 
 def test_the_utilization_panel_draws_the_model_and_what_was_measured() -> None:
@@ -544,7 +550,7 @@ def test_the_utilization_panel_draws_the_model_and_what_was_measured() -> None:
     )
     (panel,) = section.panels
     measured = {c.label: c for c in panel.curves if c.label.endswith("(measured)")}
-    ddp = measured[f"{bench_links.DDP_NAME} (measured)"]
+    ddp = measured[f"{links_setup.DDP_NAME} (measured)"]
     assert ddp.x == (0.1, 1.0) and ddp.y == pytest.approx((0.2, 0.2))  # 1 / 5 steps' time
     assert measured["blocking, H=10 (measured)"].y == pytest.approx((1 / 3, 1 / 3))
     assert "DiLoCo alone at the figure's other rates took 100 Mbit/s 7 s" in section.body
