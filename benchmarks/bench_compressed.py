@@ -4,7 +4,7 @@ bytes, its step time against PyTorch's ZeRO, and its error over a long run.
 Sections:
 
 1. **Exchange bytes per step** (pure, from the plan): what one compressed
-   exchange moves into every rank (:func:`zerofn.zero.compressed_exchange.exchange_bytes`:
+   exchange moves into every rank (:func:`zerofn.zero.compressed.exchange.exchange_bytes`:
    every rank's codes, block scales and padding) over what the exact exchange
    moves (every parameter, at its dtype's width), for the ZeRO benchmark's
    model at 2 and 8 ranks, fp32 and bf16 parameters. Then a real 2-rank run
@@ -68,7 +68,7 @@ from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.testing.compressed import master_replica_gap
 from zerofn.testing.zero import simulated_ranks, step_simulated
 from zerofn.zero.chunks import chunk_sizes
-from zerofn.zero.compressed_exchange import add_difference, exchange_bytes
+from zerofn.zero.compressed.exchange import add_difference, exchange_bytes
 from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.step import run_zero_step
 

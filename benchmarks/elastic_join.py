@@ -69,7 +69,7 @@ def _grown_outbox(outboxes: Sequence[Any]) -> dict[str, Any]:
     if len(outboxes) != 1:
         raise RuntimeError(
             f"the growth made {len(outboxes)} outboxes, not one: does _grow still call "
-            "zerofn.zero.regroup.outgoing_states by name? elastic_join._record_outboxes "
+            "zerofn.zero.elastic.regroup.outgoing_states by name? elastic_join._record_outboxes "
             "counted nothing"
         )
     (out,) = outboxes

@@ -119,7 +119,7 @@ def _loss_rank(
             if not spent["roll_call_s"] or not spent["moved_bytes"]:
                 raise RuntimeError(
                     "recover no longer calls zerofn_torch.elastic.roll_call and "
-                    "zerofn.zero.regroup.outgoing_states by name: elastic_loss._instrument "
+                    "zerofn.zero.elastic.regroup.outgoing_states by name: elastic_loss._instrument "
                     "timed nothing"
                 ) from error
             ddp = DDP(model, process_group=survivors.group)

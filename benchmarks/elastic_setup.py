@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 
-from zerofn.zero import regroup
+from zerofn.zero.elastic import regroup
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 from train_elastic import PLAIN, Config
@@ -73,7 +73,7 @@ def _tensor_bytes(value: Any) -> int:
 def _watch_outboxes(seen: Callable[[Any], None]) -> None:
     """Hand ``seen`` every outbox this process sends in the moves (the
     core's ``regroup_program`` calls ``outgoing_states`` by name, in this
-    process's copy of ``zerofn.zero.regroup``)."""
+    process's copy of ``zerofn.zero.elastic.regroup``)."""
     outgoing = regroup.outgoing_states
 
     def watched(*args: Any, **kwargs: Any) -> Any:

@@ -52,9 +52,9 @@ from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
 from zerofn.zero.arguments import plan_for
+from zerofn.zero.elastic.redundancy import plan_after_join, plan_after_loss
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.plan import ShardPlan
-from zerofn.zero.redundancy import plan_after_join, plan_after_loss
 
 STEPS, LOST_AT, LOST = 6, 3, 2
 BATCH = 4
@@ -168,7 +168,7 @@ def owners_after_loss(
 ) -> Owners | None:
     """Who owns what once rank ``lost`` of a world of ``world_size`` ranks
     (of ``config``, partitioned by ``owners`` or the configuration's own
-    partition) is gone: :func:`~zerofn.zero.redundancy.plan_after_loss`'s
+    partition) is gone: :func:`~zerofn.zero.elastic.redundancy.plan_after_loss`'s
     plan, which a reference world takes so that it shards as the survivors
     do (with a compressed exchange the shards decide the numbers). ``None``
     for a flat partition: no whole-parameter list says its ranges, and its
@@ -180,7 +180,7 @@ def owners_after_join(
     config: Config, world_size: int, joiners: int, owners: Owners | None = None
 ) -> Owners | None:
     """Who owns what once ``joiners`` ranks join a world of ``world_size``
-    ranks: :func:`~zerofn.zero.redundancy.plan_after_join`'s plan, as
+    ranks: :func:`~zerofn.zero.elastic.redundancy.plan_after_join`'s plan, as
     :func:`owners_after_loss` says."""
     return _owners(plan_after_join(_plan_of(config, world_size, owners), joiners).plan)
 

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.checkpoint import SaveHandle, latest_checkpoint, load_sharded, save_sharded
 
-from zerofn.zero.checkpoint_run import temporaries
+from zerofn.zero.checkpoint.run import temporaries
 
 IN, WIDTH, OUT = 16, 64, 4
 

@@ -642,14 +642,14 @@ def test_a_join_that_went_wrong_is_refused() -> None:
 
 def test_the_elastic_bench_watches_names_the_library_still_calls() -> None:
     """The bench wraps ``zerofn_torch.elastic.roll_call`` and the core's
-    ``zerofn.zero.regroup.outgoing_states`` by name; a rename there fails
+    ``zerofn.zero.elastic.regroup.outgoing_states`` by name; a rename there fails
     here, not in ``make bench`` only, and the watched regrouping sees the
     outbox each rank sends and ends as the core's does."""
     import zerofn_torch.elastic as elastic
 
     from zerofn.testing.elastic import survivors_of
     from zerofn.testing.zero import simulated_ranks, step_simulated
-    from zerofn.zero import regroup
+    from zerofn.zero.elastic import regroup
     from zerofn.zero.plan import plan_shards
 
     sizes = (6, 4, 5, 3)

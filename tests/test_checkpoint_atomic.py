@@ -1,6 +1,6 @@
 """Sharded saves are all or nothing, and a run keeps its newest checkpoints.
 
-First the pure decisions (:mod:`zerofn.zero.checkpoint_run`: temporaries,
+First the pure decisions (:mod:`zerofn.zero.checkpoint.run`: temporaries,
 pruning, the newest checkpoint) and the manifest's formats as hypothesis
 properties and literal fixtures. Then real ranks: a rank killed (SIGKILL)
 before, while and after writing a re-save, each rank in turn the victim;
@@ -33,13 +33,13 @@ from zerofn_torch.checkpoint import save as checkpoint_save
 from zerofn_torch.checkpoint import sharded as checkpoint_module
 
 from zerofn.errors import CheckpointError
-from zerofn.zero.checkpoint_manifest import (
+from zerofn.zero.checkpoint.manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,
     check_files,
 )
-from zerofn.zero.checkpoint_run import (
+from zerofn.zero.checkpoint.run import (
     is_temporary,
     newest,
     staging_name,
@@ -47,7 +47,7 @@ from zerofn.zero.checkpoint_run import (
     to_prune,
     trash_name,
 )
-from zerofn.zero.sharded_checkpoint import extra_entries, nested_extra
+from zerofn.zero.checkpoint.sharded import extra_entries, nested_extra
 
 SETTINGS = settings(max_examples=draws(200), deadline=None)
 

@@ -1,6 +1,6 @@
 """Integrity of sharded optimizer checkpoints.
 
-The manifest's pure checks (:mod:`zerofn.zero.checkpoint_manifest`) as hypothesis
+The manifest's pure checks (:mod:`zerofn.zero.checkpoint.manifest`) as hypothesis
 properties, then, on 2 real gloo ranks, every way a saved checkpoint can be
 damaged: each must be refused by every rank with the same CheckpointError,
 naming the file and its defect, with the optimizer unchanged. Spawning is
@@ -32,7 +32,7 @@ from zerofn_torch.checkpoint import load_sharded, save_sharded
 
 from zerofn.errors import CheckpointError
 from zerofn.testing import strategies as zst
-from zerofn.zero.checkpoint_manifest import (
+from zerofn.zero.checkpoint.manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,

@@ -20,7 +20,7 @@ from zerofn.comm import Broadcast, GatherSegments
 from zerofn.testing.compressed import master_replica_gap
 from zerofn.testing.overlap import simulate_overlapped_step
 from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
-from zerofn.zero.compressed_exchange import exchange_bytes, local_spans, update_parts
+from zerofn.zero.compressed.exchange import exchange_bytes, local_spans, update_parts
 from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.options import compression_master_dtype, resolve_compression
 from zerofn.zero.plan import plan_shards

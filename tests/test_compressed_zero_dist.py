@@ -25,7 +25,7 @@ from zerofn_torch.hooks.overlap import hook_with_zero_step
 from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.testing.zero import simulated_ranks, step_simulated
-from zerofn.zero.compressed_exchange import exchange_bytes
+from zerofn.zero.compressed.exchange import exchange_bytes
 
 STEPS = 4
 

@@ -1,5 +1,5 @@
 """Who is silent, from heartbeat counters read by one watcher
-(:mod:`zerofn.zero.liveness`): property tests over readings at random times."""
+(:mod:`zerofn.zero.elastic.liveness`): property tests over readings at random times."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from zerofn.zero.liveness import BeatView, seen_beats, silent_ranks
+from zerofn.zero.elastic.liveness import BeatView, seen_beats, silent_ranks
 
 readings = st.lists(
     st.tuples(

@@ -155,3 +155,24 @@ def test_the_public_faces_keep_their_import_paths() -> None:
             allreduce_hook, hook_with_zero_step, powerSGD_hook, Join, zerofn_torch.LossScaler,
         )
     )  # fmt: skip
+
+
+def test_moved_modules_keep_their_old_import_paths_name_by_name() -> None:
+    """Every module that moved into a subpackage of ``zerofn.zero`` imports
+    under its old path as the same module, and every public name of it
+    imports from the old path (``from zerofn.zero.redundancy import ...``)."""
+    import importlib
+
+    from zerofn.zero.old_paths import MOVED
+
+    assert MOVED
+    for old, new in MOVED.items():
+        moved = importlib.import_module(new)
+        assert importlib.import_module(old) is moved, old
+        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old} is still a file"
+        names = getattr(moved, "__all__", [])
+        assert names, f"{new} lists no public names"
+        for name in names:
+            namespace: dict[str, object] = {}
+            exec(f"from {old} import {name}", namespace)
+            assert namespace[name] is getattr(moved, name), f"{old}.{name}"

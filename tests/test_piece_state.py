@@ -1,4 +1,4 @@
-"""Optimizer state by piece of a parameter (:mod:`zerofn.zero.piece_state`):
+"""Optimizer state by piece of a parameter (:mod:`zerofn.zero.elastic.piece_state`):
 property tests of cutting and joining, on states cut at random points."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zerofn.zero.elastic.piece_state import state_of, whole_pieces
 from zerofn.zero.partition import Piece
-from zerofn.zero.piece_state import state_of, whole_pieces
 
 SETTINGS = settings(max_examples=draws(80), deadline=None)
 

@@ -1,5 +1,5 @@
 """The survivors' agreement on where to go on from after a lost rank
-(:func:`zerofn.zero.recovery_point.recovery_point`), over every combination of
+(:func:`zerofn.zero.elastic.recovery_point.recovery_point`), over every combination of
 positions the survivors of a step can report, and the impossible ones."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.zero.recovery_point import (
+from zerofn.zero.elastic.recovery_point import (
     InconsistentPositions,
     Position,
     RecoveryPoint,

@@ -22,11 +22,8 @@ from hypothesis import strategies as st
 from zerofn.footprint import plan_footprint
 from zerofn.testing.elastic import grown_by, survivors_of
 from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
-from zerofn.zero.partition import FlatPartition
-from zerofn.zero.piece_state import state_of, whole_pieces
-from zerofn.zero.plan import ShardPlan, plan_shards
-from zerofn.zero.rank import answer_local_step
-from zerofn.zero.redundancy import (
+from zerofn.zero.elastic.piece_state import state_of, whole_pieces
+from zerofn.zero.elastic.redundancy import (
     Regrouping,
     carried_owner,
     carrier_of,
@@ -34,6 +31,9 @@ from zerofn.zero.redundancy import (
     plan_after_join,
     plan_after_loss,
 )
+from zerofn.zero.partition import FlatPartition
+from zerofn.zero.plan import ShardPlan, plan_shards
+from zerofn.zero.rank import answer_local_step
 from zerofn.zero.step import LocalStep
 
 SETTINGS = settings(max_examples=draws(60), deadline=None)

@@ -17,7 +17,7 @@ from zerofn_torch.elastic import SILENT_AFTER_S, RollCall, roll_call
 from zerofn_torch.runtime.heartbeat import beat_key
 
 from zerofn.errors import CollectiveError
-from zerofn.zero.recovery_point import Position
+from zerofn.zero.elastic.recovery_point import Position
 
 
 def call_together(

@@ -43,7 +43,7 @@ from bench_soak_restart import (
 from kill_plan import Kill, format_plan, parse_plan
 from train_resumable import checkpoint_name
 
-from zerofn.zero.checkpoint_run import temporaries
+from zerofn.zero.checkpoint.run import temporaries
 
 JOB_TIMEOUT_S = 150.0
 # Whichever soak test runs first runs both jobs (a module fixture): each

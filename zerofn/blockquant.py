@@ -14,7 +14,7 @@ first so that they stay aligned::
 
     [ scales: float32 x blocks | codes: numel (int8) or ceil(numel / 2) (int4) | pad to 4 ]
 
-The compressed ZeRO exchange (:mod:`zerofn.zero.compressed_exchange`) and
+The compressed ZeRO exchange (:mod:`zerofn.zero.compressed.exchange`) and
 DiLoCo's compressed sync both send these payloads. Decoding is a pure
 function of the payload's bytes, so every rank that decodes the same payload
 gets the same values, bit for bit.

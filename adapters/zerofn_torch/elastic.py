@@ -20,8 +20,8 @@ step boundary, with no restart and no checkpoint read::
 
 Which decisions are made where: the roll call is this module's (the job's
 store, a deadline); who owns and carries what afterwards, what moves, and
-the rebuilt rank are the core's (:func:`zerofn.zero.redundancy.plan_after_loss`,
-:mod:`zerofn.zero.regroup`), the same functions the simulated world runs
+the rebuilt rank are the core's (:func:`zerofn.zero.elastic.redundancy.plan_after_loss`,
+:mod:`zerofn.zero.elastic.regroup`), the same functions the simulated world runs
 (:func:`zerofn.testing.elastic.survivors_of`).
 """
 
@@ -47,14 +47,14 @@ from zerofn.diloco.redundancy import (
 )
 from zerofn.diloco.schedule import fragment_synced_at
 from zerofn.errors import CollectiveError
-from zerofn.zero.liveness import seen_beats, silent_ranks
-from zerofn.zero.recovery_point import (
+from zerofn.zero.elastic.liveness import seen_beats, silent_ranks
+from zerofn.zero.elastic.recovery_point import (
     InconsistentPositions,
     Position,
     RecoveryPoint,
     recovery_point,
 )
-from zerofn.zero.redundancy import plan_after_loss
+from zerofn.zero.elastic.redundancy import plan_after_loss
 from zerofn_torch.diloco import DiLoCoOptimizer
 
 # Growing back is its own module; its names stay importable from here, beside recover.
@@ -119,7 +119,7 @@ class RollCall(Generic[P]):
     Attributes:
         alive: the group ranks that answered, in order.
         positions: where each of them stood (in ``alive``'s order): in the
-            ZeRO step sequence, what :func:`~zerofn.zero.recovery_point.recovery_point`
+            ZeRO step sequence, what :func:`~zerofn.zero.elastic.recovery_point.recovery_point`
             turns into the point every survivor goes on from; in DiLoCo's
             syncs, what :func:`~zerofn.diloco.redundancy.sync_recovery` does.
     """
@@ -142,7 +142,7 @@ class Recovered:
             redo it); ``False``: redo it on the survivors.
         point: the point every survivor went on from (the same on all of
             them, whichever call failed on which): a ZeRO optimizer's
-            :class:`~zerofn.zero.recovery_point.RecoveryPoint`, or DiLoCo's
+            :class:`~zerofn.zero.elastic.recovery_point.RecoveryPoint`, or DiLoCo's
             :class:`~zerofn.diloco.redundancy.SyncRecovery`.
     """
 
@@ -238,10 +238,10 @@ def recover(
 
     The survivors agree on who is alive and where each stood in the step
     (:func:`roll_call`), and from that on one point to go on from
-    (:func:`zerofn.zero.recovery_point.recovery_point`), whichever collective
+    (:func:`zerofn.zero.elastic.recovery_point.recovery_point`), whichever collective
     failed on which rank. They form a process group in-process
     (``new_group(..., use_local_synchronization=True)``), re-plan
-    (:func:`zerofn.zero.redundancy.plan_after_loss`), and reach that point:
+    (:func:`zerofn.zero.elastic.redundancy.plan_after_loss`), and reach that point:
     a survivor that failed before its local step while another took it takes
     it from the other's averaged gradients; a step whose exchange did not
     complete is finished, the lost shards' updates coming from their carriers'
@@ -277,7 +277,7 @@ def recover(
 
     Raises:
         ValueError: ``zero`` keeps one copy of each shard (``redundancy=1``),
-            or what :func:`~zerofn.zero.redundancy.plan_after_loss` refuses (a
+            or what :func:`~zerofn.zero.elastic.redundancy.plan_after_loss` refuses (a
             shard and its carrier both lost): restart from a checkpoint.
         BaseException: ``error`` itself, when every rank answered and it is
             no failed collective.
@@ -402,7 +402,7 @@ def _agree(
     """The survivors' agreement, the same for every optimizer that recovers:
     the failed world left, the alarm raised, the roll call held, and from the
     positions it gathered one decision (``decide``: the ZeRO step's
-    :func:`~zerofn.zero.recovery_point.recovery_point` or DiLoCo's
+    :func:`~zerofn.zero.elastic.recovery_point.recovery_point` or DiLoCo's
     :func:`~zerofn.diloco.redundancy.sync_recovery`).
 
     Returns:

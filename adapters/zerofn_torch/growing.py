@@ -14,8 +14,8 @@ the joiner calls :func:`join` with the job's store, model and optimizer::
 
 Who is let in is this module's (the joiners' announcements in the store,
 checked against the job's :class:`Fingerprint`); the grown plan, the moves and
-the rebuilt ranks are the core's (:func:`zerofn.zero.redundancy.plan_after_join`,
-:func:`zerofn.zero.regroup.regroup_program`), the same the simulated world
+the rebuilt ranks are the core's (:func:`zerofn.zero.elastic.redundancy.plan_after_join`,
+:func:`zerofn.zero.elastic.regroup.regroup_program`), the same the simulated world
 runs (:func:`zerofn.testing.elastic.grown_by`). Losing a rank is
 :mod:`zerofn_torch.elastic`'s, which also exports these names.
 """
@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Broadcast, Program
+from zerofn.zero.elastic.redundancy import Regrouping, plan_after_join
 from zerofn.zero.options import compression_master_dtype, resolve_compression
 from zerofn.zero.partition import FlatPartition
 from zerofn.zero.precision import resolve_master_dtype
-from zerofn.zero.redundancy import Regrouping, plan_after_join
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime import group_sockets
@@ -234,7 +234,7 @@ def admit(
     The ranks agree on the admitted ones with one broadcast of a few bytes
     (the cost of a call that finds nobody). Then every running rank and
     every joiner starts a new default process group, rank 0 sends the
-    joiners the plan (:func:`~zerofn.zero.redundancy.plan_after_join`),
+    joiners the plan (:func:`~zerofn.zero.elastic.redundancy.plan_after_join`),
     ``extra`` and the parameters, the moves give the joiners their shards and
     carried copies, and every optimizer is rebuilt; last, every rank checks
     that the parameters agree (:func:`zerofn_torch.verify_replicas`). A

@@ -23,7 +23,7 @@ keeps a full copy of the anchor, the *replica*, identical on every rank:
    on the bytes alone, so the replicas stay bitwise identical; what the
    codes leave out stays in ``master - replica`` and travels with the next
    sync (the compressed ZeRO exchange does the same,
-   :mod:`zerofn.zero.compressed_exchange`).
+   :mod:`zerofn.zero.compressed.exchange`).
 
 Memory: the replica and the residual cost 8 bytes per parameter on every
 rank, on top of the owners' 4-byte master slices and the optimizer state.

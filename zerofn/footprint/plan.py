@@ -27,12 +27,12 @@ import torch
 from zerofn.blockquant import BlockQuantizer
 from zerofn.hooks.powersgd import PowerSGDConfig, bucket_layout
 from zerofn.zero.chunks import chunk_sizes
-from zerofn.zero.compressed_exchange import compressed_buffer_bytes, exchange_bytes
+from zerofn.zero.compressed.exchange import compressed_buffer_bytes, exchange_bytes
+from zerofn.zero.elastic.redundancy import carried_owner, check_redundancy
 from zerofn.zero.options import compression_master_dtype, resolve_compression
 from zerofn.zero.partition import FlatPartition, PartitionMode
 from zerofn.zero.plan import ShardPlan, plan_shards
 from zerofn.zero.precision import resolve_master_dtype
-from zerofn.zero.redundancy import carried_owner, check_redundancy
 
 __all__ = [
     "OPTIMIZERS",
@@ -274,7 +274,7 @@ def _rank_bytes(
 def _carried_bytes(
     plan: ShardPlan, rank: int, model: OptimizerModel, itemsize: int, flat_chunks: bool
 ) -> int:
-    """The copy of :func:`~zerofn.zero.redundancy.carried_owner`'s shard:
+    """The copy of :func:`~zerofn.zero.elastic.redundancy.carried_owner`'s shard:
     its values (its masters, with master copies) and its optimizer state,
     both of ``itemsize`` bytes an element."""
     owner = carried_owner(rank, plan.world_size)

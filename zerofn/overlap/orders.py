@@ -27,7 +27,7 @@ from zerofn.comm import Program, ProgramStep
 from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
 from zerofn.overlap.step import broadcast_differences_from_owners, broadcast_from_owners
-from zerofn.zero.compressed_exchange import add_difference
+from zerofn.zero.compressed.exchange import add_difference
 from zerofn.zero.masters import Masters
 from zerofn.zero.precision import step_factor_program
 

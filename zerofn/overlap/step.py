@@ -14,7 +14,7 @@ one rank. Per bucket:
    :class:`~zerofn.comm.Broadcast` per shard), or, with a compressed
    exchange, :func:`broadcast_differences_from_owners` sends each shard's
    block-quantized difference from the replica, which every rank, the owner
-   included, adds (see :mod:`zerofn.zero.compressed_exchange`).
+   included, adds (see :mod:`zerofn.zero.compressed.exchange`).
 
 Reduce plus broadcast move the bytes of one all-reduce, where all-reduce plus
 a ZeRO exchange would move one and a half. Ownership is decided here, once;

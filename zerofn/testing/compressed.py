@@ -1,13 +1,13 @@
 """What a simulated rank of the compressed exchange promises, measured: how
 far its replica trails its masters, against the bound the last difference
-sent allows (:mod:`zerofn.zero.compressed_exchange`)."""
+sent allows (:mod:`zerofn.zero.compressed.exchange`)."""
 
 from __future__ import annotations
 
 import torch
 
 from zerofn.testing.zero import SimulatedRank
-from zerofn.zero.compressed_exchange import block_scales, local_spans
+from zerofn.zero.compressed.exchange import block_scales, local_spans
 
 __all__ = ["master_replica_gap"]
 

@@ -1,7 +1,7 @@
 """Simulated worlds that lose or gain ranks (``redundancy=2``), rebuilt by
 the core functions ``zerofn_torch.elastic`` runs on a real one: the plan
-after a loss or a join (:mod:`zerofn.zero.redundancy`) and the regroup
-(:func:`zerofn.zero.regroup.regroup_program`), over the plain step's
+after a loss or a join (:mod:`zerofn.zero.elastic.redundancy`) and the regroup
+(:func:`zerofn.zero.elastic.regroup.regroup_program`), over the plain step's
 simulated ranks (:mod:`zerofn.testing.zero`)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import attrs
 
 from zerofn.testing.world import run_programs
 from zerofn.testing.zero import SimulatedRank, param_groups_of
+from zerofn.zero.elastic.redundancy import Regrouping, plan_after_join, plan_after_loss
+from zerofn.zero.elastic.regroup import regroup_program
 from zerofn.zero.rank import build_rank
-from zerofn.zero.redundancy import Regrouping, plan_after_join, plan_after_loss
-from zerofn.zero.regroup import regroup_program
 
 __all__ = ["grown_by", "survivors_of"]
 
@@ -24,9 +24,9 @@ def survivors_of(
 ) -> list[SimulatedRank]:
     """The simulated world after ranks ``lost`` are gone (``redundancy=2``),
     rebuilt as ``zerofn_torch.elastic.recover`` rebuilds a real one: the
-    survivors' plan (:func:`~zerofn.zero.redundancy.plan_after_loss`), the
+    survivors' plan (:func:`~zerofn.zero.elastic.redundancy.plan_after_loss`), the
     moves delivered, each survivor re-built from what it knew
-    (:func:`~zerofn.zero.regroup.regrouped`).
+    (:func:`~zerofn.zero.elastic.regroup.regrouped`).
 
     Args:
         ranks: the world before the loss.
@@ -39,7 +39,7 @@ def survivors_of(
         The survivors, in their new rank order.
 
     Raises:
-        ValueError: what :func:`~zerofn.zero.redundancy.plan_after_loss` refuses.
+        ValueError: what :func:`~zerofn.zero.elastic.redundancy.plan_after_loss` refuses.
     """
     regrouping = plan_after_loss(ranks[0].zero.plan, lost)
     alive = [ranks[old] for old in regrouping.survivors]
@@ -49,9 +49,9 @@ def survivors_of(
 def grown_by(ranks: Sequence[SimulatedRank], joiners: int) -> list[SimulatedRank]:
     """The simulated world once ``joiners`` new ranks join (``redundancy=2``),
     grown as ``zerofn_torch.elastic`` grows a real one: the plan
-    (:func:`~zerofn.zero.redundancy.plan_after_join`), each joiner built as its
+    (:func:`~zerofn.zero.elastic.redundancy.plan_after_join`), each joiner built as its
     own optimizer builds it and handed rank 0's parameters, the moves
-    delivered, every rank re-built (:func:`~zerofn.zero.regroup.regrouped`).
+    delivered, every rank re-built (:func:`~zerofn.zero.elastic.regroup.regrouped`).
 
     Returns:
         The running ranks, then the joiners, in rank order.
@@ -75,7 +75,7 @@ def _regrouped_world(
     world: Sequence[SimulatedRank], regrouping: Regrouping, *, finish_step: bool = False
 ) -> list[SimulatedRank]:
     """Every rank of the new world rebuilt (new rank = position) by the
-    core's :func:`~zerofn.zero.regroup.regroup_program`, which the adapter's
+    core's :func:`~zerofn.zero.elastic.regroup.regroup_program`, which the adapter's
     ``regroup`` drives too."""
     programs = [
         regroup_program(

@@ -31,7 +31,7 @@ import torch
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Program, Request, watched
 from zerofn.testing.world import run_programs
-from zerofn.zero.compressed_exchange import PIECE_ELEMENTS
+from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.masters import Masters
 from zerofn.zero.options import resolve_options

@@ -6,7 +6,7 @@ error before anything is built.
 optimizer's own included, each kept with the idea it checks: the
 optimizer class and element-wise promise (:mod:`zerofn.zero.optimizers`),
 the parameters (:mod:`zerofn.zero.params`), redundancy
-(:func:`~zerofn.zero.redundancy.check_redundancy`), the codec
+(:func:`~zerofn.zero.elastic.redundancy.check_redundancy`), the codec
 (:func:`resolve_compression`) and the masters' dtype
 (:func:`~zerofn.zero.precision.resolve_master_dtype`, and
 :func:`compression_master_dtype` for a compressed exchange's).
@@ -24,12 +24,12 @@ import torch
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer, quantizer_for
-from zerofn.zero.compressed_exchange import PIECE_ELEMENTS
+from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
+from zerofn.zero.elastic.redundancy import check_redundancy
 from zerofn.zero.exchange import ExchangeVia
 from zerofn.zero.optimizers import check_elementwise, check_optimizer_class
 from zerofn.zero.params import check_same_dense_type, hyperparameters
 from zerofn.zero.precision import resolve_master_dtype
-from zerofn.zero.redundancy import check_redundancy
 
 __all__ = [
     "ZeroOptions",
@@ -57,7 +57,7 @@ class ZeroOptions:
         via: how the exchange moves shards.
         piece_elements: the compressed exchange's piece length.
         redundancy: on how many ranks each shard's state lives (1 or 2; see
-            :mod:`zerofn.zero.redundancy`).
+            :mod:`zerofn.zero.elastic.redundancy`).
     """
 
     optimizer_class: type[Optimizer]

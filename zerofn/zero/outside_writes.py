@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from zerofn.zero.elastic.redundancy import reseed_carried
 from zerofn.zero.rank import ZeroRank
 from zerofn.zero.rank_state import held_pieces
-from zerofn.zero.redundancy import reseed_carried
 
 __all__ = ["owned_parameters", "parameter_versions", "rederive_from_parameters", "written_since"]
 

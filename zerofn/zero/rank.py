@@ -34,15 +34,15 @@ import attrs
 import torch
 from torch.optim import Optimizer
 
-from zerofn.zero.carried import (
+from zerofn.zero.compressed.exchange import (
+    CompressedExchange,
+    compressed_exchange,
+)
+from zerofn.zero.elastic.carried import (
     CarriedShard,
     carried_shard,
     hand_carried_grads,
     step_carried,
-)
-from zerofn.zero.compressed_exchange import (
-    CompressedExchange,
-    compressed_exchange,
 )
 from zerofn.zero.masters import Masters, make_masters
 from zerofn.zero.optimizers import steps_in_parts
@@ -129,7 +129,7 @@ class ZeroRank:
         """What the step program's compressed exchange needs (``None``: exact).
         With a carried copy the local step is taken whole before the exchange,
         never in parts: a loss inside the exchange then finds every survivor's
-        step whole (:mod:`zerofn.zero.compressed_finish` finishes it)."""
+        step whole (:mod:`zerofn.zero.compressed.finish` finishes it)."""
         if self.exchange is None:
             return None
         assert self.masters is not None  # a compressed exchange always keeps masters

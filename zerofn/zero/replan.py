@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from zerofn.zero.arguments import plan_for
-from zerofn.zero.carried import CarriedShard, carried_shard
+from zerofn.zero.elastic.carried import CarriedShard, carried_shard
+from zerofn.zero.elastic.piece_state import load_states
+from zerofn.zero.elastic.regroup import carried_states
 from zerofn.zero.params import StateDict, hyperparameters
-from zerofn.zero.piece_state import load_states
 from zerofn.zero.plan import ShardPlan
 from zerofn.zero.rank import (
     ZeroRank,
@@ -21,7 +22,6 @@ from zerofn.zero.rank import (
     placed_rank,
 )
 from zerofn.zero.rank_state import load_global_state, local_state_dict, regroup
-from zerofn.zero.regroup import carried_states
 
 __all__ = ["sharded_by_owners", "with_added_group"]
 

@@ -16,7 +16,7 @@ packing and unpacking are no-ops of the mode's record
 (:mod:`zerofn.zero.shards`); the program's order does not change. With a
 compressed exchange (:class:`Compressed`) the local step moves only the
 masters, and the exchange sends their quantized difference from the
-parameters (:mod:`zerofn.zero.compressed_exchange`).
+parameters (:mod:`zerofn.zero.compressed.exchange`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from zerofn.comm import Program, answering
-from zerofn.zero.compressed_exchange import CompressedExchange, compressed_exchange_program
+from zerofn.zero.compressed.exchange import CompressedExchange, compressed_exchange_program
 from zerofn.zero.exchange import ExchangeVia, exchange_program
 from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.masters import Masters
@@ -49,7 +49,7 @@ class Compressed:
     """What a compressed exchange needs besides the shards.
 
     Attributes:
-        exchange: the payload buffers (:mod:`zerofn.zero.compressed_exchange`).
+        exchange: the payload buffers (:mod:`zerofn.zero.compressed.exchange`).
         masters: the exact values the local optimizer steps, in its order;
             the local step must leave the parameters (the replica) alone.
         in_parts: step the masters a few at a time, each part just before

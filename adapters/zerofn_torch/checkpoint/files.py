@@ -3,7 +3,7 @@ disk, and the renames that make a save all-or-nothing.
 
 No collectives here: :mod:`zerofn_torch.checkpoint.sharded` decides on which rank
 each runs and tells every rank how it went. Which names are temporaries and
-which checkpoints to keep are pure decisions of :mod:`zerofn.zero.checkpoint_run`.
+which checkpoints to keep are pure decisions of :mod:`zerofn.zero.checkpoint.run`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import re
 import shutil
 import sys
 
-from zerofn.zero.checkpoint_manifest import (
+from zerofn.zero.checkpoint.manifest import (
     MANIFEST_NAME,
     FileRecord,
     Manifest,
     is_checkpoint_file,
 )
-from zerofn.zero.checkpoint_run import is_temporary, temporaries
+from zerofn.zero.checkpoint.run import is_temporary, temporaries
 
 __all__ = [
     "METADATA",

@@ -24,16 +24,16 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from zerofn.zero.checkpoint_manifest import (
+from zerofn.zero.checkpoint.manifest import (
     FileRecord,
     Manifest,
     check_files,
     is_checkpoint_file,
     refusal,
 )
-from zerofn.zero.checkpoint_run import staging_name, to_prune, trash_name
+from zerofn.zero.checkpoint.run import staging_name, to_prune, trash_name
+from zerofn.zero.checkpoint.sharded import PREFIX, extra_entries, piece_key
 from zerofn.zero.partition import Piece
-from zerofn.zero.sharded_checkpoint import PREFIX, extra_entries, piece_key
 from zerofn_torch.checkpoint import files as files
 from zerofn_torch.runtime.collective_errors import guarded
 from zerofn_torch.runtime.object_collectives import (

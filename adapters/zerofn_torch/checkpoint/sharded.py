@@ -3,11 +3,11 @@
 :func:`save_sharded` has every rank write only the state it owns, with no
 gather to one rank; :func:`load_sharded` lets every rank read only what it now
 owns, at any world size and under any partition mode. Keys and reassembly
-come from :mod:`zerofn.zero.sharded_checkpoint`.
+come from :mod:`zerofn.zero.checkpoint.sharded`.
 
 A save never writes into the checkpoint it replaces: it writes into a hidden
 staging directory beside it, ends with a manifest
-(:mod:`zerofn.zero.checkpoint_manifest`) holding the size and SHA-256 of each
+(:mod:`zerofn.zero.checkpoint.manifest`) holding the size and SHA-256 of each
 file, verifies it on every rank, and only then swaps it for the target in one
 rename (:mod:`zerofn_torch.checkpoint.files`). Every load checks the directory
 against its manifest, on every rank and before anything is unpickled or
@@ -28,23 +28,23 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from zerofn.errors import CheckpointError
-from zerofn.zero.checkpoint_manifest import (
+from zerofn.zero.checkpoint.manifest import (
     check_files,
     check_model,
     is_checkpoint_file,
     refusal,
 )
-from zerofn.zero.checkpoint_run import is_temporary, newest, to_prune
-from zerofn.zero.params import global_groups
-from zerofn.zero.partition import Piece
-from zerofn.zero.rank_state import held_pieces
-from zerofn.zero.sharded_checkpoint import (
+from zerofn.zero.checkpoint.run import is_temporary, newest, to_prune
+from zerofn.zero.checkpoint.sharded import (
     Copy,
     cover,
     is_extra_key,
     nested_extra,
     parse_key,
 )
+from zerofn.zero.params import global_groups
+from zerofn.zero.partition import Piece
+from zerofn.zero.rank_state import held_pieces
 from zerofn_torch.checkpoint import files as files
 from zerofn_torch.checkpoint.background import SaveHandle, in_flight, save_group, settle_in_flight
 from zerofn_torch.checkpoint.save import GROUPS, SIZES, group_sizes, save, shapes, snapshot

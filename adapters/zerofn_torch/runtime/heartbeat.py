@@ -1,6 +1,6 @@
 """A rank's heartbeat in the job's store, and the job's alarm: how ranks learn
 that a peer died, or that a collective failed somewhere, without waiting for
-a collective to time out (:mod:`zerofn.zero.liveness` says how a watcher
+a collective to time out (:mod:`zerofn.zero.elastic.liveness` says how a watcher
 reads the heartbeats).
 
 One daemon thread per process (started for an optimizer with
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn.errors import CollectiveError
-from zerofn.zero.liveness import BeatView, seen_beats, silent_ranks
+from zerofn.zero.elastic.liveness import BeatView, seen_beats, silent_ranks
 from zerofn_torch.runtime import group_sockets
 from zerofn_torch.runtime.futures import on_done
 

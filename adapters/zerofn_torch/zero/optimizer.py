@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from zerofn.blockquant import BlockQuantizer
 from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, plan_for
+from zerofn.zero.elastic.recovery_point import Position, exchanged
 from zerofn.zero.hook_driven import OverlapBinding
 from zerofn.zero.options import resolve_options, via_for_backend
 from zerofn.zero.outside_writes import (
@@ -40,7 +41,6 @@ from zerofn.zero.rank import (
     synced_hyperparameters,
     with_current_trainable,
 )
-from zerofn.zero.recovery_point import Position, exchanged
 from zerofn.zero.replan import with_added_group
 from zerofn.zero.step import run_zero_step
 from zerofn_torch.join import Join, JoinHook

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from zerofn.zero.elastic.recovery_point import Position, stepped
 from zerofn.zero.local_step import LocalStep
 from zerofn.zero.outside_writes import owned_parameters, parameter_versions
 from zerofn.zero.params import StateDict
 from zerofn.zero.rank import ZeroRank, flat_params
-from zerofn.zero.recovery_point import Position, stepped
 from zerofn_torch.runtime.heartbeat import Heartbeat
 
 __all__ = ["ShellState"]

@@ -2,7 +2,7 @@
 stands in the step sequence, the local step it may have missed, and the
 regroup that :mod:`zerofn_torch.elastic` drives after a loss or a join. What
 moves and how the rank is rebuilt are the core's
-(:func:`zerofn.zero.regroup.regroup_program`)."""
+(:func:`zerofn.zero.elastic.regroup.regroup_program`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
+from zerofn.zero.elastic.recovery_point import Position
+from zerofn.zero.elastic.redundancy import Regrouping
+from zerofn.zero.elastic.regroup import regroup_program
 from zerofn.zero.local_step import LocalStep
 from zerofn.zero.rank import answer_local_step, synced_hyperparameters
-from zerofn.zero.recovery_point import Position
-from zerofn.zero.redundancy import Regrouping
-from zerofn.zero.regroup import regroup_program
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.zero.shell_state import ShellState
 
@@ -92,7 +92,7 @@ class WorldChanges(ShellState):
         finish_step: bool,
     ) -> None:
         """Go on as rank ``new_rank`` of ``group`` under ``regrouping``'s
-        plan: the core's :func:`~zerofn.zero.regroup.regroup_program`, driven
+        plan: the core's :func:`~zerofn.zero.elastic.regroup.regroup_program`, driven
         on ``group`` (the moves that restore redundancy, the optimizer
         rebuilt, and with ``finish_step`` the interrupted step finished).
         Not for training loops: :mod:`zerofn_torch.elastic` calls it on
@@ -101,8 +101,8 @@ class WorldChanges(ShellState):
         Args:
             group: the new world's process group.
             regrouping: the core's decision
-                (:func:`~zerofn.zero.redundancy.plan_after_loss`,
-                :func:`~zerofn.zero.redundancy.plan_after_join`).
+                (:func:`~zerofn.zero.elastic.redundancy.plan_after_loss`,
+                :func:`~zerofn.zero.elastic.redundancy.plan_after_join`).
             new_rank: this rank in ``group``.
             finish_step: finish the step whose exchange a loss interrupted
                 (the lost shards' updates come from their carried copies).

@@ -4,7 +4,7 @@ Each rank's segment of a buffer travels as its quantized difference, cut into
 pieces of whole blocks (:data:`PIECE_ELEMENTS`); each rank's payload lies in
 one byte buffer per layout, the ranks' payloads end to end. These functions
 say where each piece starts and ends, in elements and in bytes, and what the
-buffers and scratch cost: the exchange (:mod:`zerofn.zero.compressed_exchange`),
+buffers and scratch cost: the exchange (:mod:`zerofn.zero.compressed.exchange`),
 its finish after a loss and the planner read them.
 """
 

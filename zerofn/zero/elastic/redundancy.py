@@ -2,7 +2,7 @@
 
 With ``redundancy=2`` each rank's shard lives on it and on its carrier (the
 next rank, round), which steps a copy beside its own shard
-(:mod:`zerofn.zero.carried`). When ranks are lost, :func:`plan_after_loss`
+(:mod:`zerofn.zero.elastic.carried`). When ranks are lost, :func:`plan_after_loss`
 is the whole decision, a pure function of the old plan and the lost ranks:
 each survivor keeps what it owned, each lost shard goes to a survivor next to
 it, and the new carriers (ring order among the survivors) get copies of what
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from zerofn.zero.carried import (
+from zerofn.zero.elastic.carried import (
     CarriedShard,
     carried_owner,
     carried_shard,

@@ -2,8 +2,8 @@
 communication program (:func:`regroup_program`): a lost shard's update
 finished from the carried copy, what the rank knows of the optimizer state
 sent where redundancy needs it, the rank it becomes under
-:func:`zerofn.zero.redundancy.plan_after_loss`'s or
-:func:`~zerofn.zero.redundancy.plan_after_join`'s plan, and the interrupted
+:func:`zerofn.zero.elastic.redundancy.plan_after_loss`'s or
+:func:`~zerofn.zero.elastic.redundancy.plan_after_join`'s plan, and the interrupted
 step's exchange on the new world. The adapter (``zerofn_torch.elastic``,
 through the optimizer's ``regroup``) drives it on a process group, the
 simulated world (:mod:`zerofn.testing.zero`) on simulated ranks.
@@ -18,12 +18,18 @@ import attrs
 import torch
 
 from zerofn.comm import AllGatherObjects, Program
-from zerofn.zero.carried import write_pieces
-from zerofn.zero.compressed_finish import finish_compressed_program
+from zerofn.zero.compressed.finish import finish_compressed_program
+from zerofn.zero.elastic.carried import write_pieces
+from zerofn.zero.elastic.piece_state import (
+    ParamState,
+    PieceStates,
+    load_states,
+    state_of,
+    states_by_piece,
+)
+from zerofn.zero.elastic.redundancy import Regrouping
 from zerofn.zero.partition import Piece
-from zerofn.zero.piece_state import ParamState, PieceStates, load_states, state_of, states_by_piece
 from zerofn.zero.rank import OverlapMode, ZeroRank, flat_params, placed_rank
-from zerofn.zero.redundancy import Regrouping
 from zerofn.zero.step import run_zero_step
 
 __all__ = [
@@ -155,7 +161,7 @@ def regroup_program(
        step taken): the lost ranks' carried copies become the parameters
        (:func:`adopt_carried_values`); with a compressed exchange, the
        exchange is finished instead, in the old world's terms
-       (:func:`~zerofn.zero.compressed_finish.finish_compressed_program`).
+       (:func:`~zerofn.zero.compressed.finish.finish_compressed_program`).
     2. The moves: every rank's outbox (:func:`outgoing_states` of what it
        knows) is all-gathered; this rank keeps what was sent to it.
     3. The rank rebuilt from what it knows then (:func:`regrouped`).

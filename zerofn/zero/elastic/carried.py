@@ -12,7 +12,7 @@ tensors are masters too, kept from step to step as the owner keeps its own (a
 parameter's low precision cannot restore them), and handed the same upcast,
 unscaled and clipped gradients.
 
-Which copies move when the world changes is :mod:`zerofn.zero.redundancy`'s.
+Which copies move when the world changes is :mod:`zerofn.zero.elastic.redundancy`'s.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import torch
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Collect, GatherSegments, Post
 from zerofn.zero.chunks import ChunkSource
-from zerofn.zero.compressed_payloads import (
+from zerofn.zero.compressed.payloads import (
     PIECE_ELEMENTS,
     compressed_buffer_bytes,
     difference_numel,
@@ -111,7 +111,7 @@ class CompressedExchange:
         applied: per layout, how many pieces of the step in progress this
             rank has added to its replica (each piece covers every rank's
             segment): where an exchange a lost rank cut short stopped here
-            (:mod:`zerofn.zero.compressed_finish` goes on from it).
+            (:mod:`zerofn.zero.compressed.finish` goes on from it).
     """
 
     quantizer: BlockQuantizer

@@ -10,7 +10,7 @@ finished in the old world's terms, with the bytes the lost rank would have
 sent:
 
 * every survivor knows how many pieces of each buffer it applied
-  (:attr:`~zerofn.zero.compressed_exchange.CompressedExchange.applied`);
+  (:attr:`~zerofn.zero.compressed.exchange.CompressedExchange.applied`);
 * the holder of each old segment (its owner, or the carrier of a lost one,
   whose carried masters are the owner's bit for bit) has that segment's
   payload: the pieces it applied arrived whole, and it encodes the rest from
@@ -21,7 +21,7 @@ sent:
   pieces it has not.
 
 Then every replica is what the uninterrupted step would have left, and the
-world changes (:func:`zerofn.zero.regroup.regroup_program`).
+world changes (:func:`zerofn.zero.elastic.regroup.regroup_program`).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from typing import cast
 import torch
 
 from zerofn.comm import AllGatherObjects, Program
-from zerofn.zero.carried import carrier_of
 from zerofn.zero.chunks import ChunkSource
-from zerofn.zero.compressed_exchange import apply_piece, encode_unsent
-from zerofn.zero.compressed_payloads import piece_count
+from zerofn.zero.compressed.exchange import apply_piece, encode_unsent
+from zerofn.zero.compressed.payloads import piece_count
+from zerofn.zero.elastic.carried import carrier_of
+from zerofn.zero.elastic.redundancy import Regrouping
 from zerofn.zero.rank import ZeroRank
-from zerofn.zero.redundancy import Regrouping
 
 __all__ = ["finish_compressed_program", "held_payloads", "holder_of"]
 
@@ -56,7 +56,7 @@ def held_payloads(
 ) -> Payloads:
     """This rank's segments' and (for a lost owner it carried) the carried
     segment's whole payloads for the step in progress: what was applied as
-    it arrived, the rest encoded now (:func:`~zerofn.zero.compressed_exchange.encode_unsent`).
+    it arrived, the rest encoded now (:func:`~zerofn.zero.compressed.exchange.encode_unsent`).
     The payload buffers are written in place."""
     exchange, shards = rank.exchange, rank.shards
     assert exchange is not None and rank.masters is not None
