@@ -176,3 +176,19 @@ def test_moved_modules_keep_their_old_import_paths_name_by_name() -> None:
             namespace: dict[str, object] = {}
             exec(f"from {old} import {name}", namespace)
             assert namespace[name] is getattr(moved, name), f"{old}.{name}"
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    """``pyproject.toml`` lists packages by name (not found by search): every
+    folder with an ``__init__.py`` must be in it, or a built wheel lacks it."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {
+        ".".join([package, *init.parent.relative_to(folder).parts])
+        for package, folder in SOURCES.items()
+        for init in folder.rglob("__init__.py")
+    }
+    assert folders <= listed, sorted(folders - listed)
