@@ -67,9 +67,9 @@ from zerofn_torch.runtime.traffic import collective_traffic
 from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.testing.compressed import master_replica_gap
 from zerofn.testing.zero import simulated_ranks, step_simulated
-from zerofn.zero.chunks import chunk_sizes
 from zerofn.zero.compressed.exchange import add_difference, exchange_bytes
-from zerofn.zero.plan import ShardPlan, plan_shards
+from zerofn.zero.planning.chunks import chunk_sizes
+from zerofn.zero.planning.plan import ShardPlan, plan_shards
 from zerofn.zero.step import run_zero_step
 
 COMPRESSIONS = ("int8", "int4")

@@ -53,8 +53,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.runtime.launch import run_local_world
 
-from zerofn.zero.chunks import chunk_sizes
-from zerofn.zero.partition import greedy_partition
+from zerofn.zero.planning.chunks import chunk_sizes
+from zerofn.zero.planning.partition import greedy_partition
 
 KERNELS: dict[str, dict[str, Any]] = {"default": {}, "fused": {"fused": True}}
 SETTINGS = [

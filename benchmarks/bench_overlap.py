@@ -56,7 +56,7 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.traffic import Traffic, collective_traffic
 
 from zerofn.comm import Reduce
-from zerofn.zero.partition import greedy_partition
+from zerofn.zero.planning.partition import greedy_partition
 
 SETUPS = ("overlapped", "separate", "pytorch")
 TIME_TARGET = 1.0  # overlapped / a separate step's iteration time

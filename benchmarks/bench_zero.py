@@ -76,7 +76,12 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.traffic import collective_traffic
 
 from zerofn.overlap.ddp_buckets import assign_buckets
-from zerofn.zero.partition import balanced_partition, flat_partition, greedy_partition, rank_loads
+from zerofn.zero.planning.partition import (
+    balanced_partition,
+    flat_partition,
+    greedy_partition,
+    rank_loads,
+)
 from zerofn.zero.step import run_zero_step
 
 # ----------------------------------------------------------------------------

@@ -113,7 +113,7 @@ FEATURES: tuple[Feature, ...] = (
             "zerofn/zero/elastic/redundancy.py",
             "zerofn/zero/elastic/piece_state.py",
             "zerofn/zero/elastic/regroup.py",
-            "zerofn/zero/loss_scale.py",
+            "zerofn/zero/mixed_precision/loss_scale.py",
             "adapters/zerofn_torch/zero/loss_scaling.py",
         ),
         theirs=("distributed/optim/zero_redundancy_optimizer.py", _HOOKS + "ddp_zero_hook.py"),
@@ -192,9 +192,9 @@ BEYOND: tuple[Beyond, ...] = (
     Beyond(
         "the flat partition (tensors cut at the ranks' seams, stepped in chunks)",
         _ZERO,
-        files=("zerofn/zero/chunks.py",),
+        files=("zerofn/zero/planning/chunks.py",),
         definitions=(
-            *_in("zerofn/zero/partition.py", "Piece", "FlatPartition", "flat_partition"),
+            *_in("zerofn/zero/planning/partition.py", "Piece", "FlatPartition", "flat_partition"),
             *_in("zerofn/zero/shards.py", "FlatShards"),
             *_in(
                 "zerofn/zero/shard_state.py", "_consolidate_flat", "_shard_flat", "is_elementwise"
@@ -212,7 +212,7 @@ BEYOND: tuple[Beyond, ...] = (
         _ZERO,
         definitions=(
             *_in(
-                "zerofn/zero/partition.py",
+                "zerofn/zero/planning/partition.py",
                 "manual_partition",
                 "_largest_first",
                 "_lpt_owners",
@@ -227,8 +227,8 @@ BEYOND: tuple[Beyond, ...] = (
         "master weights, gradient clipping and unscaling",
         _ZERO,
         files=(
-            "zerofn/zero/masters.py",
-            "zerofn/zero/precision.py",
+            "zerofn/zero/mixed_precision/masters.py",
+            "zerofn/zero/mixed_precision/precision.py",
             "adapters/zerofn_torch/zero/gradients.py",
         ),
         definitions=(

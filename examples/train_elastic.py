@@ -53,8 +53,8 @@ from zerofn_torch.runtime.launch import run_local_world
 from zerofn.errors import CollectiveError
 from zerofn.zero.arguments import plan_for
 from zerofn.zero.elastic.redundancy import plan_after_join, plan_after_loss
-from zerofn.zero.partition import FlatPartition
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.partition import FlatPartition
+from zerofn.zero.planning.plan import ShardPlan
 
 STEPS, LOST_AT, LOST = 6, 3, 2
 BATCH = 4

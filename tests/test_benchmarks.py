@@ -46,7 +46,7 @@ from report import (
 )
 
 from zerofn.model_shapes import MODELS
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 
 samples = st.lists(st.floats(0.001, 1e3, allow_nan=False), min_size=1, max_size=50)
 
@@ -650,7 +650,7 @@ def test_the_elastic_bench_watches_names_the_library_still_calls() -> None:
     from zerofn.testing.elastic import survivors_of
     from zerofn.testing.zero import simulated_ranks, step_simulated
     from zerofn.zero.elastic import regroup
-    from zerofn.zero.plan import plan_shards
+    from zerofn.zero.planning.plan import plan_shards
 
     sizes = (6, 4, 5, 3)
     plan = plan_shards([list(sizes)], ["kind"] * 4, [True] * 4, 3)

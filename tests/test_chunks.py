@@ -1,4 +1,4 @@
-"""Cache-sized chunks of a flat shard (zerofn.zero.chunks): the cut covers the
+"""Cache-sized chunks of a flat shard (zerofn.zero.planning.chunks): the cut covers the
 tensor as torch.split does, and the state-dict conversions are inverses."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.zero.chunks import (
+from zerofn.zero.planning.chunks import (
     FLAT_CHUNK_BYTES,
     chunk_sizes,
     chunk_sources,
     merge_chunk_state,
     split_chunk_state,
 )
-from zerofn.zero.layout import Slot
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.layout import Slot
+from zerofn.zero.planning.partition import Piece
 
 
 @settings(max_examples=draws(100), deadline=None)

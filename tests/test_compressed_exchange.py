@@ -23,7 +23,7 @@ from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
 from zerofn.zero.compressed.exchange import exchange_bytes, local_spans, update_parts
 from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.options import compression_master_dtype, resolve_compression
-from zerofn.zero.plan import plan_shards
+from zerofn.zero.planning.plan import plan_shards
 
 quantizers = st.builds(
     BlockQuantizer, st.sampled_from([8, 4]), st.sampled_from([2, 4, 16, 64, 128])

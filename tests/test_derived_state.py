@@ -29,7 +29,7 @@ from zerofn.zero.outside_writes import (
     rederive_from_parameters,
     written_since,
 )
-from zerofn.zero.plan import plan_shards
+from zerofn.zero.planning.plan import plan_shards
 from zerofn.zero.rank_state import (
     held_pieces,
     joined_state,

@@ -142,7 +142,7 @@ def test_span_of_refuses_split_out_of_order_pieces() -> None:
 def test_a_plans_layouts_are_derived_never_passed() -> None:
     import pytest
 
-    from zerofn.zero.plan import ShardPlan, plan_shards
+    from zerofn.zero.planning.plan import ShardPlan, plan_shards
 
     plan = plan_shards([[3, 4]], ["cpu"] * 2, [True, False], 2, "greedy")
     rebuilt = ShardPlan(plan.mode, plan.partition, plan.keys, plan.trainable)

@@ -26,7 +26,7 @@ from zerofn import (
     rank_loads,
 )
 from zerofn.testing import strategies as zst
-from zerofn.zero.plan import plan_shards, with_trainable
+from zerofn.zero.planning.plan import plan_shards, with_trainable
 
 SETTINGS = settings(max_examples=draws(100), deadline=None)
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerofn.zero.elastic.piece_state import state_of, whole_pieces
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 
 SETTINGS = settings(max_examples=draws(80), deadline=None)
 

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerofn.testing.world import run_programs
-from zerofn.zero.loss_scale import (
+from zerofn.zero.mixed_precision.loss_scale import (
     LossScaleConfig,
     LossScaleState,
     init_loss_scale,
     update_loss_scale,
 )
-from zerofn.zero.precision import (
+from zerofn.zero.mixed_precision.precision import (
     clip_coefficient,
     global_norm_program,
     local_norm_power,

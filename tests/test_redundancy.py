@@ -31,8 +31,8 @@ from zerofn.zero.elastic.redundancy import (
     plan_after_join,
     plan_after_loss,
 )
-from zerofn.zero.partition import FlatPartition
-from zerofn.zero.plan import ShardPlan, plan_shards
+from zerofn.zero.planning.partition import FlatPartition
+from zerofn.zero.planning.plan import ShardPlan, plan_shards
 from zerofn.zero.rank import answer_local_step
 from zerofn.zero.step import LocalStep
 
@@ -433,7 +433,7 @@ def test_a_loaded_state_reaches_the_carried_copies_too(dtype: torch.dtype) -> No
     """After ``load_global_state`` (what ``load_state_dict`` and
     ``load_sharded`` run) every carried copy holds its owner's state, and
     with master copies its owner's masters."""
-    from zerofn.zero.precision import MASTER_KEY
+    from zerofn.zero.mixed_precision.precision import MASTER_KEY
     from zerofn.zero.rank_state import load_global_state
 
     sizes = [12, 7, 30, 5]

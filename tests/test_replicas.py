@@ -72,7 +72,7 @@ def test_the_copies_check_names_a_diverged_copy_and_a_parameter_counted_twice() 
     together while parameters may count different steps (a group added
     later)."""
     from zerofn.replicas import copies_disagreement, state_digest
-    from zerofn.zero.partition import Piece
+    from zerofn.zero.planning.partition import Piece
 
     def digest(step: int, value: float) -> Any:
         return state_digest({"step": torch.tensor(float(step)), "exp_avg": torch.full((2,), value)})

@@ -28,7 +28,7 @@ from zerofn.testing import strategies as zst
 from zerofn.testing.overlap import simulate_overlapped_step
 from zerofn.testing.zero import simulate_zero_steps
 from zerofn.zero.exchange import exchange_program
-from zerofn.zero.plan import ShardPlan, plan_shards
+from zerofn.zero.planning.plan import ShardPlan, plan_shards
 
 SETTINGS = settings(max_examples=draws(200), deadline=None)
 pytestmark = pytest.mark.timeout(120)

@@ -5,8 +5,8 @@ Nothing in this package talks to ``torch.distributed``; the adapter package
 """
 
 from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard, assign_buckets
-from zerofn.zero.layout import BufferLayout, Segment, Slot, buffer_layouts
-from zerofn.zero.partition import (
+from zerofn.zero.planning.layout import BufferLayout, Segment, Slot, buffer_layouts
+from zerofn.zero.planning.partition import (
     FlatPartition,
     Partition,
     PartitionMode,

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from zerofn.comm import AllGather, Program
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 
 __all__ = [
     "Disagreement",

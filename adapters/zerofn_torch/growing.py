@@ -34,9 +34,9 @@ import torch.distributed as dist
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Broadcast, Program
 from zerofn.zero.elastic.redundancy import Regrouping, plan_after_join
+from zerofn.zero.mixed_precision.precision import resolve_master_dtype
 from zerofn.zero.options import compression_master_dtype, resolve_compression
-from zerofn.zero.partition import FlatPartition
-from zerofn.zero.precision import resolve_master_dtype
+from zerofn.zero.planning.partition import FlatPartition
 from zerofn_torch.checkpoint.background import settle_in_flight
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime import group_sockets

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from zerofn.replicas import ReplicaMismatch, copies_disagreement, replicas_program, state_digest
-from zerofn.zero.partition import Piece
-from zerofn.zero.precision import MASTER_KEY
+from zerofn.zero.mixed_precision.precision import MASTER_KEY
+from zerofn.zero.planning.partition import Piece
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer

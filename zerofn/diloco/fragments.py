@@ -5,7 +5,7 @@ elements. DiLoCo cuts it into ``P`` contiguous *fragments* of ``N // P`` or
 ``N // P + 1`` elements (tensors are split at the seams), and each fragment
 into ``W`` contiguous *slices*, one per rank of the outer group: the slice's
 owner alone keeps that part of the anchor and of the outer optimizer's
-state. Both cuts are :func:`zerofn.zero.partition.flat_partition`'s.
+state. Both cuts are :func:`zerofn.zero.planning.partition.flat_partition`'s.
 
 The helpers copy a fragment's elements out of the parameters (into one
 ``float32`` vector, the form every sync works on) and back.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from zerofn.zero.partition import Piece, flat_partition
+from zerofn.zero.planning.partition import Piece, flat_partition
 
 __all__ = ["Fragment", "FragmentPlan", "plan_fragments", "read_fragment", "write_fragment"]
 
@@ -31,7 +31,7 @@ class Fragment:
         index: its position among the fragments.
         start: its first element in the flat parameter vector.
         pieces: the parts of parameters it covers, in order (a
-            :class:`~zerofn.zero.partition.Piece` names a parameter by its
+            :class:`~zerofn.zero.planning.partition.Piece` names a parameter by its
             position in the optimizer's order).
         bounds: ``W + 1`` offsets into the fragment: rank ``r`` owns
             ``[bounds[r], bounds[r + 1])``.

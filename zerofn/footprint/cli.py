@@ -35,7 +35,7 @@ from zerofn.footprint.plan import (
 )
 from zerofn.model_shapes import MODELS
 from zerofn.topk import TopK
-from zerofn.zero.partition import PartitionMode
+from zerofn.zero.planning.partition import PartitionMode
 
 __all__ = ["COLUMNS", "Column", "main", "table"]
 

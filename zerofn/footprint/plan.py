@@ -26,13 +26,13 @@ import torch
 
 from zerofn.blockquant import BlockQuantizer
 from zerofn.hooks.powersgd import PowerSGDConfig, bucket_layout
-from zerofn.zero.chunks import chunk_sizes
 from zerofn.zero.compressed.exchange import compressed_buffer_bytes, exchange_bytes
 from zerofn.zero.elastic.redundancy import carried_owner, check_redundancy
+from zerofn.zero.mixed_precision.precision import resolve_master_dtype
 from zerofn.zero.options import compression_master_dtype, resolve_compression
-from zerofn.zero.partition import FlatPartition, PartitionMode
-from zerofn.zero.plan import ShardPlan, plan_shards
-from zerofn.zero.precision import resolve_master_dtype
+from zerofn.zero.planning.chunks import chunk_sizes
+from zerofn.zero.planning.partition import FlatPartition, PartitionMode
+from zerofn.zero.planning.plan import ShardPlan, plan_shards
 
 __all__ = [
     "OPTIMIZERS",
@@ -179,7 +179,7 @@ def _state_bytes(
 ) -> int:
     """The local optimizer's state on ``rank``: one stepped tensor per owned
     parameter, or (flat) per owned piece of a parameter, or per cache-sized
-    chunk of it (see :func:`zerofn.zero.chunks.chunk_sources`)."""
+    chunk of it (see :func:`zerofn.zero.planning.chunks.chunk_sources`)."""
     partition = plan.partition
     if isinstance(partition, FlatPartition):
         pieces = [p.numel for g in partition.group_pieces_of(rank) for p in g if p.numel]

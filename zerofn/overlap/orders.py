@@ -5,7 +5,7 @@ After each DDP bucket the overlap hook's state may carry a
 does for it, written once: pick the averaged gradients the order names (all
 of them before the plan is fixed, the owned shards after), ask the step's
 global questions (a loss scaler's inf/nan check, clipping's norm:
-:func:`zerofn.zero.precision.step_factor_program`), step the local optimizer
+:func:`zerofn.zero.mixed_precision.precision.step_factor_program`), step the local optimizer
 (a :class:`StepGradients` request the runner answers with its own
 optimizer), and hand back the programs that send the owners' updates. The
 adapter's runner (``zerofn_torch.hooks.overlap``) and the simulated world
@@ -28,8 +28,8 @@ from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
 from zerofn.overlap.step import broadcast_differences_from_owners, broadcast_from_owners
 from zerofn.zero.compressed.exchange import add_difference
-from zerofn.zero.masters import Masters
-from zerofn.zero.precision import step_factor_program
+from zerofn.zero.mixed_precision.masters import Masters
+from zerofn.zero.mixed_precision.precision import step_factor_program
 
 __all__ = [
     "Handed",

@@ -8,7 +8,7 @@
 program's local step with its own ``torch.optim`` optimizer. So a property
 test of your own partition tests the code training runs, without processes::
 
-    from zerofn.zero.plan import plan_shards
+    from zerofn.zero.planning.plan import plan_shards
     from zerofn.testing.zero import simulate_zero_steps
 
     plan = plan_shards([[6, 4, 9]], ["cpu"] * 3, [True] * 3, world_size=2, mode="flat")
@@ -33,9 +33,9 @@ from zerofn.comm import Program, Request, watched
 from zerofn.testing.world import run_programs
 from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
 from zerofn.zero.exchange import ExchangeVia
-from zerofn.zero.masters import Masters
+from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.options import resolve_options
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.plan import ShardPlan
 from zerofn.zero.rank import ZeroRank, answer_local_step, build_rank
 from zerofn.zero.shards import Shards
 from zerofn.zero.step import Compressed, run_zero_step

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from zerofn.zero.params import check_same_dense_type, normalize_params
-from zerofn.zero.plan import PlanMode, ShardPlan, plan_shards
+from zerofn.zero.planning.plan import PlanMode, ShardPlan, plan_shards
 
 __all__ = [
     "check_added_group",
@@ -112,7 +112,7 @@ def plan_for(
             those requiring grad now).
 
     Returns:
-        The :class:`~zerofn.zero.plan.ShardPlan`.
+        The :class:`~zerofn.zero.planning.plan.ShardPlan`.
 
     Raises:
         TypeError: a manual partition lists something other than tensors.

@@ -1,7 +1,7 @@
 """The ZeRO exchange: shards in and out of flat buffers, and the program that
 sends every rank's updated segment to every rank.
 
-A :class:`~zerofn.zero.layout.BufferLayout` says where each piece of each
+A :class:`~zerofn.zero.planning.layout.BufferLayout` says where each piece of each
 parameter lives in a device/dtype's flat buffer; each rank's pieces form one
 contiguous *segment*. After the local optimizer step, every rank packs its
 updated pieces into its segment, :func:`exchange_program` asks for one
@@ -22,8 +22,8 @@ from typing import Literal, TypeAlias
 import torch
 
 from zerofn.comm import GatherSegments, Program
-from zerofn.zero.layout import BufferLayout, Slot
-from zerofn.zero.partition import FlatPartition
+from zerofn.zero.planning.layout import BufferLayout, Slot
+from zerofn.zero.planning.partition import FlatPartition
 
 __all__ = [
     "ExchangeVia",

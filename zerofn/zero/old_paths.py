@@ -29,6 +29,13 @@ MOVED = {
     "zerofn.zero.regroup": "zerofn.zero.elastic.regroup",
     "zerofn.zero.recovery_point": "zerofn.zero.elastic.recovery_point",
     "zerofn.zero.liveness": "zerofn.zero.elastic.liveness",
+    "zerofn.zero.partition": "zerofn.zero.planning.partition",
+    "zerofn.zero.layout": "zerofn.zero.planning.layout",
+    "zerofn.zero.plan": "zerofn.zero.planning.plan",
+    "zerofn.zero.chunks": "zerofn.zero.planning.chunks",
+    "zerofn.zero.precision": "zerofn.zero.mixed_precision.precision",
+    "zerofn.zero.masters": "zerofn.zero.mixed_precision.masters",
+    "zerofn.zero.loss_scale": "zerofn.zero.mixed_precision.loss_scale",
 }
 """Old module path -> where the module lives now."""
 

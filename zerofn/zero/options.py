@@ -8,7 +8,7 @@ optimizer class and element-wise promise (:mod:`zerofn.zero.optimizers`),
 the parameters (:mod:`zerofn.zero.params`), redundancy
 (:func:`~zerofn.zero.elastic.redundancy.check_redundancy`), the codec
 (:func:`resolve_compression`) and the masters' dtype
-(:func:`~zerofn.zero.precision.resolve_master_dtype`, and
+(:func:`~zerofn.zero.mixed_precision.precision.resolve_master_dtype`, and
 :func:`compression_master_dtype` for a compressed exchange's).
 ``zerofn_torch.ZeroRedundancyOptimizer`` and the simulated world
 (:mod:`zerofn.testing.zero`) both call it.
@@ -27,9 +27,9 @@ from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
 from zerofn.zero.elastic.redundancy import check_redundancy
 from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.mixed_precision.precision import resolve_master_dtype
 from zerofn.zero.optimizers import check_elementwise, check_optimizer_class
 from zerofn.zero.params import check_same_dense_type, hyperparameters
-from zerofn.zero.precision import resolve_master_dtype
 
 __all__ = [
     "ZeroOptions",
@@ -247,7 +247,8 @@ def compression_master_dtype(
     dtype when wider).
 
     Raises:
-        TypeError, ValueError: as :func:`zerofn.zero.precision.resolve_master_dtype`.
+        TypeError, ValueError: as
+            :func:`zerofn.zero.mixed_precision.precision.resolve_master_dtype`.
     """
     asked = resolve_master_dtype(param_dtype, master_dtype)
     if asked is not None:

@@ -13,7 +13,7 @@ is what training runs.
 
 Two layers, and this module is where they meet. The planning layer is frozen
 data and pure functions: the options (:class:`~zerofn.zero.options.ZeroOptions`),
-the plan (:class:`~zerofn.zero.plan.ShardPlan`, partitions, layouts), the
+the plan (:class:`~zerofn.zero.planning.plan.ShardPlan`, partitions, layouts), the
 moves and codecs; equal inputs give equal records. A :class:`ZeroRank` is
 not of that layer: it is the rank's *stateful part*, the handles to live
 torch state (the local optimizer, master copies, exchange buffers, a carried
@@ -44,11 +44,11 @@ from zerofn.zero.elastic.carried import (
     hand_carried_grads,
     step_carried,
 )
-from zerofn.zero.masters import Masters, make_masters
+from zerofn.zero.mixed_precision.masters import Masters, make_masters
 from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.options import ZeroOptions
 from zerofn.zero.params import hyperparameters
-from zerofn.zero.plan import ShardPlan, with_trainable
+from zerofn.zero.planning.plan import ShardPlan, with_trainable
 from zerofn.zero.shards import Shards, shards_for
 from zerofn.zero.step import Compressed, LocalStep, finish_masters
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from zerofn.zero.elastic.piece_state import load_states, whole_pieces
-from zerofn.zero.masters import with_masters, without_masters
+from zerofn.zero.mixed_precision.masters import with_masters, without_masters
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 from zerofn.zero.rank import ZeroRank, copy_hyperparameters, flat_params
 from zerofn.zero.shard_state import consolidate, shard
 

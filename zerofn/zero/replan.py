@@ -13,7 +13,7 @@ from zerofn.zero.elastic.carried import CarriedShard, carried_shard
 from zerofn.zero.elastic.piece_state import load_states
 from zerofn.zero.elastic.regroup import carried_states
 from zerofn.zero.params import StateDict, hyperparameters
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.plan import ShardPlan
 from zerofn.zero.rank import (
     ZeroRank,
     copy_hyperparameters,

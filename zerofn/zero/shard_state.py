@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from zerofn.zero.params import StateDict, global_groups, hyperparameters
-from zerofn.zero.partition import FlatPartition, Partition, Piece
+from zerofn.zero.planning.partition import FlatPartition, Partition, Piece
 
 __all__ = ["StateDict", "consolidate", "is_elementwise", "shard", "validate_global"]
 

@@ -13,7 +13,7 @@ how updates reach the parameters, and each mode is one record here:
 * :class:`FlatShards` (the flat partition): the local optimizer steps views
   of this rank's segment of the single buffer, one per piece of a parameter
   (cut into cache-sized chunks for ``torch.optim``'s per-tensor CPU loop,
-  see :mod:`zerofn.zero.chunks`), whose gradients are views of the parameters'
+  see :mod:`zerofn.zero.planning.chunks`), whose gradients are views of the parameters'
   ``.grad``: nothing is gathered; the local step writes straight into
   what the exchange sends.
 * :class:`HookDrivenShards` (``overlap_with_ddp=True``): whole tensors and
@@ -35,17 +35,17 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from zerofn.zero.chunks import (
+from zerofn.zero.exchange import group_slots, pack, unpack
+from zerofn.zero.params import StateDict, hyperparameters
+from zerofn.zero.planning.chunks import (
     ChunkSource,
     chunk_sources,
     merge_chunk_state,
     piece_of,
     split_chunk_state,
 )
-from zerofn.zero.exchange import group_slots, pack, unpack
-from zerofn.zero.params import StateDict, hyperparameters
-from zerofn.zero.partition import FlatPartition, Piece
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.partition import FlatPartition, Piece
+from zerofn.zero.planning.plan import ShardPlan
 
 __all__ = [
     "FlatShards",
@@ -285,7 +285,7 @@ def flat_sources(
     plan: ShardPlan, rank: int, itemsize: int, cache_sized: bool
 ) -> list[tuple[ChunkSource, ...]]:
     """Per param group, what each tensor ``rank``'s local optimizer steps
-    under a flat ``plan`` holds (see :func:`~zerofn.zero.chunks.chunk_sources`):
+    under a flat ``plan`` holds (see :func:`~zerofn.zero.planning.chunks.chunk_sources`):
     the owner's, and its carrier's copy's, cut alike."""
     if len(plan.layouts) > 1:
         raise AssertionError("a flat partition spans a single device/dtype buffer")
@@ -322,7 +322,7 @@ def chunking(
     steps (``step_dtype``'s), and whether into cache-sized chunks."""
     # torch.optim's per-tensor loop (the CPU default) steps a flat shard
     # twice as fast cut into cache-sized chunks; foreach and fused kernels
-    # do not gain from that (see zerofn.zero.chunks).
+    # do not gain from that (see zerofn.zero.planning.chunks).
     cache_sized = (
         params[0].device.type == "cpu" and not options.get("foreach") and not options.get("fused")
     )

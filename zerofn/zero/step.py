@@ -31,7 +31,7 @@ from zerofn.comm import Program, answering
 from zerofn.zero.compressed.exchange import CompressedExchange, compressed_exchange_program
 from zerofn.zero.exchange import ExchangeVia, exchange_program
 from zerofn.zero.local_step import LocalStep, StepProgram
-from zerofn.zero.masters import Masters
+from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.shards import WholeTensorShards
 
 __all__ = [

@@ -33,7 +33,7 @@ from zerofn.zero.checkpoint.manifest import (
 )
 from zerofn.zero.checkpoint.run import staging_name, to_prune, trash_name
 from zerofn.zero.checkpoint.sharded import PREFIX, extra_entries, piece_key
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 from zerofn_torch.checkpoint import files as files
 from zerofn_torch.runtime.collective_errors import guarded
 from zerofn_torch.runtime.object_collectives import (

@@ -43,7 +43,7 @@ from zerofn.zero.checkpoint.sharded import (
     parse_key,
 )
 from zerofn.zero.params import global_groups
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 from zerofn.zero.rank_state import held_pieces
 from zerofn_torch.checkpoint import files as files
 from zerofn_torch.checkpoint.background import SaveHandle, in_flight, save_group, settle_in_flight

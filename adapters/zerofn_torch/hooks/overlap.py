@@ -52,7 +52,7 @@ from zerofn.errors import CollectiveError
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
 from zerofn.overlap.orders import Sent, StepChecks, StepGradients, carry_out, write_updates
-from zerofn.zero.precision import clip_coefficient
+from zerofn.zero.mixed_precision.precision import clip_coefficient
 from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.foreign_hooks import foreign_hook

@@ -1,8 +1,8 @@
 """The gradients a ZeRO step reads, clipped by the whole model's norm and
 unscaled for a loss scaler. Each rank reads only what it owns
 (:func:`zerofn.zero.rank.owned_grads`); the global answers are the core's
-programs (:func:`~zerofn.zero.precision.clip_program`,
-:func:`~zerofn.zero.precision.nonfinite_program`, the same the overlapped
+programs (:func:`~zerofn.zero.mixed_precision.precision.clip_program`,
+:func:`~zerofn.zero.mixed_precision.precision.nonfinite_program`, the same the overlapped
 step's hook asks), one all-reduce of one number each, which this module drives."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from zerofn.zero.hook_driven import check_stepped_here
-from zerofn.zero.precision import clip_program, nonfinite_program
+from zerofn.zero.mixed_precision.precision import clip_program, nonfinite_program
 from zerofn.zero.rank import ZeroRank, drop_master_grads, hand_grads, master_grads, owned_grads
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.zero.shell_state import ShellState

@@ -7,7 +7,8 @@ gradients it sees on one rank. :class:`LossScaler` keeps its interface
 for a :class:`~zerofn_torch.ZeroRedundancyOptimizer` built with
 ``master_dtype``: gradients are unscaled into the fp32 masters, and the ranks
 agree with one all-reduce whether any shard held inf or nan, so every rank
-steps or skips together. The schedule is :func:`zerofn.zero.loss_scale.update_loss_scale`.
+steps or skips together. The schedule is
+:func:`zerofn.zero.mixed_precision.loss_scale.update_loss_scale`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zerofn.zero.loss_scale import (
+from zerofn.zero.mixed_precision.loss_scale import (
     LossScaleConfig,
     LossScaleState,
     init_loss_scale,
@@ -50,7 +51,7 @@ class LossScaler:
         growth_factor: the scale's factor after ``growth_interval`` good steps.
         backoff_factor: the scale's factor after a step with inf or nan.
         growth_interval: good steps in a row before the scale grows (see
-            :class:`zerofn.zero.loss_scale.LossScaleConfig`).
+            :class:`zerofn.zero.mixed_precision.loss_scale.LossScaleConfig`).
         enabled: ``False`` makes every method a pass-through.
     """
 

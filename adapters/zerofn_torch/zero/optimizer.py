@@ -30,7 +30,7 @@ from zerofn.zero.outside_writes import (
     written_since,
 )
 from zerofn.zero.params import StateDict, normalize_params
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.plan import ShardPlan
 from zerofn.zero.rank import (
     ZeroRank,
     answer_local_step,

@@ -6,7 +6,7 @@ in fp32). The compressed one sends, per rank, its shard's *difference*
 int4 codes and one ``float32`` scale per block):
 
 * The owner of a shard keeps its exact values, the *master* (the copies the
-  local optimizer steps, :mod:`zerofn.zero.masters`); the parameters every
+  local optimizer steps, :mod:`zerofn.zero.mixed_precision.masters`); the parameters every
   rank holds, the owner's included, are the *replica*.
 * After the local step the owner encodes ``master - replica`` for its segment
   into its part of one byte buffer; :class:`~zerofn.comm.GatherSegments`
@@ -44,7 +44,6 @@ import torch
 
 from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Collect, GatherSegments, Post
-from zerofn.zero.chunks import ChunkSource
 from zerofn.zero.compressed.payloads import (
     PIECE_ELEMENTS,
     compressed_buffer_bytes,
@@ -57,7 +56,8 @@ from zerofn.zero.compressed.payloads import (
 )
 from zerofn.zero.exchange import ExchangeVia, pack, slot_view
 from zerofn.zero.local_step import LocalStep, StepProgram
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.chunks import ChunkSource
+from zerofn.zero.planning.plan import ShardPlan
 from zerofn.zero.shards import Shards
 
 __all__ = [

@@ -32,11 +32,11 @@ from typing import cast
 import torch
 
 from zerofn.comm import AllGatherObjects, Program
-from zerofn.zero.chunks import ChunkSource
 from zerofn.zero.compressed.exchange import apply_piece, encode_unsent
 from zerofn.zero.compressed.payloads import piece_count
 from zerofn.zero.elastic.carried import carrier_of
 from zerofn.zero.elastic.redundancy import Regrouping
+from zerofn.zero.planning.chunks import ChunkSource
 from zerofn.zero.rank import ZeroRank
 
 __all__ = ["finish_compressed_program", "held_payloads", "holder_of"]

@@ -11,8 +11,8 @@ its finish after a loss and the planner read them.
 from __future__ import annotations
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.zero.layout import BufferLayout
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.layout import BufferLayout
+from zerofn.zero.planning.plan import ShardPlan
 
 __all__ = [
     "PIECE_ELEMENTS",

@@ -23,11 +23,11 @@ from typing import Any
 import attrs
 import torch
 
-from zerofn.zero.chunks import ChunkSource, piece_of
-from zerofn.zero.masters import Masters
+from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.params import hyperparameters
-from zerofn.zero.partition import FlatPartition, Piece
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.chunks import ChunkSource, piece_of
+from zerofn.zero.planning.partition import FlatPartition, Piece
+from zerofn.zero.planning.plan import ShardPlan
 from zerofn.zero.shards import chunking, flat_grads, flat_sources
 
 __all__ = [
@@ -232,7 +232,7 @@ def reseed_carried(
 ) -> None:
     """Take the carried values from the parameters after a write from
     outside the step, as the owner re-derives its own (``keep_consistent``:
-    see :meth:`~zerofn.zero.masters.Masters.reseed`)."""
+    see :meth:`~zerofn.zero.mixed_precision.masters.Masters.reseed`)."""
     if carried.masters is not None:
         carried.masters.reseed(keep_consistent=keep_consistent)
         return

@@ -7,7 +7,7 @@ and carries in the new world. Under a whole-tensor partition those are whole
 parameters; under a flat one they are element ranges, which need not line
 up: a new owner's range may join pieces that two ranks held, and a chunk of
 its local optimizer may be cut from a piece another rank sent. So state is
-keyed by :class:`~zerofn.zero.partition.Piece` (a whole parameter is the
+keyed by :class:`~zerofn.zero.planning.partition.Piece` (a whole parameter is the
 piece of all its elements), and :func:`state_of` cuts and joins it:
 element-wise entries (moments, master values) by elements, per-parameter
 scalars (Adam's ``step``) from the first piece, as every piece of a group
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from zerofn.zero.masters import Masters, without_masters
-from zerofn.zero.partition import Piece
-from zerofn.zero.precision import MASTER_KEY
+from zerofn.zero.mixed_precision.masters import Masters, without_masters
+from zerofn.zero.mixed_precision.precision import MASTER_KEY
+from zerofn.zero.planning.partition import Piece
 from zerofn.zero.shard_state import is_elementwise
 
 __all__ = [

@@ -35,8 +35,8 @@ from zerofn.zero.elastic.carried import (
     reseed_carried,
     step_carried,
 )
-from zerofn.zero.partition import FlatPartition, Partition, Piece, flat_partition
-from zerofn.zero.plan import ShardPlan
+from zerofn.zero.planning.partition import FlatPartition, Partition, Piece, flat_partition
+from zerofn.zero.planning.plan import ShardPlan
 
 __all__ = [
     "CarriedShard",

@@ -28,7 +28,7 @@ from zerofn.zero.elastic.piece_state import (
     states_by_piece,
 )
 from zerofn.zero.elastic.redundancy import Regrouping
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 from zerofn.zero.rank import OverlapMode, ZeroRank, flat_params, placed_rank
 from zerofn.zero.step import run_zero_step
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from zerofn.zero.layout import Slot
 from zerofn.zero.params import StateDict
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.layout import Slot
+from zerofn.zero.planning.partition import Piece
 
 __all__ = [
     "FLAT_CHUNK_BYTES",

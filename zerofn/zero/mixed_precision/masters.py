@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 import torch
 
+from zerofn.zero.mixed_precision.precision import MASTER_KEY
 from zerofn.zero.params import StateDict
-from zerofn.zero.precision import MASTER_KEY
 
 __all__ = ["Masters", "make_masters", "with_masters", "without_masters"]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from zerofn.zero.partition import Piece
+from zerofn.zero.planning.partition import Piece
 
 __all__ = ["BufferLayout", "Segment", "Slot", "buffer_layouts"]
 

@@ -10,8 +10,8 @@ functions of their inputs:
 - :func:`norm_of_powers` / :func:`clip_coefficient`: the global gradient norm
   from every rank's share, and the factor that clips it.
 
-The master copies themselves are :mod:`zerofn.zero.masters` (the simulated
-world keeps them too); fp16's loss-scale schedule is :mod:`zerofn.zero.loss_scale`.
+The master copies themselves are :mod:`zerofn.zero.mixed_precision.masters` (the simulated
+world keeps them too); fp16's loss-scale schedule is :mod:`zerofn.zero.mixed_precision.loss_scale`.
 """
 
 from __future__ import annotations

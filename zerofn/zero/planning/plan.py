@@ -12,8 +12,8 @@ from typing import Literal, get_args
 
 import attrs
 
-from zerofn.zero.layout import BufferLayout, buffer_layouts
-from zerofn.zero.partition import (
+from zerofn.zero.planning.layout import BufferLayout, buffer_layouts
+from zerofn.zero.planning.partition import (
     FlatPartition,
     Partition,
     PartitionMode,
@@ -26,7 +26,7 @@ from zerofn.zero.partition import (
 __all__ = ["PlanMode", "ShardPlan", "plan_shards", "with_trainable"]
 
 PlanMode = Literal["greedy", "balanced", "flat", "manual"]
-"""How a plan's partition was made: a :data:`~zerofn.zero.partition.PartitionMode`,
+"""How a plan's partition was made: a :data:`~zerofn.zero.planning.partition.PartitionMode`,
 or ``"manual"`` for a partition given rank by rank."""
 
 
