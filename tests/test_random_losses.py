@@ -35,6 +35,7 @@ from zerofn_torch.runtime.launch import run_local_world
 )
 def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, config: str) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")  # shown if the soak raises, to run it again
     result = soak(world_size, 5, seed, config=CONFIGS[config])
     assert result["losses"] >= 2, f"seed {seed}: only {result['losses']} of 5 runs lost a rank"
     assert result["referenced"] == 1
@@ -49,6 +50,7 @@ def test_diloco_workers_lost_at_random_moments_leave_one_consistent_state(
     world_size: int, streaming: bool
 ) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")  # shown if the soak raises, to run it again
     result = diloco_soak(world_size, 5, seed, streaming=streaming)
     assert result["losses"] >= 2, f"seed {seed}: only {result['losses']} of 5 runs lost a rank"
     assert result["referenced"] == 1

@@ -69,6 +69,9 @@ def test_a_rank_that_answers_too_late_raises_instead_of_going_on_alone() -> None
     (late,) = call_together(store, [2], 3, set(), deadline_s=0.5).values()
     assert isinstance(late, CollectiveError)
     assert "rank 2 was declared lost before it answered" in str(late)
+    # The same words as a rank that comes back after the others recovered:
+    # whoever runs the job tells a rank left behind by them alone.
+    assert "left behind" in str(late)
 
 
 def timed_call(

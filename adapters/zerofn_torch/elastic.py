@@ -180,8 +180,10 @@ def roll_call(
     of the call for a dead rank that beat, rather than at the deadline.
 
     Raises:
-        zerofn.errors.CollectiveError: this rank was declared lost before it
-            answered (it was silent, or late): the others go on without it.
+        zerofn.errors.CollectiveError: this rank was left behind, declared
+            lost before it answered (it was silent, or late): the others go
+            on without it. Its text says "left behind", as when the others
+            finished their recovery before this rank came back.
     """
     keys = [f"{prefix}/here/{r}" for r in range(world_size)]
     if store.compare_set(keys[rank], "", position.to_text()).decode() == LOST:
@@ -189,8 +191,9 @@ def roll_call(
             "the roll call",
             "going on without the lost ranks",
             prefix,
-            f"rank {rank} was declared lost before it answered (silent for {silent_after_s} s, "
-            "or past the deadline): the others go on without it",
+            f"this rank was left behind: rank {rank} was declared lost before it answered "
+            f"(silent for {silent_after_s} s, or past the deadline), and the others go on "
+            "without it; it ends here and touches nothing",
         )
     beats = [beat_key(generation, r) for r in range(world_size)]
     # Silence counts from what this rank's heartbeat already watched, if it
