@@ -43,10 +43,16 @@ from zerofn.diloco.redundancy import SyncRecovery
 from zerofn.errors import CollectiveError
 
 SYNC_EVERY, FRAGMENTS = 2, 2
-STREAMING = DiLoCoConfig(4, 2, delay=1, mixing=0.5)
-"""``streaming=True``: Streaming DiLoCo, a fragment's sync every 2 steps,
-each merged (half and half) one inner step after it starts, so a loss can
-land while a sync is in flight across an inner step."""
+VARIANTS = {
+    "diloco": DiLoCoConfig(SYNC_EVERY, FRAGMENTS),
+    "diloco-streaming": DiLoCoConfig(4, 2, delay=1, mixing=0.5),
+    "diloco-int8": DiLoCoConfig(SYNC_EVERY, FRAGMENTS, compression="int8"),
+}
+"""The workers' schedules by ``--config``: blocking syncs; Streaming DiLoCo
+(a fragment's sync every 2 steps, each merged half and half one inner step
+after it starts, so a loss can land while a sync is in flight across an
+inner step); and blocking syncs whose pseudo-gradients and anchor updates
+travel as int8 codes with error feedback."""
 TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 """PyTorch's default group timeout: nothing waits for it."""
 
@@ -80,7 +86,7 @@ class Workers:
         start: each worker's saved state (``model``, ``optimizer``), or a fresh start.
         redundancy: 2 to survive a loss.
         deadline_s: the roll call's deadline.
-        streaming: the :data:`STREAMING` schedule instead of the blocking one.
+        variant: the schedule, a key of :data:`VARIANTS`.
     """
 
     first: int
@@ -91,7 +97,7 @@ class Workers:
     start: dict[int, dict[str, Any]] | None = None
     redundancy: int = 2
     deadline_s: float = DEADLINE_S
-    streaming: bool = False
+    variant: str = "diloco"
 
 
 @dataclass
@@ -109,20 +115,15 @@ class WorkerRecovery:
     sync: int = 0
 
 
-def diloco_config(streaming: bool = False) -> DiLoCoConfig:
-    """The workers' schedule (what :func:`make_diloco` builds)."""
-    return STREAMING if streaming else DiLoCoConfig(SYNC_EVERY, FRAGMENTS)
-
-
 def make_diloco(
-    model: torch.nn.Module, redundancy: int, streaming: bool = False
+    model: torch.nn.Module, redundancy: int, variant: str = "diloco"
 ) -> DiLoCoOptimizer:
     """The worker's optimizer: inner Adam, DiLoCo's default outer SGD."""
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
-    c = diloco_config(streaming)
+    c = VARIANTS[variant]
     return DiLoCoOptimizer(
         inner, c.sync_every, fragments=c.fragments, delay=c.delay, mixing=c.mixing,
-        redundancy=redundancy,
+        compression=c.compression, redundancy=redundancy,
     )  # fmt: skip
 
 
@@ -221,7 +222,7 @@ def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | Non
     """
     me = job.workers[rank]
     model = make_model(PLAIN)
-    diloco = make_diloco(model, job.redundancy, job.streaming)
+    diloco = make_diloco(model, job.redundancy, job.variant)
     if job.start is not None:  # after the constructor's broadcast of rank 0's parameters
         model.load_state_dict(job.start[me]["model"])
         diloco.load_state_dict(job.start[me]["optimizer"])
@@ -240,6 +241,7 @@ def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | Non
         "me": me,
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "optimizer": diloco.consolidated_state_dict(),
+        "residual": diloco.state_dict()["diloco"]["residual"],
         "inner_steps": diloco.inner_steps,
         "recoveries": [asdict(r) for r in recoveries],
         "world_size": diloco.world_size,
@@ -270,11 +272,11 @@ def run_killed(
     steps: int,
     kills: tuple[WorkerKill, ...],
     deadline_s: float = DEADLINE_S,
-    streaming: bool = False,
+    variant: str = "diloco",
 ) -> dict[str, Any]:
     """``world_size`` workers for ``steps`` steps, losing those of ``kills``."""
     workers = tuple(range(world_size))
-    job = Workers(0, steps, world_size, workers, kills, deadline_s=deadline_s, streaming=streaming)
+    job = Workers(0, steps, world_size, workers, kills, deadline_s=deadline_s, variant=variant)
     gone = [k.rank for k in kills]
     return final_of(
         run_local_world(run_worker, world_size, job, timeout_s=TIMEOUT_S, may_exit=gone)
@@ -282,7 +284,7 @@ def run_killed(
 
 
 def run_reference(
-    world_size: int, steps: int, kills: tuple[WorkerKill, ...], streaming: bool = False
+    world_size: int, steps: int, kills: tuple[WorkerKill, ...], variant: str = "diloco"
 ) -> dict[str, Any]:
     """The same workers and batches with nobody dying: one launch per world,
     each from every worker's state at the point the survivors went on from.
@@ -296,7 +298,7 @@ def run_reference(
     first, segments = 0, []
     final: dict[str, Any] = {}
     for lost, end in enumerate([*(k.kept for k in kills), steps]):
-        job = Workers(first, end, world_size, workers, start=start, streaming=streaming)
+        job = Workers(first, end, world_size, workers, start=start, variant=variant)
         results = run_local_world(run_worker, len(workers), job, timeout_s=TIMEOUT_S)
         start = {r["me"]: {"model": r["model"], "optimizer": r["optimizer"]} for r in results}
         final = final_of(results)
@@ -304,7 +306,21 @@ def run_reference(
         first = end
         if lost < len(kills):
             workers = tuple(w for w in workers if w != kills[lost].rank)
+            _owe_the_survivors_mean(start, [r for r in results if r["me"] in workers])
     return {**final, "segments": segments}
+
+
+def _owe_the_survivors_mean(
+    start: dict[int, dict[str, Any]], survivors: list[dict[str, Any]]
+) -> None:
+    """With compressed syncs, start every survivor from the mean of the
+    survivors' residuals, as a recovery does: a lost worker's error feedback
+    is gone with it (the consolidated state holds the mean over all workers)."""
+    if survivors[0]["residual"] is None:
+        return
+    mean = torch.stack([r["residual"] for r in survivors]).mean(dim=0)
+    for r in survivors:
+        start[r["me"]]["optimizer"]["diloco"]["residual"] = mean
 
 
 def as_seen(

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diloco_survival import FRAGMENTS, WorkerKill, Workers, diloco_config, make_diloco
+from diloco_survival import FRAGMENTS, VARIANTS, WorkerKill, Workers, make_diloco
 from diloco_survival import run_reference as diloco_reference
 from diloco_survival import step_surviving as diloco_step_surviving
 from train_elastic import (
@@ -313,7 +313,7 @@ def _soak(
 
 
 def train_diloco_with_fault(
-    rank: int, world_size: int, fault: Fault, steps: int, streaming: bool = False
+    rank: int, world_size: int, fault: Fault, steps: int, variant: str = "diloco"
 ) -> dict[str, Any]:
     """One DiLoCo worker's run (``diloco_survival.py``'s workers), recovering
     from whatever the fault does.
@@ -325,8 +325,8 @@ def train_diloco_with_fault(
         ``seconds``.
     """
     model = make_model(PLAIN)
-    diloco = make_diloco(model, 2, streaming)
-    job = Workers(0, steps, world_size, tuple(range(world_size)), streaming=streaming)
+    diloco = make_diloco(model, 2, variant)
+    job = Workers(0, steps, world_size, tuple(range(world_size)), variant=variant)
     timer = _arm(fault) if rank == fault.rank else None
     done, points = 0, []
     began = time.perf_counter()
@@ -364,12 +364,12 @@ def train_diloco_with_fault(
 
 
 def check_diloco_run(
-    results: list[Any], fault: Fault, steps: int, label: str, streaming: bool = False
+    results: list[Any], fault: Fault, steps: int, label: str, variant: str = "diloco"
 ) -> Outcome:
     """A DiLoCo run's invariants: every survivor took every inner step once,
     the survivors hold one outer state bit for bit, the fragment synced last
-    is the same on all of them (blocking syncs, which take the global
-    values), and they went on from the same syncs.
+    is the same on all of them (where a result replaces the local values),
+    and they went on from the same syncs.
 
     Raises:
         AssertionError: naming ``label`` and what broke.
@@ -381,9 +381,10 @@ def check_diloco_run(
     first = survivors[0]
     for r in survivors[1:]:
         assert same_state(r["outer"], first["outer"]), (label, "the outer states differ")
-    if not streaming:
+    config = VARIANTS[variant]
+    if config.mixing == 0:
         plan = plan_fragments([p.numel() for p in first["params"]], FRAGMENTS, 1)
-        last = plan.fragments[fragment_synced_at(diloco_config(), steps) or 0]
+        last = plan.fragments[fragment_synced_at(config, steps) or 0]
         synced = [read_fragment(last, r["params"]) for r in survivors]
         assert all(torch.equal(v, synced[0]) for v in synced), (label, "last sync differs")
     agreed = {tuple(r["points"]) for r in survivors}
@@ -399,7 +400,7 @@ def check_diloco_run(
 
 
 def check_diloco_against_reference(
-    results: list[Any], world_size: int, lost: int, kept: int, steps: int, streaming: bool = False
+    results: list[Any], world_size: int, lost: int, kept: int, steps: int, variant: str = "diloco"
 ) -> None:
     """The survivors' models and outer state equal those of workers that
     lost worker ``lost`` at step ``kept`` without dying, bit for bit.
@@ -408,7 +409,7 @@ def check_diloco_against_reference(
         AssertionError: they differ.
     """
     kill = WorkerKill(lost, kept, "backward")  # the survivors' world runs from step kept
-    reference = diloco_reference(world_size, steps, (kill,), streaming)
+    reference = diloco_reference(world_size, steps, (kill,), variant)
     for ours in (r for r in results if r is not None and r["fenced"] is None):
         theirs = reference["model"][ours["me"]]
         assert all(
@@ -432,17 +433,17 @@ def same_state(a: Any, b: Any) -> bool:
 
 def diloco_soak(
     world_size: int, runs: int, seed: int, *, pauses: bool = True, steps: int = STEPS,
-    verbose: bool = False, streaming: bool = False,
+    verbose: bool = False, variant: str = "diloco",
 ) -> dict[str, Any]:  # fmt: skip
-    """:func:`soak` for DiLoCo workers (``--config diloco``; ``streaming``:
-    ``--config diloco-streaming``, a sync in flight across an inner step)."""
+    """:func:`soak` for DiLoCo workers (``--config diloco``, or another key
+    of ``diloco_survival.VARIANTS``: ``diloco-streaming``, a sync in flight
+    across an inner step; ``diloco-int8``, compressed syncs)."""
     return _soak(
-        world_size, runs, seed, pauses, steps, verbose,
-        "diloco-streaming" if streaming else "diloco",
-        train_diloco_with_fault, streaming,
-        functools.partial(check_diloco_run, streaming=streaming),
+        world_size, runs, seed, pauses, steps, verbose, variant,
+        train_diloco_with_fault, variant,
+        functools.partial(check_diloco_run, variant=variant),
         lambda results, world, lost, kept: check_diloco_against_reference(
-            results, world, lost, kept, steps, streaming
+            results, world, lost, kept, steps, variant
         ),
     )  # fmt: skip
 
@@ -452,14 +453,11 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument(
-        "--config", choices=[*sorted(CONFIGS), "diloco", "diloco-streaming"], default="plain"
-    )
+    parser.add_argument("--config", choices=[*sorted(CONFIGS), *sorted(VARIANTS)], default="plain")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    if args.config.startswith("diloco"):
-        streaming = args.config == "diloco-streaming"
-        result = diloco_soak(args.world_size, args.runs, seed, verbose=True, streaming=streaming)
+    if args.config in VARIANTS:
+        result = diloco_soak(args.world_size, args.runs, seed, verbose=True, variant=args.config)
     else:
         result = soak(args.world_size, args.runs, seed, verbose=True, config=CONFIGS[args.config])
     print(

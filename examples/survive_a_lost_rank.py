@@ -88,6 +88,10 @@ from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
 
+BLOCKING_DILOCO = ("diloco", "diloco-int8")
+"""The DiLoCo workers this example runs (``diloco_survival.VARIANTS``): a
+kill's step places it in a sync without timing."""
+
 PHASES = ("backward", "exchange", "between")
 TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 """The gloo group's timeout: PyTorch's default (30 minutes). Nothing waits for
@@ -468,12 +472,15 @@ def report(result: dict[str, Any], kills: tuple[Kill, ...]) -> list[str]:
 
 
 def run_diloco(args: argparse.Namespace, kills: tuple[Kill, ...]) -> None:
-    """``--config diloco``: each rank a DiLoCo worker (``diloco_survival.py``)."""
+    """``--config diloco`` (or ``diloco-int8``): each rank a DiLoCo worker
+    (``diloco_survival.py``)."""
     lost = tuple(WorkerKill(k.rank, k.step, k.phase) for k in kills)
     if args.reference:
-        result = diloco_survival.run_reference(args.world_size, args.steps, lost)
+        result = diloco_survival.run_reference(args.world_size, args.steps, lost, args.config)
     else:
-        result = diloco_survival.run_killed(args.world_size, args.steps, lost, args.deadline_s)
+        result = diloco_survival.run_killed(
+            args.world_size, args.steps, lost, args.deadline_s, args.config
+        )
     path = save_final(result, args.out)
     print(
         f"wrote {path}: {result['world_size']} of {args.world_size} workers at the end, "
@@ -508,9 +515,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--config",
-        choices=[*sorted(CONFIGS), "diloco"],
+        choices=[*sorted(CONFIGS), *BLOCKING_DILOCO],
         default="plain",
-        help=f"{legend()}; diloco: DiLoCo workers (diloco_survival.py)",
+        help=f"{legend()}; diloco: DiLoCo workers (diloco_survival.py), diloco-int8: their "
+        "syncs compressed",
     )
     parser.add_argument("--out", required=True, help="directory for final.pt")
     parser.add_argument("--reference", action="store_true", help="the same, without dying")
@@ -522,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         check_kills(args.world_size, args.steps, kills)
     except ValueError as error:
         parser.error(str(error))
-    if args.config == "diloco":
+    if args.config in BLOCKING_DILOCO:
         if pauses:
             parser.error("--pause is for the ZeRO configurations; --config diloco takes --kill")
         run_diloco(args, kills)

@@ -18,8 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_diloco_core import OUTER, Factory, World, drift, replicated, sizes_lists
 
-from zerofn.comm import answering
+from zerofn.blockquant import BlockQuantizer
+from zerofn.comm import Request, answering, request_bytes, watched
 from zerofn.diloco.checkpoint import consolidate, rank_state_dict, shard
+from zerofn.diloco.config import Codec, DiLoCoConfig
 from zerofn.diloco.footprint import outer_state_bytes
 from zerofn.diloco.fragments import FragmentPlan, plan_fragments, read_fragment, write_fragment
 from zerofn.diloco.outer import OuterStep, outer_step
@@ -27,6 +29,7 @@ from zerofn.diloco.redundancy import (
     InconsistentSyncs,
     Regrouped,
     SyncPosition,
+    SyncRecovery,
     carried_rank,
     copies_disagreement,
     outer_state_tensors,
@@ -35,8 +38,13 @@ from zerofn.diloco.redundancy import (
     regrouped,
     sync_recovery,
 )
+from zerofn.diloco.redundant_compressed_sync import (
+    as_found,
+    redundant_compressed_sync_bytes,
+    redundant_compressed_sync_program,
+)
 from zerofn.diloco.state import DiLoCoState
-from zerofn.diloco.sync import run_sync
+from zerofn.diloco.sync import run_sync, sync_bytes
 from zerofn.replicas import digests
 from zerofn.testing.world import fulfil, run_programs
 
@@ -45,10 +53,18 @@ SETTINGS = settings(max_examples=draws(60), deadline=None)
 
 class CarriedWorld:
     """W simulated DiLoCo workers with ``redundancy=2``: each keeps its
-    anchor slices and outer optimizer, and a copy of the previous rank's."""
+    anchor slices and outer optimizer, and a copy of the previous rank's;
+    with a ``codec``, its replica and residual too, and both as the last
+    sync found them."""
 
-    def __init__(self, plan: FragmentPlan, params: list[list[torch.Tensor]], factory: Factory):
-        self.plan, self.params = plan, params
+    def __init__(
+        self,
+        plan: FragmentPlan,
+        params: list[list[torch.Tensor]],
+        factory: Factory,
+        codec: Codec | None = None,
+    ):
+        self.plan, self.params, self.codec = plan, params, codec
         flat = torch.cat([p.reshape(-1) for p in params[0]])
         world = plan.world_size
 
@@ -62,6 +78,9 @@ class CarriedWorld:
         self.outers = [factory(a) for a in self.anchors]
         self.carried_outers = [factory(a) for a in self.carried]
         self.sums: list[torch.Tensor | None] = [None] * world
+        self.replicas = [flat.clone() for _ in range(world)]
+        self.residuals = [torch.zeros_like(flat) for _ in range(world)]
+        self.before: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * world
 
     def answer(self, rank: int) -> Callable[[OuterStep], torch.Tensor]:
         def step(request: OuterStep) -> torch.Tensor:
@@ -75,8 +94,15 @@ class CarriedWorld:
         f = self.plan.fragments[fragment]
         values = read_fragment(f, self.params[rank])
         self.sums[rank] = values
-        program = redundant_sync_program(
-            f, rank, values, self.anchors[rank][fragment], self.carried[rank][fragment]
+        anchor, carried = self.anchors[rank][fragment], self.carried[rank][fragment]
+        if self.codec is None:
+            program = redundant_sync_program(f, rank, values, anchor, carried)
+            return run_sync(program, self.answer(rank))
+        span = slice(f.start, f.start + f.numel)
+        replica, residual = self.replicas[rank][span], self.residuals[rank][span]
+        self.before[rank] = (replica.clone(), residual.clone())
+        program = redundant_compressed_sync_program(
+            f, rank, values, replica, residual, anchor, carried, self.codec
         )
         return run_sync(program, self.answer(rank))
 
@@ -86,8 +112,22 @@ class CarriedWorld:
         for ps, result in zip(self.params, results, strict=True):
             write_fragment(f, ps, result)
 
-    def held(self, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def held(
+        self, rank: int, recovery: SyncRecovery | None = None, fragment: int = 0
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Rank ``rank``'s own and carried state dicts; for ``recovery`` of
+        the sync of ``fragment`` (which every rank entered, at step 1), with
+        its replica and residual as the regroup reads them."""
         carried = carried_rank(rank, self.plan.world_size)
+        replica = residual = None
+        if recovery is not None and self.codec is not None:
+            replica, residual = as_found(
+                recovery,
+                1,
+                self.plan.fragments[fragment],
+                (self.replicas[rank], self.residuals[rank]),
+                self.before[rank],
+            )
         return (
             rank_state_dict(
                 self.plan,
@@ -96,6 +136,8 @@ class CarriedWorld:
                 None,
                 self.anchors[rank],
                 self.outers[rank].state_dict(),
+                replica,
+                residual,
             ),
             rank_state_dict(
                 self.plan,
@@ -109,6 +151,13 @@ class CarriedWorld:
 
     def consolidated(self) -> dict[str, Any]:
         return consolidate(self.plan, [self.held(r)[0] for r in range(self.plan.world_size)])
+
+
+CODECS: dict[str, Codec | None] = {
+    "fp32": None,
+    "int8": BlockQuantizer(8, 16),
+    "int4": BlockQuantizer(4, 8),
+}
 
 
 def same_tensors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
@@ -164,6 +213,68 @@ def test_carried_copies_equal_their_owners_and_the_outer_state_is_the_plain_sync
     )
 
 
+@SETTINGS
+@given(
+    sizes_lists,
+    st.integers(1, 3),
+    st.integers(2, 5),
+    st.sampled_from(sorted(set(CODECS) - {"fp32"})),
+    st.integers(1, 3),
+    st.integers(0, 2**16),
+)
+def test_compressed_syncs_keep_copies_and_replicas_equal_and_carry_what_codes_drop(
+    sizes: list[int], fragments: int, world_size: int, codec: str, rounds: int, seed: int
+) -> None:
+    """Owner and carrier step from the same sum of decoded codes, so the
+    copies stay bitwise equal; every rank's replica moves alike; the sum
+    and what the residuals still owe add up to the true sum; and a sync
+    hands over the bytes :func:`redundant_compressed_sync_bytes` plans."""
+    fragments = min(fragments, sum(sizes))
+    plan = plan_fragments(sizes, fragments, world_size)
+    params = replicated(sizes, world_size, seed)
+    world = CarriedWorld(plan, params, OUTER["nesterov"], CODECS[codec])
+    for r in range(rounds):
+        drift(params, seed + r)
+        for fragment, f in enumerate(plan.fragments):
+            span = slice(f.start, f.start + f.numel)
+            owed = [
+                world.replicas[k][span] - read_fragment(f, params[k]) for k in range(world_size)
+            ]
+            true = torch.stack([o + world.residuals[k][span] for k, o in enumerate(owed)]).sum(0)
+            requests: list[list[Request]] = [[] for _ in range(world_size)]
+            programs = [
+                watched(world.program(k, fragment), requests[k].append) for k in range(world_size)
+            ]
+            results = run_programs(programs)
+            for ps, result in zip(params, results, strict=True):
+                write_fragment(f, ps, result)
+            summed = world.sums[0]
+            assert summed is not None
+            assert all(torch.equal(world.sums[k], summed) for k in range(world_size))
+            still = torch.stack([world.residuals[k][span] for k in range(world_size)]).sum(0)
+            torch.testing.assert_close(summed + still, true, rtol=1e-5, atol=1e-5)
+            planned = redundant_compressed_sync_bytes(f, CODECS[codec])
+            assert all(sum(map(request_bytes, rs)) == planned for rs in requests)
+        assert all(torch.equal(world.replicas[k], world.replicas[0]) for k in range(world_size))
+    own = [digests(outer_state_tensors(world.held(r)[0])).tolist() for r in range(world_size)]
+    copies = [digests(outer_state_tensors(world.held(r)[1])).tolist() for r in range(world_size)]
+    assert copies_disagreement(own, copies) is None
+
+
+@pytest.mark.parametrize(
+    ("codec", "fewer", "more"), [("int8", 6, 7), ("int4", 14, 15), ("int2", 28, 30)]
+)
+def test_compressed_redundant_syncs_move_fewer_bytes_than_fp32_ones_up_to_a_world_size(
+    codec: str, fewer: int, more: int
+) -> None:
+    """The figures :mod:`zerofn.diloco.redundant_compressed_sync` states."""
+    quantizer = DiLoCoConfig(2, 1, compression=codec).compression
+    assert quantizer is not None
+    for world_size, under in ((2, True), (fewer, True), (more, False)):
+        f = plan_fragments([10**6], 1, world_size).fragments[0]
+        assert (redundant_compressed_sync_bytes(f, quantizer) < sync_bytes(f)) == under
+
+
 def interrupted_sync(
     world: CarriedWorld, fragment: int, lost: int, summed: Sequence[bool]
 ) -> list[SyncPosition]:
@@ -202,7 +313,14 @@ def regroup(
             return f, held_sum, world.anchors[old][fragment], world.carried[old][fragment]
 
         regroup = regroup_program(
-            recovery, position, world.plan, survivors, new_rank, finish, lambda: world.held(old)
+            recovery,
+            position,
+            world.plan,
+            survivors,
+            new_rank,
+            finish,
+            lambda: world.held(old, recovery, fragment),
+            None if world.codec is None else (world.codec, fragment),
         )
         return answering(regroup, OuterStep, world.answer(old))
 
@@ -216,6 +334,7 @@ def regroup(
     st.integers(3, 5),
     st.sampled_from(sorted(OUTER)),
     st.integers(0, 2),
+    st.sampled_from(sorted(CODECS)),
     st.data(),
     st.integers(0, 2**16),
 )
@@ -225,17 +344,20 @@ def test_a_loss_inside_a_sync_regroups_into_a_world_that_lost_the_rank_before_or
     world_size: int,
     outer: str,
     rounds: int,
+    codec: str,
     data: st.DataObject,
     seed: int,
 ) -> None:
-    """Whichever survivors saw the sync's all-reduce complete (none, some or
+    """Whichever survivors saw the sync's sum complete (none, some or
     all), the survivors' outer state, own and carried, equals bit for bit
     that of a world that never lost the rank, cut for the survivors: after
-    the sync when any survivor held its sum, before it otherwise."""
+    the sync when any survivor held its sum, before it otherwise. With
+    compressed syncs, every survivor's replica is that world's, and its
+    residual the mean of the survivors' there."""
     fragments = min(fragments, sum(sizes))
     plan = plan_fragments(sizes, fragments, world_size)
     params = replicated(sizes, world_size, seed)
-    world = CarriedWorld(plan, params, OUTER[outer])
+    world = CarriedWorld(plan, params, OUTER[outer], CODECS[codec])
     for r in range(rounds):
         drift(params, seed + r)
         for fragment in range(fragments):
@@ -261,7 +383,17 @@ def test_a_loss_inside_a_sync_regroups_into_a_world_that_lost_the_rank_before_or
         assert got.plan == new_plan
         assert same_tensors(outer_state_tensors(got.own), outer_state_tensors(want_own))
         assert same_tensors(outer_state_tensors(got.carried), outer_state_tensors(want_carried))
-        assert same_tensors(got.anchor, whole["anchor"])
+        if world.codec is None:
+            assert same_tensors(got.results, whole["anchor"])
+            continue
+        replica = reference.replicas[survivors[0]]
+        assert all(torch.equal(reference.replicas[r], replica) for r in survivors)
+        assert torch.equal(got.own["replica"], replica)
+        residual = torch.stack([reference.residuals[r] for r in survivors]).mean(dim=0)
+        assert torch.equal(got.own["residual"], residual)
+        assert same_tensors(
+            got.results, [replica[f.start : f.start + f.numel] for f in plan.fragments]
+        )
 
 
 def at(steps: int, sync: int, summed: bool, delay: int = 0, taken: bool = False) -> SyncPosition:
@@ -349,5 +481,10 @@ def test_the_planner_counts_the_carried_copy_and_the_kept_sum(
         assert outer_state_bytes(plan, rank, False, state_tensors, 2, delayed=True) == (
             alone + carried + 8 * largest
         )
-    with pytest.raises(ValueError, match="2 without compression"):
-        outer_state_bytes(plan, 0, True, state_tensors, 2)
+        # Compressed: the replica and residual of every element, and the
+        # last sync's span of both as it found them.
+        assert outer_state_bytes(plan, rank, True, state_tensors, 2) == (
+            alone + carried + 8 * numel + 12 * largest
+        )
+    with pytest.raises(ValueError, match="redundancy is 1 or 2"):
+        outer_state_bytes(plan, 0, True, state_tensors, 3)

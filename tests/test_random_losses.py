@@ -44,14 +44,16 @@ def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, co
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    ("world_size", "streaming"), [(3, False), (4, False), (4, True)], ids=["3", "4", "4-streaming"]
+    ("world_size", "variant"),
+    [(3, "diloco"), (4, "diloco"), (4, "diloco-streaming"), (3, "diloco-int8")],
+    ids=["3", "4", "4-streaming", "3-int8"],
 )
 def test_diloco_workers_lost_at_random_moments_leave_one_consistent_state(
-    world_size: int, streaming: bool
+    world_size: int, variant: str
 ) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")  # shown if the soak raises, to run it again
-    result = diloco_soak(world_size, 5, seed, streaming=streaming)
+    result = diloco_soak(world_size, 5, seed, variant=variant)
     assert result["losses"] >= 2, f"seed {seed}: only {result['losses']} of 5 runs lost a rank"
     assert result["referenced"] == 1
 

@@ -184,25 +184,30 @@ def test_a_pause_is_rank_at_step_colon_seconds(text: str) -> None:
 
 @pytest.mark.slow  # each case: a killed run and its reference, 3 or 4 launches of ranks
 @pytest.mark.parametrize(
-    "world_size,steps,kills",
+    "variant,world_size,steps,kills",
     [
-        (3, 8, ("1@4:exchange",)),
-        (3, 8, ("0@3:exchange",)),
-        (3, 8, ("2@4:backward",)),
-        (3, 8, ("1@4:between",)),
-        (4, 10, ("1@3:exchange", "3@6:between")),
-        (4, 10, ("3@2:backward", "0@6:exchange")),
+        ("diloco", 3, 8, ("1@4:exchange",)),
+        ("diloco", 3, 8, ("0@3:exchange",)),
+        ("diloco", 3, 8, ("2@4:backward",)),
+        ("diloco", 3, 8, ("1@4:between",)),
+        ("diloco", 4, 10, ("1@3:exchange", "3@6:between")),
+        ("diloco", 4, 10, ("3@2:backward", "0@6:exchange")),
+        ("diloco-int8", 3, 8, ("1@4:exchange",)),
+        ("diloco-int8", 3, 8, ("2@4:backward",)),
+        ("diloco-int8", 3, 8, ("0@3:between",)),
+        ("diloco-int8", 4, 10, ("3@2:backward", "0@6:exchange")),
     ],
     ids=lambda v: str(v) if not isinstance(v, tuple) else " then ".join(v),
 )
 def test_diloco_workers_end_with_the_references_bits(
-    tmp_path: Path, world_size: int, steps: int, kills: tuple[str, ...]
+    tmp_path: Path, variant: str, world_size: int, steps: int, kills: tuple[str, ...]
 ) -> None:
-    """``--config diloco``: a sync finished forward (the lost worker died
-    holding its sum) or run again without it, bitwise equal to the reference
-    that restarts the survivors from every worker's saved state."""
+    """``--config diloco`` and ``diloco-int8``: a sync finished forward (the
+    lost worker died holding its sum) or run again without it, bitwise equal
+    to the reference that restarts the survivors from every worker's saved
+    state (compressed: with the mean of the survivors' residuals)."""
     plan = tuple(diloco.WorkerKill(k.rank, k.step, k.phase) for k in map(example.parse_kill, kills))
-    killed = diloco.run_killed(world_size, steps, plan)
+    killed = diloco.run_killed(world_size, steps, plan, variant=variant)
     assert killed["world_size"] == world_size - len(plan)
     assert killed["inner_steps"] == [steps]
     for kill, r in zip(plan, killed["recoveries"], strict=True):
@@ -210,7 +215,7 @@ def test_diloco_workers_end_with_the_references_bits(
         assert r["finished_step"]  # every failing step was inside its sync
         assert r["step"] == kill.step + (kill.phase == "between")
         assert r["steps_lost"] == 0 and r["seconds"] > 0
-    reference = diloco.run_reference(world_size, steps, plan)
+    reference = diloco.run_reference(world_size, steps, plan, variant)
     ours = torch.load(example.save_final(killed, str(tmp_path / "killed")), weights_only=False)
     theirs = torch.load(
         example.save_final(reference, str(tmp_path / "reference")), weights_only=False
@@ -237,14 +242,14 @@ def test_streaming_diloco_workers_end_with_the_references_bits(
     timing, so the reference takes over where the recoveries say the
     survivors went on from; bitwise equal."""
     plan = tuple(diloco.WorkerKill(k.rank, k.step, k.phase) for k in map(example.parse_kill, kills))
-    killed = diloco.run_killed(world_size, steps, plan, streaming=True)
+    killed = diloco.run_killed(world_size, steps, plan, variant="diloco-streaming")
     assert killed["inner_steps"] == [steps]
     assert all(r["steps_lost"] == 0 for r in killed["recoveries"])
     for kill, r in zip(plan, killed["recoveries"], strict=True):
         if kill.phase == "exchange":  # it died holding the sum of the sync it started
             assert r["forward"] and r["sync"] == kill.step + 1
     seen = diloco.as_seen(plan, killed["recoveries"])
-    reference = diloco.run_reference(world_size, steps, seen, streaming=True)
+    reference = diloco.run_reference(world_size, steps, seen, "diloco-streaming")
     assert_bitwise_equal(
         {"model": killed["model"], "optimizer": killed["optimizer"]},
         {"model": reference["model"], "optimizer": reference["optimizer"]},

@@ -49,6 +49,7 @@ from zerofn.diloco.outer import (
     outer_step,
 )
 from zerofn.diloco.redundancy import carried_rank, redundant_sync_program
+from zerofn.diloco.redundant_compressed_sync import redundant_compressed_sync_program
 from zerofn.diloco.schedule import applied_at
 from zerofn.diloco.start import agree_program
 from zerofn.diloco.state import DiLoCoState, InFlight, state_from_dict, take_inner_step
@@ -105,10 +106,10 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
             (0: take the global values, as DiLoCo; 0.5: Streaming DiLoCo's).
         redundancy: 2 keeps a copy of each rank's outer state on the next
             rank, so the others go on when one is lost (``recover`` of
-            :mod:`zerofn_torch.elastic`): a sync all-reduces the fragment
-            (1.5 times the bytes on the wire), its sum kept until the next
-            (with a delay, its starting values too). Needs no compression,
-            the whole job as the outer group, an unsharded inner optimizer.
+            :mod:`zerofn_torch.elastic`): every rank gets each sync's sum
+            (fp32: 1.5 times the bytes; compressed: every rank's codes),
+            kept until the next (with a delay, its starting values too).
+            Needs the whole job as outer group, an unsharded inner optimizer.
 
     Raises:
         ValueError, TypeError: a bad configuration (see
@@ -295,25 +296,27 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
     def _start(self, fragment: int, t: int, values: torch.Tensor | None = None) -> None:
         f = self._plan.fragments[fragment]
         values = read_fragment(f, self._params) if values is None else values
+        anchor, codec = self._anchors[fragment], self.config.compression
+        span = slice(f.start, f.start + f.numel)
+        replica = None if self._replica is None else self._replica[span]
+        residual = None if self._residual is None else self._residual[span]
         program: SyncProgram
         if self._carried is not None:
-            self._carried.entered(t, applied_at(self.config, t), values)
-            program = redundant_sync_program(
-                f, self._rank, values, self._anchors[fragment], self._carried.anchors[fragment]
-            )
-        elif self.config.compression is None:
-            program = sync_program(f, self._rank, values, self._anchors[fragment])
+            self._carried.entered(t, applied_at(self.config, t), values, replica, residual)
+            carried = self._carried.anchors[fragment]
+            if codec is None:
+                program = redundant_sync_program(f, self._rank, values, anchor, carried)
+            else:
+                assert replica is not None and residual is not None
+                program = redundant_compressed_sync_program(
+                    f, self._rank, values, replica, residual, anchor, carried, codec
+                )
+        elif codec is None:
+            program = sync_program(f, self._rank, values, anchor)
         else:
-            assert self._replica is not None and self._residual is not None
-            span = slice(f.start, f.start + f.numel)
+            assert replica is not None and residual is not None
             program = compressed_sync_program(
-                f,
-                self._rank,
-                values,
-                self._replica[span],
-                self._residual[span],
-                self._anchors[fragment],
-                self.config.compression,
+                f, self._rank, values, replica, residual, anchor, codec
             )
         purpose = f"DiLoCo sync of fragment {fragment} (after inner step {t})"
         self._flight = PolledProgram(

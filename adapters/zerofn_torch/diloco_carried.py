@@ -27,6 +27,7 @@ from zerofn.diloco.redundancy import (
     copies_disagreement,
     outer_state_tensors,
 )
+from zerofn.diloco.redundant_compressed_sync import as_found
 from zerofn.diloco.schedule import fragment_synced_at
 from zerofn.diloco.state import DiLoCoState, take_inner_step
 from zerofn.errors import CollectiveError
@@ -62,8 +63,8 @@ def check_redundancy(
 
     Raises:
         ValueError: ``redundancy`` other than 1 or 2; 2 with one worker,
-            with ``compression``, over a group that is not the whole job, or
-            over an inner optimizer sharded across ranks.
+            over a group that is not the whole job, or over an inner
+            optimizer sharded across ranks.
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (outer state on its owner) or 2, got {redundancy}")
@@ -72,12 +73,7 @@ def check_redundancy(
     zero = None if inner is None else zero_rank_of(inner)
     inner_ranks = 1 if zero is None else zero.options.world_size
     why = None
-    if config.compression is not None:
-        why = (
-            "with compression each rank's replica and residual would need carrying too; "
-            "sync uncompressed (compression=None)"
-        )
-    elif world_size < 2:
+    if world_size < 2:
         why = "one worker has nobody to keep a copy of its outer state"
     elif inner_ranks > 1:
         why = (
@@ -108,6 +104,9 @@ class CarriedOuter:
         start: with a ``delay``, the values that sync started from (the
             parameters move on before its result is due, and a sync run
             again after a loss needs them); ``None`` without one.
+        replica_before, residual_before: with compressed syncs, the
+            fragment's replica and this rank's residual as that sync found
+            them (it changes both; a recovery reads them); else ``None``.
     """
 
     def __init__(
@@ -124,6 +123,8 @@ class CarriedOuter:
         self.summed = True
         self.total: torch.Tensor | None = None
         self.start: torch.Tensor | None = None
+        self.replica_before: torch.Tensor | None = None
+        self.residual_before: torch.Tensor | None = None
 
     def fill(self, plan: FragmentPlan, rank: int, start: Sequence[torch.Tensor]) -> None:
         """Set the carried anchors from the fragments' starting values."""
@@ -131,11 +132,21 @@ class CarriedOuter:
         for anchor, f, values in zip(self.anchors, plan.fragments, start, strict=True):
             anchor.copy_(values[f.owned(carried)])
 
-    def entered(self, t: int, due: int, values: torch.Tensor) -> None:
+    def entered(
+        self,
+        t: int,
+        due: int,
+        values: torch.Tensor,
+        replica: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> None:
         """The sync after inner step ``t`` starts, with ``values`` (it holds
-        the sum once summed), its result due after inner step ``due``."""
+        the sum once summed), its result due after inner step ``due``; with
+        compressed syncs, over the fragment's ``replica`` and ``residual``."""
         self.start = values.clone() if due > t else None
         self.sync, self.due, self.summed, self.total = t, due, False, values
+        self.replica_before = None if replica is None else replica.clone()
+        self.residual_before = None if residual is None else residual.clone()
 
     def position(self, state: DiLoCoState, taken: bool) -> SyncPosition:
         """Where this rank stands, for the roll call (``taken``: the call
@@ -149,7 +160,8 @@ class CarriedOuter:
 
     def tensors(self) -> list[torch.Tensor]:
         """What the copy holds in memory: anchors, outer state and the kept sum."""
-        kept = [t for t in (self.total, self.start) if t is not None]
+        maybe = (self.total, self.start, self.replica_before, self.residual_before)
+        kept = [t for t in maybe if t is not None]
         return [*self.anchors, *state_tensors(self.outer), *kept]
 
     def load(self, saved: Mapping[str, Any]) -> None:
@@ -180,6 +192,8 @@ class CarryingWorker:
     _anchors: list[torch.Tensor]
     _factory: OuterOptimizerFactory
     _result: torch.Tensor | None
+    _replica: torch.Tensor | None
+    _residual: torch.Tensor | None
     _flight: Any
     _taken: bool
 
@@ -255,12 +269,35 @@ class CarryingWorker:
         if self._flight is not None:
             self._flight.abandon()
 
-    def held_state_dicts(self) -> StateDicts:
-        """This rank's own DiLoCo rank state dict and its carried copy's."""
+    def held_state_dicts(self, recovery: SyncRecovery | None = None) -> StateDicts:
+        """This rank's own DiLoCo rank state dict and its carried copy's;
+        for ``recovery``, with compressed syncs, its own holds the replica
+        and residual as :func:`~zerofn.diloco.redundancy.regrouped` reads them."""
+        replica, residual = self._as_found(recovery)
         own = rank_state_dict(
-            self._plan, self._rank, self._state, None, self._anchors, self.outer.state_dict()
+            self._plan,
+            self._rank,
+            self._state,
+            None,
+            self._anchors,
+            self.outer.state_dict(),
+            replica,
+            residual,
         )
         return own, self._carrying().state_dict(self._plan, self._rank, self._state)
+
+    def _as_found(
+        self, recovery: SyncRecovery | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if recovery is None or self._replica is None or self._residual is None:
+            return None, None
+        carried = self._carrying()
+        index = fragment_synced_at(self.config, carried.sync)
+        fragment = None if index is None else self._plan.fragments[index]
+        before = None
+        if carried.replica_before is not None and carried.residual_before is not None:
+            before = (carried.replica_before, carried.residual_before)
+        return as_found(recovery, carried.sync, fragment, (self._replica, self._residual), before)
 
     def finishing(self, index: int) -> tuple[Fragment, torch.Tensor | None, Any, Any]:
         """What finishing the sync of fragment ``index`` forward reads here:
@@ -290,14 +327,17 @@ class CarryingWorker:
         self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
         self.outer.load_state_dict(regrouped.own["outer"])
         carried.load(regrouped.carried)
+        if self._replica is not None and self._residual is not None:
+            self._replica.copy_(regrouped.own["replica"])
+            self._residual.copy_(regrouped.own["residual"])
         # The sync in flight, if any, was the old group's (left already): it
         # is finished or run again from here (resume, run_again).
         self._flight, self._result = None, None
 
-    def resume(self, recovery: SyncRecovery, position: SyncPosition, anchor: Any) -> bool:
+    def resume(self, recovery: SyncRecovery, position: SyncPosition, results: Any) -> bool:
         """Bring this rank's parameters and schedule to where ``recovery``
         leaves them: the result of a sync it stepped (from the regrouped
-        ``anchor``) merged now if the failed call was to merge it, else kept
+        ``results``) merged now if the failed call was to merge it, else kept
         for its due step; a sync to run again is :meth:`run_again`'s.
         Returns whether the call that failed here took its inner step (do
         not redo it)."""
@@ -306,9 +346,9 @@ class CarryingWorker:
         if recovery.applies_consolidated(position):
             assert index is not None
             if position.merges_now:
-                self._merge(index, anchor[index])
+                self._merge(index, results[index])
             else:
-                self._result = anchor[index].clone()
+                self._result = results[index].clone()
         if position.taken:
             self._state = take_inner_step(self.config, self._state)[0]
         return position.taken

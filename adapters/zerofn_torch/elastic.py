@@ -368,6 +368,7 @@ def recover_diloco(
     new_rank = call.alive.index(diloco.rank)
     diloco.enter_world(group, new_rank, len(call.alive))
     index = fragment_synced_at(diloco.config, recovery.sync)
+    codec = diloco.config.compression
     program = regroup_program(
         recovery,
         position,
@@ -375,7 +376,8 @@ def recover_diloco(
         call.alive,
         new_rank,
         lambda: diloco.finishing(index if index is not None else 0),
-        diloco.held_state_dicts,
+        lambda: diloco.held_state_dicts(recovery),
+        None if codec is None else (codec, index),
     )
     purpose = "DiLoCo: regrouping the outer state without the lost ranks"
     regrouped = drive(
@@ -384,7 +386,7 @@ def recover_diloco(
     diloco.regroup(group, new_rank, regrouped)
     if new_rank == 0:
         store.set(GENERATION, str(diloco.generation))
-    finished = diloco.resume(recovery, position, regrouped.anchor)
+    finished = diloco.resume(recovery, position, regrouped.results)
     diloco.verify_copies()
     if recovery.runs_again(position):
         diloco.run_again(position)

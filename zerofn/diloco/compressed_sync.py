@@ -40,6 +40,9 @@ length alone, which the plan fixes: sparse payloads need no size agreement.
 
 from __future__ import annotations
 
+from collections.abc import Generator, Sequence
+from typing import Any
+
 import torch
 
 from zerofn.comm import AllToAll, GatherSegments
@@ -49,7 +52,14 @@ from zerofn.diloco.outer import OuterStep
 from zerofn.diloco.sync import SyncProgram
 from zerofn.zero.exchange import ExchangeVia
 
-__all__ = ["compressed_sync_bytes", "compressed_sync_program"]
+__all__ = [
+    "add_anchor_updates",
+    "compressed_sync_bytes",
+    "compressed_sync_program",
+    "encode_anchor_update",
+    "exchange_anchor_update",
+    "replica_after_sync",
+]
 
 
 def _payloads(
@@ -136,14 +146,74 @@ def compressed_sync_program(
         )
 
     stepped = yield OuterStep(fragment.index, total.div_(world_size))
-    own = fragment.slices(replica)[rank]
-    updates = _payloads(quantizer, lengths, device)
-    quantizer.encode(torch.sub(stepped, own, out=decoded[: lengths[rank]]), updates[rank])
-    yield GatherSegments(tuple(updates), rank, via, last=True)
+    yield from exchange_anchor_update(fragment, rank, stepped, replica, quantizer, via, decoded)
+    return replica
+
+
+def encode_anchor_update(
+    quantizer: Codec, stepped: torch.Tensor, replica: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
+    """An owner's payload for its slice's new anchor: ``stepped - replica``
+    (both the owner's slice), encoded (``scratch``: at least a slice long)."""
+    nbytes = quantizer.payload_nbytes(stepped.numel())
+    payload = torch.empty(nbytes, dtype=torch.uint8, device=stepped.device)
+    quantizer.encode(torch.sub(stepped, replica, out=scratch[: stepped.numel()]), payload)
+    return payload
+
+
+def add_anchor_updates(
+    fragment: Fragment,
+    replica: torch.Tensor,
+    updates: Sequence[torch.Tensor],
+    quantizer: Codec,
+    scratch: torch.Tensor,
+) -> None:
+    """Add every owner's decoded update payload to its slice of ``replica``:
+    a pure function of the bytes, so every rank's replica moves alike."""
     with torch.no_grad():
         for part, payload in zip(fragment.slices(replica), updates, strict=True):
-            part.add_(quantizer.decode(payload, part.numel(), decoded[: part.numel()]))
-    return replica
+            part.add_(quantizer.decode(payload, part.numel(), scratch[: part.numel()]))
+
+
+def exchange_anchor_update(
+    fragment: Fragment,
+    rank: int,
+    stepped: torch.Tensor,
+    replica: torch.Tensor,
+    quantizer: Codec,
+    via: ExchangeVia,
+    scratch: torch.Tensor,
+) -> Generator[GatherSegments, Any, None]:
+    """Send this owner's encoded update (``stepped``: its new anchor slice),
+    receive every other owner's, and add them all to ``replica``."""
+    updates = _payloads(quantizer, fragment.lengths, replica.device)
+    own = fragment.slices(replica)[rank]
+    updates[rank] = encode_anchor_update(quantizer, stepped, own, scratch)
+    yield GatherSegments(tuple(updates), rank, via, last=True)
+    add_anchor_updates(fragment, replica, updates, quantizer, scratch)
+
+
+def replica_after_sync(
+    fragment: Fragment, replica: torch.Tensor, anchor: torch.Tensor, quantizer: Codec
+) -> torch.Tensor:
+    """The fragment's replica after a compressed sync whose new anchor is
+    ``anchor`` (the whole fragment), from ``replica`` as it was before it:
+    every owner's update encoded as the owner encodes it, and added as every
+    rank adds it, so the result is bitwise what the sync's exchange leaves.
+    What a recovery that finishes a sync forward gives every survivor.
+
+    Returns:
+        A new tensor.
+    """
+    fragment.check_fits(0, ("anchor", fragment.slices(anchor)[0]), replica=replica, anchor=anchor)
+    scratch = torch.empty(max(fragment.lengths), dtype=torch.float32, device=replica.device)
+    updates = [
+        encode_anchor_update(quantizer, new, old, scratch)
+        for new, old in zip(fragment.slices(anchor), fragment.slices(replica), strict=True)
+    ]
+    out = replica.clone()
+    add_anchor_updates(fragment, out, updates, quantizer, scratch)
+    return out
 
 
 def compressed_sync_bytes(fragment: Fragment, quantizer: Codec, rank: int) -> int:

@@ -27,6 +27,7 @@ from zerofn.diloco.compressed_sync import compressed_sync_bytes
 from zerofn.diloco.config import Compression, codec_for
 from zerofn.diloco.fragments import FragmentPlan, plan_fragments
 from zerofn.diloco.redundancy import carried_rank
+from zerofn.diloco.redundant_compressed_sync import redundant_compressed_sync_bytes
 from zerofn.diloco.sync import sync_bytes
 
 __all__ = ["outer_state_bytes", "outer_state_bytes_per_rank", "sync_bytes_per_rank"]
@@ -50,16 +51,17 @@ def outer_state_bytes(
         state_tensors: ``float32`` state tensors the outer optimizer keeps
             per element (SGD with momentum: 1; without: 0; Adam: 2).
         redundancy: 2: the carried copy of the previous rank's slices, and
-            the largest fragment's sum (the last synced one's, at most).
+            the largest fragment's sum (the last synced one's, at most);
+            compressed, its replica and residual as the last sync found them.
         delayed: with ``redundancy=2`` and a ``delay``: the values a sync
             in flight started from too (the largest fragment's).
 
     Raises:
         ValueError: a negative ``state_tensors``, a rank outside the plan,
-            or ``redundancy`` other than 1, or 2 without compression.
+            or ``redundancy`` other than 1 or 2.
     """
-    if redundancy not in (1, 2) or (redundancy == 2 and compressed):
-        raise ValueError(f"redundancy is 1, or 2 without compression; got {redundancy}")
+    if redundancy not in (1, 2):
+        raise ValueError(f"redundancy is 1 or 2, got {redundancy}")
     if state_tensors < 0:
         raise ValueError(f"state_tensors must be >= 0, got {state_tensors}")
     if not 0 <= rank < plan.world_size:
@@ -68,7 +70,8 @@ def outer_state_bytes(
     owned = per_element * plan.owned_numel(rank)
     if redundancy == 2:
         carried = plan.owned_numel(carried_rank(rank, plan.world_size))
-        kept = 2 if delayed else 1  # the sum, and with a delay the starting values
+        # The sum, with a delay the starting values, compressed the replica and residual.
+        kept = 1 + int(delayed) + 2 * int(compressed)
         owned += per_element * carried + 4 * kept * max(f.numel for f in plan.fragments)
     return owned + (8 * plan.numel if compressed else 0)
 
@@ -96,12 +99,17 @@ def outer_state_bytes_per_rank(
 
 
 def sync_bytes_per_rank(
-    numel: int, world_size: int, fragments: int = 1, compression: Compression = None
+    numel: int,
+    world_size: int,
+    fragments: int = 1,
+    compression: Compression = None,
+    redundancy: int = 1,
 ) -> int:
     """The bytes the busiest rank hands to the collectives of one sync (the
     largest fragment's), for a model of ``numel`` elements on an outer group
     of ``world_size`` ranks, with ``compression`` as
-    :class:`~zerofn.diloco.config.DiLoCoConfig` takes it.
+    :class:`~zerofn.diloco.config.DiLoCoConfig` takes it, and ``redundancy``
+    (2: every rank's codes reach every rank; fp32, the same bytes).
 
     Under ring algorithms a rank sends ``(W - 1) / W`` of it; the ratio
     between two codecs is the ratio of their bytes on the wire.
@@ -114,6 +122,8 @@ def sync_bytes_per_rank(
     plan = plan_fragments([numel], fragments, world_size)
     if codec is None:
         return max(sync_bytes(f) for f in plan.fragments)
+    if redundancy == 2:
+        return max(redundant_compressed_sync_bytes(f, codec) for f in plan.fragments)
     return max(
         compressed_sync_bytes(f, codec, rank) for f in plan.fragments for rank in range(world_size)
     )

@@ -48,6 +48,8 @@ from zerofn.comm import (
     Request,
 )
 from zerofn.diloco.checkpoint import consolidate, shard
+from zerofn.diloco.compressed_sync import replica_after_sync
+from zerofn.diloco.config import Codec
 from zerofn.diloco.fragments import Fragment, FragmentPlan, plan_fragments
 from zerofn.diloco.outer import OuterStep, pseudo_gradient
 from zerofn.diloco.sync import SyncProgram
@@ -290,6 +292,7 @@ def regroup_program(
     new_rank: int,
     finish: Callable[[], tuple[Fragment, torch.Tensor | None, torch.Tensor, torch.Tensor]],
     held: Callable[[], StateDicts],
+    compressed: tuple[Codec, int | None] | None = None,
 ) -> RegroupProgram:
     """Make the outer state whole on the survivors' group and cut it for
     their world, on survivor ``new_rank``.
@@ -309,7 +312,11 @@ def regroup_program(
         finish: the sync to finish's fragment, this survivor's sum of it
             (``None`` when it lacks it), anchor slice and carried anchor
             slice; called only when finishing forward.
-        held: this survivor's own and carried state dicts, once whole.
+        held: this survivor's own and carried state dicts, once whole
+            (compressed syncs: its own with its replica and residual as
+            :func:`regrouped` reads them).
+        compressed: for compressed syncs, the codec and the fragment of the
+            last sync any survivor entered (``None``: none yet).
     """
     old_rank = survivors[new_rank]
     if recovery.forward and recovery.source is not None:
@@ -323,7 +330,9 @@ def regroup_program(
         if recovery.needs_sum(position):
             yield from outer_steps(fragment, old_rank, total, anchor, carried_anchor)
     (every,) = yield AllGatherObjects((old_rank, held()), last=True)
-    return regrouped(plan, dict(every), survivors, new_rank)
+    codec, synced = compressed if compressed is not None else (None, None)
+    finished = synced if recovery.forward else None
+    return regrouped(plan, dict(every), survivors, new_rank, codec, finished)
 
 
 @attrs.frozen
@@ -334,14 +343,14 @@ class Regrouped:
         plan: the fragments cut for the survivors' world.
         own: its rank state dict (:mod:`zerofn.diloco.checkpoint`'s form).
         carried: the same for the rank it now carries.
-        anchor: the whole anchor, fragment by fragment (what a result is
-            taken from).
+        results: what a sync's result is, fragment by fragment: the whole
+            anchor (fp32 syncs) or the replica (compressed syncs).
     """
 
     plan: FragmentPlan
     own: dict[str, Any]
     carried: dict[str, Any]
-    anchor: tuple[torch.Tensor, ...]
+    results: tuple[torch.Tensor, ...]
 
 
 def regrouped(
@@ -349,8 +358,19 @@ def regrouped(
     held: Mapping[int, tuple[Mapping[str, Any], Mapping[str, Any]]],
     survivors: Sequence[int],
     new_rank: int,
+    codec: Codec | None = None,
+    finished: int | None = None,
 ) -> Regrouped:
     """The outer state of ``survivors[new_rank]`` in the survivors' world.
+
+    With compressed syncs, the survivors' own state dicts hold their replica
+    (as before the last sync, where they entered it) and their residual (as
+    the sync to run again starts from it, where one runs again). Every
+    survivor goes on with the same replica, brought through the sync of
+    fragment ``finished`` when one was finished forward
+    (:func:`~zerofn.diloco.compressed_sync.replica_after_sync`), and with
+    the mean of the survivors' residuals: a lost rank's error feedback is
+    gone with its parameters.
 
     Args:
         plan: the old world's plan.
@@ -361,6 +381,8 @@ def regrouped(
             its own.
         survivors: the old ranks that go on, in order (their new ranks).
         new_rank: this survivor's rank among them.
+        codec: the compressed syncs' codec (``None``: fp32 syncs).
+        finished: the fragment whose sync was finished forward, if any.
 
     Raises:
         ValueError: a lost rank whose carrier is lost too (its outer state
@@ -372,7 +394,7 @@ def regrouped(
     per_rank: list[Mapping[str, Any]] = []
     for r in range(world):
         if r in held:
-            per_rank.append(held[r][0])
+            per_rank.append({**held[r][0], "replica": None, "residual": None})
             continue
         carrier = carrier_of(r, world)
         if carrier not in held:
@@ -382,14 +404,38 @@ def regrouped(
             )
         per_rank.append(held[carrier][1])
     whole = consolidate(plan, per_rank)
+    results = tuple(whole["anchor"])
+    if codec is not None:
+        whole["replica"] = _survivors_replica(plan, held, survivors, whole, codec, finished)
+        whole["residual"] = torch.stack([held[r][0]["residual"] for r in survivors]).mean(dim=0)
+        results = tuple(whole["replica"][f.start : f.start + f.numel] for f in plan.fragments)
     new_world = len(survivors)
     new_plan = plan_fragments(plan.sizes, len(plan.fragments), new_world)
     return Regrouped(
         new_plan,
         shard(new_plan, whole, new_rank),
         shard(new_plan, whole, carried_rank(new_rank, new_world)),
-        tuple(whole["anchor"]),
+        results,
     )
+
+
+def _survivors_replica(
+    plan: FragmentPlan,
+    held: Mapping[int, tuple[Mapping[str, Any], Mapping[str, Any]]],
+    survivors: Sequence[int],
+    whole: Mapping[str, Any],
+    codec: Codec,
+    finished: int | None,
+) -> torch.Tensor:
+    """The replica every survivor goes on with: the first survivor's (the
+    same on all, as before the last sync), brought through the sync of
+    fragment ``finished`` to its consolidated anchor."""
+    replica: torch.Tensor = held[survivors[0]][0]["replica"].clone()
+    if finished is not None:
+        f = plan.fragments[finished]
+        span = slice(f.start, f.start + f.numel)
+        replica[span] = replica_after_sync(f, replica[span], whole["anchor"][finished], codec)
+    return replica
 
 
 def outer_state_tensors(saved: Mapping[str, Any]) -> list[torch.Tensor]:

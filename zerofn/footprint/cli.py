@@ -172,29 +172,29 @@ def _diloco_columns(
 ) -> tuple[Column, ...]:
     """DiLoCo's bytes per sync on its busiest rank, fp32 and with
     ``compression``, then its outer state on its heaviest rank (with the
-    replica and residual a compressed sync keeps; with ``redundancy=2`` and
-    no compression, the carried copy and the kept sum), from
-    :mod:`zerofn.diloco.footprint`."""
+    replica and residual a compressed sync keeps; with ``redundancy=2``, the
+    carried copy and what a recovery reads), from :mod:`zerofn.diloco.footprint`."""
 
     def sync(name: str) -> Column:
         codec = DILOCO_CODECS.get(name)
         return Column(
             f"DiLoCo MiB/sync ({name})",
-            lambda f: _mib(sync_bytes_per_rank(f.numel, f.world_size, fragments, codec)),
+            lambda f: _mib(
+                sync_bytes_per_rank(f.numel, f.world_size, fragments, codec, redundancy)
+            ),
         )
 
     compressed = compression is not None
-    copies = 1 if compressed else redundancy  # DiLoCo carries no compressed state
 
     def outer(f: Footprint) -> str:
         return _gib(
             outer_state_bytes_per_rank(
-                f.numel, f.world_size, fragments, compressed, redundancy=copies
+                f.numel, f.world_size, fragments, compressed, redundancy=redundancy
             )
         )
 
     syncs = (sync("fp32"),) + ((sync(compression),) if compression is not None else ())
-    carried = ", redundancy 2" if copies == 2 else ""
+    carried = ", redundancy 2" if redundancy == 2 else ""
     return (*syncs, Column(f"DiLoCo outer GiB (P={fragments}{carried})", outer))
 
 
