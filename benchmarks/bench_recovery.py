@@ -2,11 +2,11 @@
 ``examples/survive_a_lost_rank.py`` on 3, 4 and 8 gloo ranks, one rank lost
 in each phase of a step (in backward, inside the exchange, between steps),
 the last rank or a middle one, in each configuration of
-``train_elastic.CONFIGS`` and for DiLoCo workers (``--config diloco``:
-inside a sync, in backward, between steps), and one rank paused. Each run's survivors
-time the recovery from the moment the lost rank went (it notes the moment in
-the job's store) to their next completed step. ``--quick``: 3 ranks, one
-loss of each phase per configuration."""
+``train_elastic.CONFIGS`` and for DiLoCo workers (``--config diloco`` and
+``diloco-int8``: inside a sync, in backward, between steps), and one rank
+paused. Each run's survivors time the recovery from the moment the lost rank
+went (it notes the moment in the job's store) to their next completed step.
+``--quick``: 3 ranks, one loss of each phase per configuration."""
 
 from __future__ import annotations
 
@@ -47,10 +47,14 @@ def _one(
     return float(recovery["seconds"]), int(recovery["steps_lost"])
 
 
-def _one_diloco(world_size: int, victim: int, phase: str) -> tuple[float, int]:
+DILOCO = ("diloco", "diloco-int8")
+"""The DiLoCo workers timed: fp32 syncs, and int8 syncs."""
+
+
+def _one_diloco(world_size: int, victim: int, phase: str, variant: str) -> tuple[float, int]:
     """One run of DiLoCo workers losing ``victim``: its seconds and steps lost."""
     kill = diloco_survival.WorkerKill(victim, AT, phase)
-    result = diloco_survival.run_killed(world_size, STEPS, (kill,))
+    result = diloco_survival.run_killed(world_size, STEPS, (kill,), variant=variant)
     (recovery,) = result["recoveries"]
     return float(recovery["seconds"]), int(recovery["steps_lost"])
 
@@ -66,15 +70,13 @@ def bench_recovery(quick: bool) -> Section:
                 lost_steps.append(lost)
                 fault = f"rank {victim} lost"
                 rows.append([world_size, config.name, fault, phase, f"{seconds:.2f}", lost])
-    for world_size, phase in itertools.product(worlds, PHASES):
+    for world_size, variant, phase in itertools.product(worlds, DILOCO, PHASES):
         for victim in _victims(world_size, quick):
-            seconds, lost = _one_diloco(world_size, victim, phase)
+            seconds, lost = _one_diloco(world_size, victim, phase, variant)
             kills_seconds.append(seconds)
             lost_steps.append(lost)
             where = "sync" if phase == "exchange" else phase
-            rows.append(
-                [world_size, "diloco", f"rank {victim} lost", where, f"{seconds:.2f}", lost]
-            )
+            rows.append([world_size, variant, f"rank {victim} lost", where, f"{seconds:.2f}", lost])
     pause = Pause(1, AT, 6.0)
     pause_seconds, pause_lost = _one(3, None, pause)
     rows.append([3, "plain", "rank 1 paused 6 s", "between", f"{pause_seconds:.2f}", pause_lost])
@@ -85,7 +87,8 @@ def bench_recovery(quick: bool) -> Section:
         f"`examples/train_elastic.py`'s model ({legend()}; `diloco`: each rank a worker of "
         "`DiLoCoOptimizer(Adam, sync_every=2, fragments=2, redundancy=2)` on the same model, a "
         "fragment synced after every inner step, the loss inside a sync, in backward or between "
-        "steps), gloo on CPU, the group's default timeout (30 minutes) and `recover`'s default "
+        'steps; `diloco-int8`: the same with `compression="int8"`), gloo on CPU, the group\'s '
+        "default timeout (30 minutes) and `recover`'s default "
         f"roll call; one rank ends (`os._exit`) in step {AT} of {STEPS}. Seconds from the death "
         "to the survivors' next completed step (the step finished or redone), as the survivors' "
         "rank 0 saw it.\n\n"

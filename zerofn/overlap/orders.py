@@ -1,7 +1,7 @@
-"""Carrying out a step order: the overlapped step's part after a bucket, one program.
+"""Obeying a step order: the overlapped step's part after a bucket, one program.
 
 After each DDP bucket the overlap hook's state may carry a
-:class:`~zerofn.overlap.hook.StepOrder`. :func:`carry_out` is everything a rank
+:class:`~zerofn.overlap.hook.StepOrder`. :func:`obey_order` is everything a rank
 does for it, written once: pick the averaged gradients the order names (all
 of them before the plan is fixed, the owned shards after), ask the step's
 global questions (a loss scaler's inf/nan check, clipping's norm:
@@ -33,12 +33,12 @@ from zerofn.zero.mixed_precision.precision import step_factor_program
 
 __all__ = [
     "Handed",
-    "OrderCarriedOut",
+    "OrderObeyed",
     "SendCompressed",
     "Sent",
     "StepChecks",
     "StepGradients",
-    "carry_out",
+    "obey_order",
     "step_with_gradients",
     "write_updates",
 ]
@@ -101,8 +101,8 @@ class StepChecks:
 
 
 @attrs.frozen(eq=False)
-class OrderCarriedOut:
-    """What carrying out an order left to do.
+class OrderObeyed:
+    """What obeying an order left to do.
 
     Attributes:
         stepped: whether the step was taken (``False`` on every rank alike
@@ -121,7 +121,7 @@ class OrderCarriedOut:
     differences: bool = False
 
 
-def carry_out(
+def obey_order(
     state: OverlapHookState[Any],
     config: OverlapConfig,
     order: StepOrder,
@@ -129,7 +129,7 @@ def carry_out(
     params: Sequence[torch.Tensor],
     checks: StepChecks,
     compressed: SendCompressed | None = None,
-) -> Generator[ProgramStep | StepGradients, Any, OrderCarriedOut]:
+) -> Generator[ProgramStep | StepGradients, Any, OrderObeyed]:
     """Everything rank ``config.rank`` does for ``order``.
 
     Args:
@@ -146,7 +146,7 @@ def carry_out(
     Returns:
         A program: the checks' collectives (none without checks, or while
         every rank holds every gradient), one :class:`StepGradients` unless
-        the step is skipped or empty; it returns an :class:`OrderCarriedOut`.
+        the step is skipped or empty; it returns an :class:`OrderObeyed`.
 
     Raises:
         KeyError: the order names a bucket not in ``handed``.
@@ -164,17 +164,17 @@ def carry_out(
         shared=order.everywhere,
     )
     if skip:
-        return OrderCarriedOut(False, (), order.reshard)
+        return OrderObeyed(False, (), order.reshard)
     if grads:
         # While every rank steps everything, nothing is sent: the masters'
         # values go into the parameters, the same on every rank.
         yield StepGradients(grads, factor, write_back=compressed is None or order.everywhere)
     if order.everywhere:
-        return OrderCarriedOut(True, (), order.reshard)
+        return OrderObeyed(True, (), order.reshard)
     plan = state.overlap.plan
     assert plan is not None  # gradients_to_step refused an order without one
     sends = _owners_sends(plan, config.rank, order, handed, params, compressed)
-    return OrderCarriedOut(True, sends, order.reshard, differences=compressed is not None)
+    return OrderObeyed(True, sends, order.reshard, differences=compressed is not None)
 
 
 def _owners_sends(
@@ -265,7 +265,7 @@ def write_updates(
         indices: the bucket's parameters' global indices, in bucket order.
         sent: what the bucket's broadcast program returned.
         differences: ``sent`` holds decoded differences to add (see
-            :class:`OrderCarriedOut`), not values to copy.
+            :class:`OrderObeyed`), not values to copy.
     """
     with torch.no_grad():
         for shard, flat in sent:

@@ -4,8 +4,8 @@
 (``hook_with_zero_step``) over several iterations: the core hook
 :func:`zerofn.overlap.hook.zero_step_hook` on every rank, bucket by bucket,
 and each rank, built as the optimizer builds it
-(:func:`zerofn.zero.hook_driven.build_hook_driven_rank`), carrying out the
-step orders it gives with the core's :func:`zerofn.overlap.orders.carry_out`
+(:func:`zerofn.zero.hook_driven.build_hook_driven_rank`), obeying the
+step orders it gives with the core's :func:`zerofn.overlap.orders.obey_order`
 and stepping as the optimizer steps, as the adapter's runner does::
 
     from zerofn.testing.overlap import simulate_overlapped_step
@@ -48,11 +48,11 @@ from zerofn.overlap.hook import (
     zero_step_hook,
 )
 from zerofn.overlap.orders import (
-    OrderCarriedOut,
+    OrderObeyed,
     Sent,
     StepChecks,
     StepGradients,
-    carry_out,
+    obey_order,
     write_updates,
 )
 from zerofn.testing.world import run_programs
@@ -148,11 +148,11 @@ class _OverlapRank:
             self.state = finish_iteration(self.hook, self.state)
         return self.state.global_state.order
 
-    def carrying_out(self, order: StepOrder) -> Program[OrderCarriedOut]:
-        """The core's :func:`zerofn.overlap.orders.carry_out` for ``order``, its
+    def obeying(self, order: StepOrder) -> Program[OrderObeyed]:
+        """The core's :func:`zerofn.overlap.orders.obey_order` for ``order``, its
         local step answered by :meth:`step` (the buckets it names are taken)."""
         handed = {index: self.handed.pop(index) for index in order.buckets}
-        program = carry_out(
+        program = obey_order(
             self.state.global_state,
             self.config,
             order,
@@ -173,7 +173,7 @@ class _OverlapRank:
             )
         step_rank_with_gradients(self.zero, self.groups, request)
 
-    def after(self, done: OrderCarriedOut) -> list[Program[_Sent]]:
+    def after(self, done: OrderObeyed) -> list[Program[_Sent]]:
         """Keep this rank's share once the order says the plan is fixed; the
         sends, their results kept to write at the iteration's end."""
         if done.reshard is not None:
@@ -222,12 +222,12 @@ def _hand_over(
     orders = [rank.finish(info, *result) for rank, result in zip(ranks, results, strict=True)]
     sends: list[list[Program[_Sent]]] = [[] for _ in ranks]
     if all(order is not None for order in orders):
-        carrying_out = [
-            watched(rank.carrying_out(order), seen.append)
+        obeying = [
+            watched(rank.obeying(order), seen.append)
             for rank, order, seen in zip(ranks, orders, made, strict=True)
             if order is not None
         ]
-        done = run_programs(carrying_out, purpose=f"after DDP bucket {info.index}: the step")
+        done = run_programs(obeying, purpose=f"after DDP bucket {info.index}: the step")
         sends = [rank.after(done_order) for rank, done_order in zip(ranks, done, strict=True)]
     elif any(order is not None for order in orders):
         raise AssertionError(f"after bucket {info.index} only some ranks were ordered to step")
@@ -276,7 +276,7 @@ def simulate_overlapped_step(
 ) -> OverlappedRun:
     """Iterations of the overlapped ZeRO step (``hook_with_zero_step``) on
     simulated ranks: the core hook :func:`zerofn.overlap.hook.zero_step_hook`
-    wrapping ``inner``, carried out as the adapter's runner carries it out.
+    wrapping ``inner``, obeyed as the adapter's runner obeys it.
 
     Per iteration, per bucket in order, every rank hands the bucket's flat
     gradient to the hook (``final`` from iteration ``final_from`` on), all

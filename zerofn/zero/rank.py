@@ -1,7 +1,7 @@
 """One ZeRO rank, built once: the rank's whole state (:class:`ZeroRank`:
 plan, shards, masters, compressed exchange, local optimizer, who steps it,
 under the options :mod:`zerofn.zero.options` resolved), with the functions
-that build it, hand it a step's gradients and answer the step program's
+that build it, write a step's gradients for it and answer the step program's
 local step.
 
 ``zerofn_torch.ZeroRedundancyOptimizer`` and the simulated world
@@ -41,8 +41,8 @@ from zerofn.zero.compressed.exchange import (
 from zerofn.zero.elastic.carried import (
     CarriedShard,
     carried_shard,
-    hand_carried_grads,
     step_carried,
+    write_carried_grads,
 )
 from zerofn.zero.mixed_precision.masters import Masters, make_masters
 from zerofn.zero.optimizers import steps_in_parts
@@ -61,13 +61,13 @@ __all__ = [
     "drop_master_grads",
     "extend_local_optimizer",
     "flat_params",
-    "hand_grads",
     "master_grads",
     "memory_bytes",
     "owned_grads",
     "placed_rank",
     "synced_hyperparameters",
     "with_current_trainable",
+    "write_local_grads",
 ]
 
 OverlapMode = Literal["off", "unattached", "attached", "sharded"]
@@ -279,18 +279,18 @@ def synced_hyperparameters(groups: Sequence[dict[str, Any]], rank: ZeroRank) -> 
     copy_hyperparameters(rank.optim.param_groups, groups)
 
 
-def hand_grads(rank: ZeroRank, params: Sequence[torch.Tensor], unscale: float = 1.0) -> None:
-    """Hand the local optimizer this step's gradients: the masters (the
+def write_local_grads(rank: ZeroRank, params: Sequence[torch.Tensor], unscale: float = 1.0) -> None:
+    """Write this step's gradients where the local optimizer reads them: the masters (the
     carried copy's too) get them upcast (times ``unscale``; a master that
-    has one keeps it, so handing twice in a step is handing once), a flat
+    has one keeps it, so writing twice in a step is writing once), a flat
     shard's chunks get views of the parameters' gradients; owned whole
     parameters hold their own."""
     if rank.masters is not None:
-        rank.masters.hand_grads(rank.shards.local_grads(params, rank.masters.low), unscale)
+        rank.masters.write_grads(rank.shards.local_grads(params, rank.masters.low), unscale)
         if rank.carried is not None:
-            hand_carried_grads(rank.carried, params, unscale)
+            write_carried_grads(rank.carried, params, unscale)
     else:
-        rank.shards.hand_grads(params, rank.local_tensors())
+        rank.shards.write_grads(params, rank.local_tensors())
 
 
 def master_grads(rank: ZeroRank) -> list[torch.Tensor]:
@@ -316,7 +316,7 @@ def owned_grads(rank: ZeroRank, params: Sequence[torch.Tensor]) -> list[torch.Te
     the masters' (handed over now if not yet), or views into the
     parameters' ``.grad``."""
     if rank.masters is not None:
-        hand_grads(rank, params)
+        write_local_grads(rank, params)
         sources = rank.shards.local_sources(params)
         placed_grads = [
             (source, master.grad)
@@ -341,7 +341,7 @@ def answer_local_step(
     rank: ZeroRank, params: Sequence[torch.Tensor], run: Callable[[Optimizer], Any]
 ) -> Callable[[LocalStep], Any]:
     """The answer to the step program's :class:`~zerofn.zero.step.LocalStep`:
-    hand the local optimizer this step's gradients, ``run(optim)`` (its
+    write this step's gradients for the local optimizer, ``run(optim)`` (its
     ``step``, with whatever closure or options the caller has) over the
     tensors the request names, the others' gradients hidden; after the
     step's last request, step the carried copy as its owner does
@@ -356,7 +356,7 @@ def answer_local_step(
     def answer(request: LocalStep) -> Any:
         if request.tensors is None and rank.exchange is not None:
             rank.exchange.begin_step()  # taken whole: its exchange has not begun
-        hand_grads(rank, params)
+        write_local_grads(rank, params)
         loss = None
         if request.tensors is None:
             loss = run(rank.optim)

@@ -147,7 +147,7 @@ class WholeTensorShards:
         placeholder), what optimizer state is moved and compared by."""
         return [None if s is None else piece_of(s) for s in self.local_sources(params)]
 
-    def hand_grads(self, params: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
+    def write_grads(self, params: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
         """Give each local tensor (what the local optimizer steps) this
         step's gradient, read from the parameters' ``.grad`` (``local``'s
         ``.grad`` are assigned). Owned whole parameters hold theirs already."""

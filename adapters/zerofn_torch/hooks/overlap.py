@@ -51,7 +51,7 @@ from zerofn.comm import answering, split_like
 from zerofn.errors import CollectiveError
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
-from zerofn.overlap.orders import Sent, StepChecks, StepGradients, carry_out, write_updates
+from zerofn.overlap.orders import Sent, StepChecks, StepGradients, obey_order, write_updates
 from zerofn.zero.mixed_precision.precision import clip_coefficient
 from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
@@ -183,7 +183,7 @@ class _OverlapRunner:
         return for_ddp(interruptible(reduced))
 
     def _carry_out(self, state: OverlapHookState[Any], order: StepOrder) -> None:
-        """Run the core's :func:`zerofn.overlap.orders.carry_out` for ``order``:
+        """Run the core's :func:`zerofn.overlap.orders.obey_order` for ``order``:
         its checks and step here, the owners' sends started without waiting,
         and this rank's share kept once the plan is fixed.
 
@@ -204,7 +204,7 @@ class _OverlapRunner:
             device=self.zero.join_device,
         )
         compressed = self.binding.compressed()
-        program = carry_out(state, self.config, order, handed, self.params, checks, compressed)
+        program = obey_order(state, self.config, order, handed, self.params, checks, compressed)
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
         done = drive(answering(program, StepGradients, self.binding.step), group, purpose).wait()

@@ -14,7 +14,13 @@ import torch
 
 from zerofn.zero.hook_driven import check_stepped_here
 from zerofn.zero.mixed_precision.precision import clip_program, nonfinite_program
-from zerofn.zero.rank import ZeroRank, drop_master_grads, hand_grads, master_grads, owned_grads
+from zerofn.zero.rank import (
+    ZeroRank,
+    drop_master_grads,
+    master_grads,
+    owned_grads,
+    write_local_grads,
+)
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.zero.shell_state import ShellState
 
@@ -158,7 +164,7 @@ def unscale_gradients(
                 "the gradients were already unscaled or clipped for this step: unscale "
                 "once per step, before clip_grad_norm_"
             )
-        hand_grads(rank, params, unscale=factor)
+        write_local_grads(rank, params, unscale=factor)
         grads = rank.masters.grads()  # the carried masters' are the same numbers
     else:
         for p in params:

@@ -35,10 +35,10 @@ __all__ = [
     "carried_owner",
     "carried_shard",
     "carrier_of",
-    "hand_carried_grads",
     "owner_sources",
     "reseed_carried",
     "step_carried",
+    "write_carried_grads",
     "write_pieces",
 ]
 
@@ -197,25 +197,25 @@ def _carried_grads(
     return [params[i].grad for i in carried.indices]
 
 
-def hand_carried_grads(
+def write_carried_grads(
     carried: CarriedShard, params: Sequence[torch.Tensor], unscale: float = 1.0
 ) -> None:
     """Give the carried masters their gradients as the owner's masters get
     them (upcast, times ``unscale``; one that has a gradient keeps it).
     Without masters nothing is handed before the step."""
     if carried.masters is not None:
-        carried.masters.hand_grads(_carried_grads(carried, params), unscale)
+        carried.masters.write_grads(_carried_grads(carried, params), unscale)
 
 
 def step_carried(carried: CarriedShard, params: Sequence[torch.Tensor]) -> None:
     """Step the carried copy as its owner steps its shard, with the same
     gradients: the parameters' (DDP's average, on every rank), or with
-    masters the ones handed to them (:func:`hand_carried_grads`, clipped as
+    masters the ones written for them (:func:`write_carried_grads`, clipped as
     the owner's were). Without masters its values are first set to the
     parameters' (equal on every rank before the step). A tensor without a
     gradient sits out, as it does on the owner."""
     if carried.masters is not None:
-        hand_carried_grads(carried, params)
+        write_carried_grads(carried, params)
         carried.optim.step()
         carried.masters.drop_grads()
         return

@@ -31,9 +31,9 @@ from zerofn.zero.elastic.carried import (
     carried_owner,
     carried_shard,
     carrier_of,
-    hand_carried_grads,
     reseed_carried,
     step_carried,
+    write_carried_grads,
 )
 from zerofn.zero.planning.partition import FlatPartition, Partition, Piece, flat_partition
 from zerofn.zero.planning.plan import ShardPlan
@@ -46,11 +46,11 @@ __all__ = [
     "carried_shard",
     "carrier_of",
     "check_redundancy",
-    "hand_carried_grads",
     "plan_after_join",
     "plan_after_loss",
     "reseed_carried",
     "step_carried",
+    "write_carried_grads",
 ]
 
 

@@ -4,7 +4,7 @@ A :class:`Masters` pairs each tensor the local optimizer would step (an owned
 parameter, or a view of this rank's part of a flat buffer) with a master
 copy in ``master_dtype``. The local optimizer steps the masters; these
 functions move gradients up into them and results back down. Gradients
-live on the masters from :meth:`Masters.hand_grads` until the step is over, so that
+live on the masters from :meth:`Masters.write_grads` until the step is over, so that
 clipping and unscaling in between work in the wide dtype.
 """
 
@@ -37,7 +37,7 @@ class Masters:
     master: tuple[torch.Tensor, ...]
     dtype: torch.dtype
 
-    def hand_grads(self, grads: Sequence[torch.Tensor | None], unscale: float = 1.0) -> None:
+    def write_grads(self, grads: Sequence[torch.Tensor | None], unscale: float = 1.0) -> None:
         """Give every master without a gradient its low tensor's gradient
         (``grads``, one per master), upcast and multiplied by ``unscale``. A
         master keeps a gradient it already has: loading twice in a step is
