@@ -41,6 +41,7 @@ from zerofn.averaging import (
 from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, carries_copies
+from zerofn_torch.zero.forward_gather import wait_for_gathers
 
 __all__ = [
     "DiLoCoOptimizer",
@@ -82,6 +83,7 @@ def average_parameters(params: Iterable[torch.Tensor], process_group: Any) -> No
         zerofn.errors.CollectiveError: the all-reduce failed (a peer died or
             timed out); the parameters are unchanged.
     """
+    wait_for_gathers()  # a ZeRO exchange still behind the forward writes them
     group = process_group if process_group is not None else dist.group.WORLD
     if not _is_member(group):
         return

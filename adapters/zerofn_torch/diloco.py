@@ -70,6 +70,7 @@ from zerofn_torch.runtime.driver import PolledProgram, drive
 from zerofn_torch.runtime.heartbeat import next_generation, start_heartbeat
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, innermost, parameters_written
+from zerofn_torch.zero.forward_gather import wait_for_gathers
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -206,13 +207,8 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         return f"DiLoCoOptimizer({self.config}, inner={self.optim!r}, outer={self.outer!r})"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused: the fragments and the outer state are cut for the
-        parameters given at construction.
-
-        Raises:
-            ValueError: always; add every group to the inner optimizer before
-                wrapping it.
-        """
+        """Refused (``ValueError``, always): the fragments and the outer state
+        are cut for the parameters given at construction."""
         raise ValueError(
             "DiLoCoOptimizer cuts its fragments and outer state for the parameters it was "
             "built over; add every param group to the inner optimizer before wrapping it"
@@ -230,8 +226,7 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         Args:
             closure: re-evaluates the model and returns the loss (optional).
 
-        Returns:
-            The inner optimizer's return value.
+        Returns the inner optimizer's return value.
 
         Raises:
             zerofn.errors.CollectiveError: a sync whose result is due now
@@ -245,6 +240,8 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
             loss = self.optim.step() if closure is None else self.optim.step(closure)
         self._taken = True  # a loss from here on finds this step taken
         after, actions = take_inner_step(self.config, self._state)
+        if actions.start is not None or actions.apply is not None:
+            wait_for_gathers()  # the parameters must hold the inner step's update
         if actions.start is not None:
             self._start(actions.start, after.step)
         if actions.apply is not None:

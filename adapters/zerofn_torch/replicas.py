@@ -20,6 +20,7 @@ from zerofn.zero.mixed_precision.precision import MASTER_KEY
 from zerofn.zero.planning.partition import Piece
 from zerofn_torch.runtime.driver import drive
 from zerofn_torch.runtime.object_collectives import all_gather_objects
+from zerofn_torch.zero.forward_gather import wait_for_gathers
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["ReplicaMismatch", "verify_replicas"]
@@ -61,6 +62,7 @@ def verify_replicas(
         raise ValueError(f"every must be at least 1, got {every}")
     if step % every:
         return False
+    wait_for_gathers()  # a ZeRO exchange still behind the forward writes them
     if isinstance(module, torch.nn.Module):
         named = [*module.named_parameters(), *module.named_buffers()]
         names, tensors = [n for n, _ in named], [t for _, t in named]

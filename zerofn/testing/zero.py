@@ -33,6 +33,7 @@ from zerofn.comm import Program, Request, watched
 from zerofn.testing.world import run_programs
 from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
 from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.forward_gather import ForwardGather
 from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.options import resolve_options
 from zerofn.zero.planning.plan import ShardPlan
@@ -83,15 +84,23 @@ class SimulatedRank:
         """The compressed exchange's buffers and masters, or ``None``."""
         return self.zero.compressed
 
-    def program(self, grads: Sequence[torch.Tensor | None], via: ExchangeVia) -> Program[Any]:
+    def program(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        via: ExchangeVia,
+        in_forward_order: ForwardGather | None = None,
+    ) -> Program[Any]:
         """This rank's step program, its local step answered as the optimizer
         answers it (:func:`~zerofn.zero.rank.answer_local_step`), after this step's
-        gradients land in the parameters' ``.grad`` (what DDP leaves)."""
+        gradients land in the parameters' ``.grad`` (what DDP leaves); with
+        ``in_forward_order``, its exchange piece by piece in that order."""
         for param, grad in zip(self.params, grads, strict=True):
             param.grad = None if grad is None else grad.clone()
         zero = self.zero
         answer = answer_local_step(zero, self.params, lambda optim: optim.step())
-        return run_zero_step(zero.shards, self.params, via, answer, zero.compressed)
+        return run_zero_step(
+            zero.shards, self.params, via, answer, zero.compressed, in_forward_order
+        )
 
 
 def simulated_ranks(

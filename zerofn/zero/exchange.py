@@ -51,11 +51,25 @@ def pack(buffer: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.Ten
         buffer[slot.offset : slot.stop].copy_(slot_view(params[slot.piece.param], slot))
 
 
-def unpack(buffer: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.Tensor]) -> None:
-    """Copy ``buffer``'s elements back into ``params`` (written in place)."""
+def unpack(
+    buffer: torch.Tensor,
+    slots: Sequence[Slot],
+    params: Sequence[torch.Tensor],
+    start: int = 0,
+    stop: int | None = None,
+) -> None:
+    """Copy ``buffer``'s elements back into ``params`` (written in place):
+    those of ``slots`` inside elements ``[start, stop)`` of the buffer (all
+    of them by default)."""
+    stop = buffer.numel() if stop is None else stop
     with torch.no_grad():
         for slot in slots:
-            slot_view(params[slot.piece.param], slot).copy_(buffer[slot.offset : slot.stop])
+            lo, hi = max(slot.offset, start), min(slot.stop, stop)
+            if lo >= hi:
+                continue
+            begin = slot.piece.start + lo - slot.offset
+            flat = params[slot.piece.param].detach().view(-1)
+            flat[begin : begin + hi - lo].copy_(buffer[lo:hi])
 
 
 def segment_views(layout: BufferLayout, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -27,6 +27,7 @@ from zerofn.blockquant import BlockQuantizer, quantizer_for
 from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
 from zerofn.zero.elastic.redundancy import check_redundancy
 from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.forward_gather import check_gather_during_forward
 from zerofn.zero.mixed_precision.precision import resolve_master_dtype
 from zerofn.zero.optimizers import check_elementwise, check_optimizer_class
 from zerofn.zero.params import check_same_dense_type, hyperparameters
@@ -58,6 +59,8 @@ class ZeroOptions:
         piece_elements: the compressed exchange's piece length.
         redundancy: on how many ranks each shard's state lives (1 or 2; see
             :mod:`zerofn.zero.elastic.redundancy`).
+        gather_during_forward: the exchange travels behind the next forward
+            (:mod:`zerofn.zero.forward_gather`).
     """
 
     optimizer_class: type[Optimizer]
@@ -71,6 +74,7 @@ class ZeroOptions:
     via: ExchangeVia
     piece_elements: int = PIECE_ELEMENTS
     redundancy: int = 1
+    gather_during_forward: bool = False
 
 
 def via_for_backend(backend: str) -> ExchangeVia:
@@ -132,6 +136,7 @@ def resolve_options(
     elementwise: bool = False,
     piece_elements: int = PIECE_ELEMENTS,
     redundancy: int = 1,
+    gather_during_forward: bool = False,
 ) -> ZeroOptions:
     """The constructor's options, resolved and checked before anything is built
     (the arguments are ``zerofn_torch.ZeroRedundancyOptimizer``'s).
@@ -149,11 +154,14 @@ def resolve_options(
             with an optimizer not known to be element-wise; an unknown
             compression, or of non-float parameters; ``master_dtype``
             narrower than the parameters; a ``redundancy`` the optimizer
-            cannot keep; a value ``optimizer_class`` refuses.
+            cannot keep; ``gather_during_forward`` beside an option it does
+            not compose with; a value ``optimizer_class`` refuses.
         RuntimeError: ``overlap_with_ddp`` with more than one param group.
     """
     _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
     check_redundancy(redundancy, world_size)
+    if gather_during_forward:
+        check_gather_during_forward(overlap_with_ddp, exchange_compression, redundancy)
     first = next(p for g in groups for p in g["params"])
     quantizer = resolve_compression(exchange_compression, first.dtype)
     wide = (
@@ -177,6 +185,7 @@ def resolve_options(
         via=via,
         piece_elements=piece_elements,
         redundancy=redundancy,
+        gather_during_forward=gather_during_forward,
     )
 
 

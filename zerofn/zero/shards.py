@@ -172,11 +172,30 @@ class WholeTensorShards:
     def unpack_arrived(self, params: Sequence[torch.Tensor]) -> None:
         """After the exchange: write what the other ranks sent into the
         parameters (written in place; with bucket views it landed there)."""
-        if self.bucket_view:
-            return
-        for layout, buffer in zip(self.plan.layouts, self.buffers, strict=True):
-            arrived = [s for r, rs in enumerate(layout.slots) for s in rs if r != self.rank]
-            unpack(buffer, arrived, params)
+        for index, layout in enumerate(self.plan.layouts):
+            self.unpack_range(params, index, 0, layout.numel)
+
+    def unpack_range(
+        self, params: Sequence[torch.Tensor], buffer: int, start: int, stop: int
+    ) -> None:
+        """Write what arrived in elements ``[start, stop)`` of buffer
+        ``buffer`` into the parameters: the other ranks' pieces (this rank's
+        own are its parameters already), nothing with bucket views."""
+        if not self.bucket_view:
+            self._unpack(params, buffer, start, stop, others_only=True)
+
+    def _unpack(
+        self,
+        params: Sequence[torch.Tensor],
+        buffer: int,
+        start: int,
+        stop: int,
+        others_only: bool,
+    ) -> None:
+        layout = self.plan.layouts[buffer]
+        ranks = [r for r in range(len(layout.slots)) if not (others_only and r == self.rank)]
+        inside = [s for r in ranks for s in layout.slots[r] if s.offset < stop and start < s.stop]
+        unpack(self.buffers[buffer], inside, params, start, stop)
 
     def saved_state(self, state: StateDict) -> StateDict:
         """The local optimizer's state dict as checkpoints keep it."""
@@ -254,11 +273,13 @@ class FlatShards(WholeTensorShards):
         # The local step wrote this rank's segment in place: nothing to pack.
         pass
 
-    def unpack_arrived(self, params: Sequence[torch.Tensor]) -> None:
+    def unpack_range(
+        self, params: Sequence[torch.Tensor], buffer: int, start: int, stop: int
+    ) -> None:
         # Every segment, this rank's too: its parameters are not the tensors
         # the local optimizer stepped.
         if not self.bucket_view:
-            unpack(self.buffers[0], [s for rs in self.plan.layouts[0].slots for s in rs], params)
+            self._unpack(params, buffer, start, stop, others_only=False)
 
     def saved_state(self, state: StateDict) -> StateDict:
         """One tensor per group (the chunks merged), whatever the chunking."""

@@ -30,6 +30,7 @@ import torch
 from zerofn.comm import Program, answering
 from zerofn.zero.compressed.exchange import CompressedExchange, compressed_exchange_program
 from zerofn.zero.exchange import ExchangeVia, exchange_program
+from zerofn.zero.forward_gather import ForwardGather, forward_gather_program
 from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.shards import WholeTensorShards
@@ -81,6 +82,7 @@ def zero_step(
     params: Sequence[torch.Tensor],
     via: ExchangeVia,
     compressed: Compressed | None = None,
+    in_forward_order: ForwardGather | None = None,
 ) -> StepProgram[Any]:
     """One plain ZeRO step on rank ``shards.rank``.
 
@@ -92,6 +94,10 @@ def zero_step(
         via: how the exchange moves its bytes.
         compressed: send quantized differences of the masters instead of the
             updated values (``None``: the exact exchange).
+        in_forward_order: with the exact exchange, send the segments piece
+            by piece in this order, each written into the parameters as it
+            arrives (:mod:`zerofn.zero.forward_gather`), instead of one
+            request per buffer.
 
     Returns:
         A program: one :class:`LocalStep`, then one exchange request per
@@ -102,6 +108,8 @@ def zero_step(
     Raises:
         ValueError: (from the exchange) buffers that do not fit the plan.
     """
+    if compressed is not None and in_forward_order is not None:
+        raise ValueError("a compressed exchange cannot travel in forward order (refused at set-up)")
     shards.refresh(params)
     if compressed is not None and compressed.in_parts:
         # The local step moves only the masters: the replica is packed as it is.
@@ -112,7 +120,10 @@ def zero_step(
         return None
     loss = yield LocalStep(shards.rank)
     shards.pack_own(params)
-    if compressed is None:
+    if compressed is None and in_forward_order is not None:
+        gather = in_forward_order
+        yield from forward_gather_program(gather, shards.buffers, shards.rank, shards, params)
+    elif compressed is None:
         yield from exchange_program(shards.plan.layouts, shards.buffers, shards.rank, via)
         shards.unpack_arrived(params)
     else:
@@ -128,7 +139,9 @@ def run_zero_step(
     via: ExchangeVia,
     local_step: Callable[[LocalStep], Any],
     compressed: Compressed | None = None,
+    in_forward_order: ForwardGather | None = None,
 ) -> Program[Any]:
     """:func:`zero_step` with its local step answered by ``local_step``: a
     program of collectives only, for a driver or the simulated world."""
-    return answering(zero_step(shards, params, via, compressed), LocalStep, local_step)
+    program = zero_step(shards, params, via, compressed, in_forward_order)
+    return answering(program, LocalStep, local_step)

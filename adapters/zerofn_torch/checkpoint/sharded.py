@@ -51,6 +51,7 @@ from zerofn_torch.checkpoint.save import GROUPS, SIZES, group_sizes, save, shape
 from zerofn_torch.runtime.collective_errors import guarded
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer
+from zerofn_torch.zero.forward_gather import wait_for_gathers
 from zerofn_torch.zero.optimizer import ZeroRedundancyOptimizer
 
 __all__ = ["SaveHandle", "latest_checkpoint", "load_sharded", "save_sharded"]
@@ -145,6 +146,7 @@ def save_sharded(
             (a peer died or hung); the previous checkpoint is intact, or
             the new one was committed whole.
     """
+    wait_for_gathers()  # the shards must hold every step's update
     if keep_last is not None:
         to_prune({}, keep_last, current="")  # checks it before anything is written
     wrappers, optimizer = _chain(optimizer)
@@ -349,6 +351,7 @@ def load_sharded(
             rank's state. The optimizer is unchanged.
         zerofn.errors.CollectiveError: if the ranks could not agree.
     """
+    wait_for_gathers()  # the shards must hold every step's update
     path = os.fspath(checkpoint_id)
     wrappers, zero = _chain(optimizer)
     if wrappers:  # the shards, then the wrappers' own state

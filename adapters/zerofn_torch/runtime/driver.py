@@ -66,6 +66,10 @@ class _Running(Generic[R]):
         self.pending: torch.futures.Future[Response] | None = None
         # Posted requests in flight, by the identity of the request record.
         self.posted: dict[int, torch.futures.Future[Response]] = {}
+        # Collects whose response the program has taken in, and whether the
+        # pending request is one.
+        self.collected = 0
+        self.collecting = False
         self._step(lambda: next(program))
 
     def _step(self, resume: Callable[[], ProgramStep | Await]) -> None:
@@ -76,6 +80,7 @@ class _Running(Generic[R]):
             while isinstance(request, Post):
                 self.posted[id(request.request)] = self._issue(request.request)
                 request = self.program.send(())
+            self.collecting = isinstance(request, Collect)
             if isinstance(request, Collect):
                 pending = self.posted.pop(id(request.request), None)
                 if pending is None:
@@ -139,9 +144,10 @@ class _Running(Generic[R]):
         """Wait for the pending request, then issue the program's next one."""
         if self.done:
             return
-        pending = self.pending
+        pending, collecting = self.pending, self.collecting
         assert pending is not None
         self._step(lambda: self.program.send(wait(pending, self.purpose)))
+        self.collected += collecting
 
 
 def drive(
@@ -197,6 +203,20 @@ class PolledProgram(Generic[R]):
             self._running.advance()
         return wait(self._running.result, self._running.purpose)
 
+    def advance_until(self, collected: int) -> None:
+        """Run the program until it has taken in the responses of
+        ``collected`` :class:`~zerofn.comm.Collect` requests, or to its end.
+
+        Raises:
+            zerofn.errors.CollectiveError: one of its collectives failed (or
+                the program's own error).
+        """
+        running = self._running
+        while not running.done and running.collected < collected:
+            running.advance()
+        if running.done:
+            self.wait()
+
     def abandon(self) -> None:
         """Never run it to its end: its group failed and was left (a
         recovery goes on without it), so :func:`finish_polled` must not wait
@@ -207,6 +227,11 @@ class PolledProgram(Generic[R]):
     def purpose(self) -> str:
         """What the program is for (named in its errors)."""
         return self._running.purpose
+
+    @property
+    def ended(self) -> bool:
+        """Whether the program has ended (or failed): nothing is left to issue."""
+        return self._running.done
 
 
 # Polled programs not yet run to their end, in the order they were created:

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from zerofn.blockquant import BlockQuantizer
 from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, plan_for
-from zerofn.zero.elastic.recovery_point import Position, exchanged
+from zerofn.zero.elastic.recovery_point import Position
 from zerofn.zero.hook_driven import OverlapBinding
 from zerofn.zero.options import resolve_options, via_for_backend
 from zerofn.zero.outside_writes import (
@@ -43,10 +43,11 @@ from zerofn.zero.rank import (
 )
 from zerofn.zero.replan import with_added_group
 from zerofn.zero.step import run_zero_step
-from zerofn_torch.join import Join, JoinHook
-from zerofn_torch.runtime.driver import drive
-from zerofn_torch.runtime.heartbeat import next_generation, start_heartbeat, wait
+from zerofn_torch.join import Join
+from zerofn_torch.runtime.heartbeat import next_generation, start_heartbeat
+from zerofn_torch.zero.forward_gather import ForwardGathering
 from zerofn_torch.zero.gradients import GradientChecks
+from zerofn_torch.zero.joining import Joining
 from zerofn_torch.zero.overlap_binding import HookDriven
 from zerofn_torch.zero.state_dicts import StateDicts, gather_global_state
 from zerofn_torch.zero.world_changes import WorldChanges
@@ -56,25 +57,13 @@ __all__ = ["OverlapBinding", "ZeroRedundancyOptimizer"]
 logger = logging.getLogger(__name__)
 
 
-class _ZeroJoinHook(JoinHook):
-    """Shadows a joined rank's share of the step's collectives."""
-
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        # The joined rank answered the others' announcement with Join's count:
-        # its shadow step announces nothing (either Join, PyTorch's included).
-        if not self.zero.zero_rank.stepped_by_hook:
-            self.zero._step_and_exchange(None)
-
-
 # One class of parts, one per concern, each in its module (zerofn_torch.zero.shell_state
 # says which). PyTorch's Joinable base makes this both a PyTorch and a zerofn
 # Joinable (the latter registers the former), so either Join accepts it.
 class ZeroRedundancyOptimizer(
-    GradientChecks, StateDicts, WorldChanges, HookDriven, Optimizer, Joinable
-):
+    GradientChecks, StateDicts, WorldChanges, HookDriven, ForwardGathering, Joining, Optimizer,
+    Joinable,
+):  # fmt: skip
     """Shard any ``torch.optim`` optimizer's state across the ranks of a group.
 
     Each rank keeps optimizer state only for the parameters it owns, steps
@@ -134,6 +123,14 @@ class ZeroRedundancyOptimizer(
             partition, master copies and the compressed exchange (their
             masters are carried too), and ``overlap_with_ddp=True`` (its
             hook then takes the whole plain step after the last bucket).
+        gather_during_forward: ``step()`` takes the local step, starts the
+            exchange piece by piece in the order the forward uses the
+            parameters, and returns; each module waits only for the pieces
+            holding its parameters as the next forward reaches it. Read
+            parameters outside a forward only after :meth:`wait`. Every
+            partition, bucket views and master copies; not with
+            ``overlap_with_ddp``, ``exchange_compression`` or ``redundancy=2``
+            (see ``docs/zero.md``).
         **defaults: forwarded to ``optimizer_class``.
 
     Raises:
@@ -165,6 +162,7 @@ class ZeroRedundancyOptimizer(
         master_dtype: torch.dtype | None = None,
         exchange_compression: str | BlockQuantizer | None = None,
         redundancy: int = 1,
+        gather_during_forward: bool = False,
         **defaults: Any,
     ) -> None:
         groups = normalize_params(params)
@@ -175,7 +173,7 @@ class ZeroRedundancyOptimizer(
             via=via_for_backend(dist.get_backend(group)), bucket_view=parameters_as_bucket_view,
             overlap_with_ddp=overlap_with_ddp, partition=partition, master_dtype=master_dtype,
             exchange_compression=exchange_compression, elementwise=elementwise,
-            redundancy=redundancy,
+            redundancy=redundancy, gather_during_forward=gather_during_forward,
         )  # fmt: skip
         Optimizer.__init__(self, groups, defaults)
         Joinable.__init__(self)
@@ -202,6 +200,7 @@ class ZeroRedundancyOptimizer(
         self._position = Position(0)
         self._regroups = 0
         self._versions = self._read_versions()
+        self._start_gathering(gather_during_forward)
         # With every shard on two ranks the job can go on without a lost rank:
         # the others tell this one is alive by its heartbeat (zerofn_torch.elastic),
         # in a world of its own (no earlier optimizer's alarm or roll call).
@@ -268,23 +267,29 @@ class ZeroRedundancyOptimizer(
 
     def _step_and_exchange(self, closure: Callable[[], float] | None, **kwargs: Any) -> Any:
         """:meth:`step` past its checks and its announcement to a join context."""
+        self.wait()
         if written_since(self._versions, self._all_params):
             rederive_from_parameters(self._zero, self._all_params, keep_consistent=True)
         self._zero = zero = self._retrained(self._zero)
         params = self._all_params
 
+        losses: list[Any] = []
+
         def run(optim: Optimizer) -> Any:
-            return optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
+            losses.append(
+                optim.step(**kwargs) if closure is None else optim.step(closure, **kwargs)
+            )
+            return losses[-1]
 
         answer = self._counted(answer_local_step(zero, params, run))
         purpose = "the ZeRO step's exchange of updated shards"
         with synced_hyperparameters(self.param_groups, zero):
-            program = run_zero_step(zero.shards, params, zero.options.via, answer, zero.compressed)
-            done = drive(program, self.process_group, purpose)
-        loss = wait(done, purpose)  # a CollectiveError leaves the position "not exchanged"
-        self._position = exchanged(self._position)
-        self._versions = self._read_versions()
-        return loss
+            order = self._forward_order(zero.plan)
+            via, compressed = zero.options.via, zero.compressed
+            self._exchange(
+                run_zero_step(zero.shards, params, via, answer, compressed, order), purpose
+            )
+        return losses[-1] if losses else None
 
     def refresh_from_parameters(self) -> None:
         """Take the parameters' current values as the truth: re-derive the
@@ -304,6 +309,7 @@ class ZeroRedundancyOptimizer(
         state loaded after the optimizer's keeps the loaded masters). A write
         through ``.data`` is not tracked: call this after it.
         """
+        self.wait()
         rederive_from_parameters(self._zero, self._all_params)
         self._versions = self._read_versions()
 
@@ -342,6 +348,7 @@ class ZeroRedundancyOptimizer(
         if zero is None:  # Optimizer.__init__ adding the first groups
             super().add_param_group(param_group)
             return
+        self.wait()
         (param_group,) = normalize_params([param_group])  # a generator is read once
         check_added_group(zero.plan.mode, zero.stepped_by_hook, self._all_params, param_group)
         groups = self.param_groups
@@ -366,34 +373,3 @@ class ZeroRedundancyOptimizer(
             ``exchange_compression``, plus the payload buffers).
         """
         return memory_bytes(self._zero, self._all_params)
-
-    # ----- Join ---------------------------------------------------------------
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """A hook that runs :meth:`step` on a rank that ran out of inputs, so
-        its collectives match the ranks still training.
-
-        Raises:
-            ValueError: with ``redundancy=2``: a rank that ran out of inputs
-                steps its shard with the gradients it last had, which its
-                carrier does not hold, so the carried copy would leave its
-                owner's state (raised as ``Join`` is built, before any step).
-        """
-        if self._zero.carried is not None:
-            raise ValueError(
-                "Join (uneven inputs) cannot run a ZeroRedundancyOptimizer with redundancy=2: "
-                "a rank that ran out of inputs steps its shard with the gradients it last had, "
-                "which its carrier does not hold, so the carried copy would leave its owner's "
-                "state; give every rank the same number of batches, or use redundancy=1"
-            )
-        return _ZeroJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        """The device of the parameters, where Join's collectives run."""
-        return self._zero.options.device
-
-    @property
-    def join_process_group(self) -> Any:
-        """The process group the optimizer shards across."""
-        return self.process_group

@@ -6,8 +6,11 @@ the module of that concern: the step and the param groups
 (:mod:`~zerofn_torch.zero.optimizer`), the gradients' global checks
 (:class:`~zerofn_torch.zero.gradients.GradientChecks`), the state dicts
 (:class:`~zerofn_torch.zero.state_dicts.StateDicts`), going on in another
-world (:class:`~zerofn_torch.zero.world_changes.WorldChanges`) and being driven
-by DDP's overlap hook (:class:`~zerofn_torch.zero.overlap_binding.HookDriven`).
+world (:class:`~zerofn_torch.zero.world_changes.WorldChanges`), being driven
+by DDP's overlap hook (:class:`~zerofn_torch.zero.overlap_binding.HookDriven`),
+the exchange behind the forward
+(:class:`~zerofn_torch.zero.forward_gather.ForwardGathering`) and ``Join``
+(:class:`~zerofn_torch.zero.joining.Joining`).
 Every part reads and replaces the same record of the core's
 (:class:`~zerofn.zero.rank.ZeroRank`); none holds state of its own.
 """
@@ -53,6 +56,8 @@ class ShellState:
     _heartbeat: Heartbeat | None
     # The step past its checks (the optimizer's; the overlap hook's whole step runs it).
     _step_and_exchange: Callable[..., Any]
+    # Finish an exchange still behind the forward (ForwardGathering's).
+    wait: Callable[[], None]
 
     @property
     def _all_params(self) -> list[torch.Tensor]:

@@ -50,6 +50,7 @@ class StateDicts(ShellState):
         """
         check_rank(to, self.world_size)
         hook_driven.check_overlap_initialized(self._zero)
+        self.wait()
         self._consolidated = consolidate_on(self._zero, self.param_groups, self.process_group, to)
 
     def state_dict(self) -> StateDict:
@@ -87,6 +88,7 @@ class StateDicts(ShellState):
                 nothing is changed.
         """
         validate_global(self._zero.plan.partition, state_dict)
+        self.wait()
         load_global_state(self._zero, self.param_groups, state_dict)
         self._untouched = self._untouched and not state_dict["state"]
 

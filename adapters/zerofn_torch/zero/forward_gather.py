@@ -1,0 +1,186 @@
+"""The ``ZeroRedundancyOptimizer`` part that hides the exchange behind the
+next forward (``gather_during_forward=True``; the order and the waits are
+the core's, :mod:`zerofn.zero.forward_gather`).
+
+``step()`` takes the local step, posts one broadcast per piece of the
+exchange in the order the forward uses the parameters, and returns. A
+forward pre-hook (one for the process, on every module) lets each module
+run once the pieces holding its own parameters have arrived, and only
+then; the rest arrive while it computes. The forward's order is watched
+until the first step, and rank 0's is the one every rank follows (a
+different order per rank would mismatch the broadcasts).
+
+Whatever reads the parameters outside a module's forward must wait first:
+:meth:`ForwardGathering.wait` (or :func:`wait_for_gathers`, for every
+optimizer of the process). zerofn's own readers do: the next ``step()``,
+the state dicts, ``save_sharded``, ``verify_replicas``, DiLoCo's syncs and
+model averaging.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from zerofn.comm import Program
+from zerofn.zero.elastic.recovery_point import exchanged
+from zerofn.zero.forward_gather import ForwardGather, first_uses, plan_forward_gather
+from zerofn.zero.planning.plan import ShardPlan
+from zerofn_torch.runtime.driver import PolledProgram, drive
+from zerofn_torch.runtime.heartbeat import wait
+from zerofn_torch.runtime.object_collectives import all_gather_objects
+from zerofn_torch.zero.shell_state import ShellState
+
+__all__ = ["ForwardGathering", "Gathering", "wait_for_gathers"]
+
+# Optimizers with a gather in flight, to finish before anything reads parameters.
+_IN_FLIGHT: weakref.WeakSet[ForwardGathering] = weakref.WeakSet()
+
+
+def wait_for_gathers() -> None:
+    """Finish every gather of this process still behind a forward (a no-op
+    without one), so that every parameter holds its updated value.
+
+    Raises:
+        zerofn.errors.CollectiveError: a gather failed.
+    """
+    for optimizer in list(_IN_FLIGHT):
+        optimizer.wait()
+
+
+class Gathering:
+    """The live bookkeeping of ``gather_during_forward``: the parameters'
+    indices, the forward's module calls (watched until the first step), the
+    order agreed from them, and the gather in flight.
+
+    Attributes:
+        calls: the parameters each module call used, until the first step
+            (then ``None``).
+        order: the agreed order, for the plan it was made for.
+        flight: the gather in flight, or ``None``.
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.index(params)
+        self.calls: list[tuple[int, ...]] | None = []
+        self.order: tuple[ShardPlan, ForwardGather] | None = None
+        self.flight: PolledProgram[Any] | None = None
+
+    def index(self, params: list[torch.Tensor]) -> None:
+        """Know ``params`` (the optimizer's, in order) from now on."""
+        self._index = {id(p): i for i, p in enumerate(params)}
+
+    def used_by(self, module: torch.nn.Module) -> tuple[int, ...]:
+        """The indices of ``module``'s own parameters among the optimizer's."""
+        index = self._index
+        return tuple(index[id(p)] for p in module._parameters.values() if id(p) in index)
+
+
+def _watch_forward(owner: ForwardGathering) -> None:
+    """Register the process's forward pre-hook for ``owner``, held weakly
+    and removed with it."""
+    me = weakref.ref(owner)
+
+    def before_forward(module: torch.nn.Module, _: Any) -> None:
+        alive = me()
+        if alive is not None:
+            alive._before_forward(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+    weakref.finalize(owner, handle.remove)
+
+
+class ForwardGathering(ShellState):
+    """The exchange of the optimizer's step, hidden behind the next forward
+    when built with ``gather_during_forward=True``, else run inside it."""
+
+    _gathering: Gathering | None
+
+    def _start_gathering(self, enabled: bool) -> None:
+        self._gathering = Gathering(self._all_params) if enabled else None
+        if enabled:
+            _watch_forward(self)
+
+    def wait(self) -> None:
+        """Finish the exchange of the last step, if it is still behind the
+        forward (``gather_during_forward=True``; a no-op otherwise): call
+        it before reading parameters outside a module's forward, for
+        logging, an EMA or a checkpoint of the model.
+
+        Raises:
+            zerofn.errors.CollectiveError: the exchange failed (a peer died
+                or hung): restart from a checkpoint.
+        """
+        gathering = self._gathering
+        if gathering is None or gathering.flight is None:
+            return
+        flight, gathering.flight = gathering.flight, None
+        _IN_FLIGHT.discard(self)
+        flight.wait()
+        self._exchanged()
+
+    def _forward_order(self, plan: ShardPlan) -> ForwardGather | None:
+        """The order this step's exchange travels in (``None``: inside the
+        step), agreed from rank 0's watched forward the first time a plan
+        needs one. Collective then."""
+        gathering = self._gathering
+        if gathering is None:
+            return None
+        if gathering.order is None or gathering.order[0] is not plan:
+            gathering.index(self._all_params)  # a param group may have been added
+            calls = gathering.calls or []
+            purpose = "gather_during_forward: agreeing on the forward's order"
+            agreed = all_gather_objects(calls, self.process_group, purpose)[0]
+            order = plan_forward_gather(plan, first_uses(agreed, len(self._all_params)))
+            gathering.order, gathering.calls = (plan, order), None
+        return gathering.order[1]
+
+    def _exchange(self, program: Program[Any], purpose: str) -> Any:
+        """Run the step's ``program``: to its end (then the position moves
+        on), or, gathering during the forward, up to its first piece to
+        collect (the local step taken, every piece posted). Returns the
+        local step's answer, or ``None`` when it is still to come.
+
+        Inside a ``Join`` the exchange runs to its end here: the other
+        joinables read the parameters when the last rank joins (DDP
+        broadcasts its model), where no forward waits first."""
+        gathering = self._gathering
+        join = getattr(self, "_join_config", None)
+        if gathering is None or (join is not None and join.enable):
+            loss = wait(drive(program, self.process_group, purpose), purpose)
+            self._exchanged()
+            return loss
+        gathering.flight = PolledProgram(program, self.process_group, purpose)
+        _IN_FLIGHT.add(self)
+        return None
+
+    def _exchanged(self) -> None:
+        """Every piece arrived: the step is over (a CollectiveError before
+        this leaves the position "not exchanged")."""
+        self._position = exchanged(self._position)
+        self._versions = self._read_versions()
+
+    def _before_forward(self, module: torch.nn.Module) -> None:
+        gathering = self._gathering
+        if gathering is None:
+            return
+        used = gathering.used_by(module)
+        if not used:
+            return
+        if gathering.calls is not None:
+            gathering.calls.append(used)
+        flight = gathering.flight
+        if flight is None or gathering.order is None:
+            return
+        try:
+            flight.advance_until(gathering.order[1].waits(used))
+        except BaseException:
+            gathering.flight = None
+            _IN_FLIGHT.discard(self)
+            raise
+        if flight.ended:
+            gathering.flight = None
+            _IN_FLIGHT.discard(self)
+            self._exchanged()

@@ -1,0 +1,223 @@
+"""The exchange hidden behind the next forward (:mod:`zerofn.zero.forward_gather`):
+pieces that tile every segment, an order that follows the forward's first
+uses, and, in the simulated world, parameters that hold their updated values
+as soon as the pieces they wait for have arrived, ending bitwise where the
+plain exchange ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+import torch
+from _draws import draws
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerofn.comm import Broadcast, Collect, GatherSegments, Program, watched
+from zerofn.testing.world import run_programs
+from zerofn.testing.zero import SimulatedRank, simulated_ranks
+from zerofn.zero.forward_gather import (
+    check_gather_during_forward,
+    first_uses,
+    gather_pieces,
+    plan_forward_gather,
+)
+from zerofn.zero.planning.plan import ShardPlan, plan_shards
+
+SETTINGS = settings(max_examples=draws(80), deadline=None)
+
+sizes_lists = st.lists(st.integers(0, 30), min_size=1, max_size=7).filter(lambda s: sum(s) > 0)
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> ShardPlan:
+    sizes = draw(sizes_lists, label="sizes")
+    trainable = draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    if not any(trainable):
+        trainable[0] = True
+    mode = draw(st.sampled_from(["greedy", "balanced", "flat"]), label="mode")
+    world = draw(st.integers(1, 4), label="world")
+    return plan_shards([sizes], ["k"] * len(sizes), trainable, world, mode)
+
+
+@st.composite
+def forward_orders(draw: st.DrawFn, num_params: int) -> list[list[int]]:
+    """Module calls in forward order: each uses some parameters (a
+    parameter may be used again later, or never)."""
+    calls = st.lists(st.integers(0, num_params - 1), max_size=3)
+    return draw(st.lists(calls, max_size=2 * num_params + 1), label="calls")
+
+
+@SETTINGS
+@given(plans(), st.integers(1, 12), st.data())
+def test_pieces_tile_every_segment_and_travel_in_the_order_of_first_use(
+    plan: ShardPlan, piece_numel: int, data: st.DataObject
+) -> None:
+    num_params = len(plan.keys)
+    calls = data.draw(forward_orders(num_params))
+    first = first_uses(calls, num_params)
+    for p, use in enumerate(first):
+        earlier = [i for i, used in enumerate(calls) if p in used]
+        assert use == (earlier[0] if earlier else None)
+    pieces = gather_pieces(plan.layouts, piece_numel)
+    for index, layout in enumerate(plan.layouts):
+        for segment in layout.segments:
+            mine = [q for q in pieces if q.buffer == index and q.owner == segment.rank]
+            covered = [(q.start, q.stop) for q in mine]
+            stop = segment.offset + segment.length
+            starts = list(range(segment.offset, stop, piece_numel))
+            assert covered == [(s, min(s + piece_numel, stop)) for s in starts]
+            for q in mine:
+                inside = {
+                    s.piece.param
+                    for s in layout.slots[segment.rank]
+                    if s.offset < q.stop and q.start < s.stop
+                }
+                assert set(q.params) == inside
+    gather = plan_forward_gather(plan, first, piece_numel)
+    assert sorted(gather.pieces, key=repr) == sorted(pieces, key=repr)
+    for p in range(num_params):
+        holding = [i for i, q in enumerate(gather.pieces) if p in q.params]
+        assert gather.ready[p] == (max(holding) + 1 if holding else 0)
+        slots = [s for layout in plan.layouts for rs in layout.slots for s in rs]
+        has_elements = any(s.piece.param == p and s.piece.numel for s in slots)
+        assert (gather.ready[p] > 0) == (plan.trainable[p] and has_elements)
+    # A module never waits for a piece that holds only parameters first used later.
+    for position, used in enumerate(calls):
+        early = sum(
+            1
+            for q in gather.pieces
+            if any(first[p] is not None and first[p] <= position for p in q.params)
+        )
+        assert gather.waits(used) <= early
+
+
+@pytest.mark.parametrize(
+    ("overlap", "compression", "redundancy", "named"),
+    [
+        (True, None, 1, "overlap_with_ddp=True"),
+        (False, "int4", 1, "exchange_compression='int4'"),
+        (False, None, 2, "redundancy=2"),
+    ],
+)
+def test_options_it_does_not_compose_with_are_refused_naming_both(
+    overlap: bool, compression: str | None, redundancy: int, named: str
+) -> None:
+    with pytest.raises(ValueError, match=f"gather_during_forward=True with {named}: "):
+        check_gather_during_forward(overlap, compression, redundancy)
+    check_gather_during_forward(False, None, 1)
+
+
+def test_bad_inputs_are_refused() -> None:
+    plan = plan_shards([[4, 3]], ["k", "k"], [True, True], 2)
+    with pytest.raises(ValueError, match="piece_numel must be at least 1"):
+        gather_pieces(plan.layouts, 0)
+    with pytest.raises(ValueError, match="first_use has 1 entries for 2 parameters"):
+        plan_forward_gather(plan, [None])
+    with pytest.raises(ValueError, match="used parameter 5 of 2"):
+        first_uses([[0], [5]], 2)
+
+
+def noting_arrivals(
+    program: Program[Any], arrived: Callable[[int], None]
+) -> Generator[Any, Any, Any]:
+    """``program`` unchanged, calling ``arrived(k)`` once the ``k``-th
+    collected piece has been taken in (and written into the parameters)."""
+    count = 0
+    request = next(program)
+    while True:
+        response = yield request
+        collected = isinstance(request, Collect)
+        try:
+            request = program.send(response)
+        except StopIteration as stop:
+            if collected:
+                arrived(count + 1)
+            return stop.value
+        if collected:
+            count += 1
+            arrived(count)
+
+
+@SETTINGS
+@given(
+    plans(),
+    st.integers(1, 12),
+    st.booleans(),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.data(),
+    st.integers(0, 2**16),
+)
+def test_each_parameter_holds_its_update_once_its_pieces_arrived_and_ends_as_the_plain_exchange(
+    plan: ShardPlan,
+    piece_numel: int,
+    bucket_view: bool,
+    dtype: torch.dtype,
+    data: st.DataObject,
+    seed: int,
+) -> None:
+    """Two steps of Adam on simulated ranks, the exchange in forward order
+    against the plain one: at each arrival, every parameter whose pieces
+    have all arrived holds the plain exchange's value, bit for bit; at the
+    end every parameter does; and the bytes are the plain exchange's."""
+    sizes = [n for group in plan.partition.group_sizes for n in group]
+    num_params = len(sizes)
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    master = torch.float32 if dtype == torch.bfloat16 else None
+
+    def world() -> list[SimulatedRank]:
+        return simulated_ranks(
+            plan, params, torch.optim.Adam, bucket_view=bucket_view, master_dtype=master, lr=0.1
+        )
+
+    plain, ordered = world(), world()
+    calls = data.draw(forward_orders(num_params))
+    gather = plan_forward_gather(plan, first_uses(calls, num_params), piece_numel)
+    for _ in range(2):
+        grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+        plain_sent: list[Any] = []
+        run_programs([watched(r.program(grads, "broadcasts"), plain_sent.append) for r in plain])
+        checked: list[int] = []
+
+        def arrived(rank: int, checked: list[int]) -> Callable[[int], None]:
+            def check(count: int) -> None:
+                for p in range(num_params):
+                    if 0 < gather.ready[p] <= count:
+                        assert torch.equal(ordered[rank].params[p], plain[rank].params[p]), p
+                checked.append(count)
+
+            return check
+
+        sent: list[Any] = []
+        programs = [
+            noting_arrivals(
+                watched(r.program(grads, "broadcasts", gather), sent.append),
+                arrived(rank, checked),
+            )
+            for rank, r in enumerate(ordered)
+        ]
+        run_programs(programs)
+        assert len(checked) == len(gather.pieces) * plan.world_size
+        for ours, theirs in zip(ordered, plain, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(ours.params, theirs.params, strict=True))
+        pieces = [r for r in sent if isinstance(r, Broadcast)]
+        gathers = [r for r in plain_sent if isinstance(r, GatherSegments)]
+        # Every rank takes part in every piece's broadcast: the plain exchange's elements.
+        assert sum(r.tensor.numel() for r in pieces) == sum(
+            sum(s.numel() for s in r.segments) for r in gathers
+        )
+
+
+def test_forward_order_and_a_compressed_exchange_are_refused_together() -> None:
+    plan = plan_shards([[40, 30]], ["k", "k"], [True, True], 2)
+    ranks = simulated_ranks(
+        plan, [torch.randn(40), torch.randn(30)], torch.optim.SGD,
+        exchange_compression="int8", lr=0.1,
+    )  # fmt: skip
+    gather = plan_forward_gather(plan, [None, None])
+    program = ranks[0].program([torch.randn(40), torch.randn(30)], "broadcasts", gather)
+    with pytest.raises(ValueError, match="compressed exchange cannot travel in forward order"):
+        next(program)

@@ -1,0 +1,218 @@
+"""``gather_during_forward=True`` on 2 gloo ranks, beside the same optimizer
+without it: the step returns with its exchange still in flight, the next
+forward (under DDP or not) computes bitwise the same losses, and parameters
+and optimizer state end bitwise equal, in every partition, with bucket views
+and with fp32 masters; every zerofn reader of parameters waits first; a rank
+lost while a gather is in flight fails the other's forward with a
+CollectiveError. The refused combinations name both options."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _world import run_world
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from zerofn_torch import ZeroRedundancyOptimizer
+from zerofn_torch.averaging import average_parameters
+from zerofn_torch.replicas import verify_replicas
+from zerofn_torch.runtime.launch import run_local_world
+
+from zerofn.errors import CollectiveError
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "greedy under DDP": {"ddp": True},
+    "balanced": {"partition": "balanced"},
+    "flat (bucket views)": {"partition": "flat", "ddp": True},
+    "flat, no bucket views": {"partition": "flat", "parameters_as_bucket_view": False},
+    "greedy, bucket views": {"parameters_as_bucket_view": True, "ddp": True},
+    "bf16 with fp32 masters": {"dtype": torch.bfloat16, "master_dtype": torch.float32},
+}
+
+
+def make_model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(3)
+    layers = [torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(24, 5)).to(dtype)
+
+
+def run(config: dict[str, Any], gather: bool, rank: int) -> dict[str, Any]:
+    """Five steps of Adam; each rank's own batches, gradients averaged by DDP
+    or by hand. With ``gather``, whether each step returned with its
+    exchange in flight, and whether the forward finished it."""
+    options = dict(config)
+    ddp, dtype = options.pop("ddp", False), options.pop("dtype", torch.float32)
+    model = make_model(dtype)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, lr=0.02, gather_during_forward=gather, **options
+    )
+    net = DDP(model) if ddp else model
+    losses, in_flight, finished = [], [], []
+    for step in range(5):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(7, 12, generator=g).to(dtype)
+        opt.zero_grad()
+        loss = net(x).float().square().mean()
+        finished.append(gather and opt._gathering.flight is None)  # type: ignore[union-attr]
+        loss.backward()
+        if not ddp:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        losses.append(loss.detach())
+        opt.step()
+        in_flight.append(gather and opt._gathering.flight is not None)  # type: ignore[union-attr]
+    opt.consolidate_state_dict(0)  # waits for the last step's exchange
+    return {
+        "losses": losses,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "state": opt.state_dict() if rank == 0 else None,
+        "in flight": in_flight,
+        "finished by the forward": finished[1:],
+    }
+
+
+def readers(rank: int) -> dict[str, Any]:
+    """Each reader of parameters right after a step, before any forward:
+    what it read is the updated parameters."""
+    out = {}
+    for name in ("wait", "verify_replicas", "average_parameters", "consolidate_state_dict"):
+        model = make_model(torch.float32)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, lr=0.5, gather_during_forward=True
+        )
+        model(torch.ones(2, 12)).sum().backward()
+        opt.step()
+        pending = opt._gathering.flight is not None  # type: ignore[union-attr]
+        if name == "wait":
+            opt.wait()
+        elif name == "verify_replicas":
+            verify_replicas(model)
+        elif name == "average_parameters":
+            average_parameters(model.parameters(), None)
+        else:
+            opt.consolidate_state_dict(0)
+        reference = make_model(torch.float32)
+        plain = torch.optim.SGD(reference.parameters(), lr=0.5)
+        reference(torch.ones(2, 12)).sum().backward()
+        plain.step()
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+        )
+        out[name] = (pending, same)
+    return out
+
+
+def uneven(gather: bool, rank: int) -> list[torch.Tensor]:
+    """Under PyTorch's Join with DDP, rank 1 with two more batches: the
+    joined rank's shadow steps post the same pieces."""
+    model = make_model(torch.float32)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, lr=0.02, gather_during_forward=gather
+    )
+    net = DDP(model)
+    with Join([net, opt]):
+        for step in range(3 + 2 * rank):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            opt.zero_grad()
+            net(torch.randn(7, 12, generator=g)).square().mean().backward()
+            opt.step()
+    opt.wait()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def world(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        name: (run(config, False, rank), run(config, True, rank))
+        for name, config in CONFIGS.items()
+    }
+    out["readers"] = readers(rank)
+    out["join"] = (uneven(False, rank), uneven(True, rank))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return run_world(world, 2)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_the_forward_finds_every_update_and_the_run_ends_bitwise_as_without_it(
+    two: list[dict[str, Any]], config: str
+) -> None:
+    for out in two:
+        plain, gathered = out[config]
+        assert all(gathered["in flight"]), "step() waited for its exchange"
+        assert all(gathered["finished by the forward"]), "the forward left pieces behind"
+        assert all(
+            torch.equal(a, b) for a, b in zip(plain["losses"], gathered["losses"], strict=True)
+        )
+        assert all(
+            torch.equal(a, b) for a, b in zip(plain["params"], gathered["params"], strict=True)
+        )
+    plain, gathered = two[0][config]
+    for index, entry in plain["state"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, gathered["state"]["state"][index][key]), (index, key)
+
+
+def test_every_reader_of_parameters_waits_first(two: list[dict[str, Any]]) -> None:
+    for out in two:
+        for name, (pending, same) in out["readers"].items():
+            assert pending, f"{name}: the exchange was not in flight to begin with"
+            assert same, f"{name} read parameters before the exchange ended"
+
+
+def test_uneven_inputs_under_join_end_bitwise_as_without_it(two: list[dict[str, Any]]) -> None:
+    for out in two:
+        plain, gathered = out["join"]
+        assert all(torch.equal(a, b) for a, b in zip(plain, gathered, strict=True))
+
+
+def lost_in_flight(rank: int, world_size: int) -> str:
+    model = make_model(torch.float32)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, lr=0.1, gather_during_forward=True
+    )
+    model(torch.ones(2, 12)).sum().backward()
+    if rank == 1:
+        # Rank 1 posts its pieces and is gone before anyone collects them.
+        opt.step()
+        os._exit(0)
+    opt.step()
+    try:
+        model(torch.ones(2, 12))
+    except CollectiveError as error:
+        return str(error)
+    return "the forward did not fail"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_while_the_gather_is_in_flight_fails_the_forward() -> None:
+    (error, _) = run_local_world(lost_in_flight, 2, timeout_s=60.0, may_exit=[1])
+    assert "the ZeRO step's exchange of updated shards" in error, error
+
+
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"overlap_with_ddp": True}, "overlap_with_ddp=True"),
+        ({"exchange_compression": "int8"}, "exchange_compression='int8'"),
+    ],
+)
+def test_options_it_does_not_compose_with_are_refused_naming_both(
+    options: dict[str, Any], named: str
+) -> None:
+    model = make_model(torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=f"gather_during_forward=True with {named}"):
+        ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, gather_during_forward=True, **options
+        )
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -1,0 +1,253 @@
+"""The exchange hidden behind the next forward: its pieces, their order, the waits.
+
+The plain exchange (:func:`zerofn.zero.exchange.exchange_program`) brings
+every rank's updated segment before ``step()`` returns, so the next forward
+starts only once the last byte has arrived. With ``gather_during_forward``
+the step posts one broadcast per *piece* (at most :data:`PIECE_NUMEL`
+elements of one rank's segment) in the order the forward uses the
+parameters, and returns; each module, as the forward reaches it, waits only
+until the pieces holding its parameters have arrived, while the later pieces
+are still on the wire. An iteration then costs about ``max(compute, bytes /
+rate)`` instead of their sum.
+
+Everything here is pure:
+
+- :func:`gather_pieces` cuts every segment into pieces;
+- :func:`first_uses` reads the forward's order from the parameters each
+  module call used;
+- :func:`plan_forward_gather` orders the pieces by the first use of their
+  parameters and says, for each parameter, how many pieces must have arrived
+  before it holds its updated value (:class:`ForwardGather`);
+- :func:`forward_gather_program` posts every piece's broadcast and collects
+  them in order, writing each into the parameters as it arrives
+  (:meth:`zerofn.zero.shards.WholeTensorShards.unpack_range`).
+
+A module that waits for ``ready[p]`` arrivals of each of its parameters
+``p`` waits for every piece at most once: arrivals are counted in the order
+they travel, and a later wait only counts further.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from zerofn.comm import Broadcast, Collect, Post, Program
+from zerofn.zero.planning.layout import BufferLayout
+from zerofn.zero.planning.plan import ShardPlan
+
+__all__ = [
+    "PIECE_NUMEL",
+    "ForwardGather",
+    "GatherPiece",
+    "UnpacksRanges",
+    "check_gather_during_forward",
+    "first_uses",
+    "forward_gather_program",
+    "gather_pieces",
+    "plan_forward_gather",
+]
+
+PIECE_NUMEL = 1 << 20
+"""Elements of one piece at most (4 MiB of fp32): small enough that the first
+modules wait for little, large enough that a broadcast's fixed cost is
+small beside its bytes."""
+
+
+def check_gather_during_forward(
+    overlap_with_ddp: bool, exchange_compression: object, redundancy: int
+) -> None:
+    """Refuse ``gather_during_forward=True`` beside an option it does not
+    compose with, naming both.
+
+    Raises:
+        ValueError: with ``overlap_with_ddp`` (its hook sends each bucket's
+            shards during backward), ``exchange_compression`` (its pieces
+            are decoded and added whole) or ``redundancy=2`` (a recovery
+            expects the exchange inside the step).
+    """
+    clashes = [
+        ("overlap_with_ddp=True", overlap_with_ddp, "the overlap hook sends the shards itself"),
+        (
+            f"exchange_compression={exchange_compression!r}",
+            exchange_compression is not None,
+            "the compressed exchange decodes every piece inside the step",
+        ),
+        (
+            "redundancy=2",
+            redundancy == 2,
+            "a recovery finishes an interrupted exchange inside the step",
+        ),
+    ]
+    for name, on, why in clashes:
+        if on:
+            raise ValueError(
+                f"gather_during_forward=True with {name}: {why}. Use one of the two options"
+            )
+
+
+@attrs.frozen
+class GatherPiece:
+    """Elements ``[start, stop)`` of buffer ``buffer``, inside rank ``owner``'s
+    segment, and the parameters with an element in it."""
+
+    buffer: int
+    owner: int
+    start: int
+    stop: int
+    params: tuple[int, ...]
+
+
+@attrs.frozen
+class ForwardGather:
+    """A gather in forward order.
+
+    Attributes:
+        pieces: the pieces, in the order they travel.
+        ready: ``ready[p]`` is how many pieces must have arrived before
+            parameter ``p`` holds its updated value (0: it needs none, as a
+            frozen parameter).
+    """
+
+    pieces: tuple[GatherPiece, ...]
+    ready: tuple[int, ...]
+
+    def waits(self, params: Sequence[int]) -> int:
+        """How many pieces must have arrived before a module using ``params`` runs."""
+        return max((self.ready[p] for p in params), default=0)
+
+
+def gather_pieces(
+    layouts: Sequence[BufferLayout], piece_numel: int = PIECE_NUMEL
+) -> tuple[GatherPiece, ...]:
+    """Every rank's segment of every buffer, cut into pieces of at most
+    ``piece_numel`` elements, in buffer, rank and offset order.
+
+    Raises:
+        ValueError: ``piece_numel`` below 1.
+    """
+    if piece_numel < 1:
+        raise ValueError(f"piece_numel must be at least 1, got {piece_numel}")
+    pieces = []
+    for index, layout in enumerate(layouts):
+        for segment in layout.segments:
+            slots = layout.slots[segment.rank]
+            stop = segment.offset + segment.length
+            for start in range(segment.offset, stop, piece_numel):
+                end = min(start + piece_numel, stop)
+                inside = (s.piece.param for s in slots if s.offset < end and start < s.stop)
+                pieces.append(
+                    GatherPiece(index, segment.rank, start, end, tuple(dict.fromkeys(inside)))
+                )
+    return tuple(pieces)
+
+
+def first_uses(calls: Sequence[Sequence[int]], num_params: int) -> tuple[int | None, ...]:
+    """Each parameter's first use: the index of the first module call (in
+    forward order) that used it, or ``None`` where none did.
+
+    Args:
+        calls: the parameters each module call used, in the order of the calls.
+        num_params: how many parameters there are.
+
+    Raises:
+        ValueError: a call names a parameter outside ``range(num_params)``.
+    """
+    first: list[int | None] = [None] * num_params
+    for position, used in enumerate(calls):
+        for p in used:
+            if not 0 <= p < num_params:
+                raise ValueError(f"a module call used parameter {p} of {num_params}")
+            if first[p] is None:
+                first[p] = position
+    return tuple(first)
+
+
+def plan_forward_gather(
+    plan: ShardPlan, first_use: Sequence[int | None], piece_numel: int = PIECE_NUMEL
+) -> ForwardGather:
+    """The pieces of ``plan``'s exchange in forward order, and each
+    parameter's wait.
+
+    A piece travels as early as its earliest-used parameter is used; pieces
+    whose parameters the forward never used travel last; ties keep the
+    layout's order. Every rank computes the same order from the same
+    ``first_use``.
+
+    Args:
+        plan: the shard plan (its buffer layouts).
+        first_use: :func:`first_uses` of the parameters (all ``None``: the
+            parameters' own order).
+        piece_numel: elements of one piece at most.
+
+    Raises:
+        ValueError: ``first_use`` is not one entry per parameter, or a bad
+            ``piece_numel``.
+    """
+    num_params = len(plan.keys)
+    if len(first_use) != num_params:
+        raise ValueError(f"first_use has {len(first_use)} entries for {num_params} parameters")
+    known = [u for u in first_use if u is not None]
+    after_all = max(known, default=-1) + 1
+
+    def when(p: int) -> tuple[int, int]:
+        use = first_use[p]
+        return (after_all, p) if use is None else (use, p)
+
+    pieces = gather_pieces(plan.layouts, piece_numel)
+    order = sorted(
+        range(len(pieces)),
+        key=lambda i: (min(map(when, pieces[i].params), default=(after_all + 1, 0)), i),
+    )
+    ordered = tuple(pieces[i] for i in order)
+    ready = [0] * num_params
+    for position, piece in enumerate(ordered):
+        for p in piece.params:
+            ready[p] = position + 1
+    return ForwardGather(ordered, tuple(ready))
+
+
+class UnpacksRanges(Protocol):
+    """What writes an arrived range of a buffer into the parameters (the
+    shard mode's rule: :meth:`zerofn.zero.shards.WholeTensorShards.unpack_range`)."""
+
+    def unpack_range(
+        self, params: Sequence[torch.Tensor], buffer: int, start: int, stop: int
+    ) -> None: ...
+
+
+def forward_gather_program(
+    gather: ForwardGather,
+    buffers: Sequence[torch.Tensor],
+    rank: int,
+    shards: UnpacksRanges,
+    params: Sequence[torch.Tensor],
+) -> Program[None]:
+    """Fill every rank's segment of every buffer, piece by piece in
+    ``gather``'s order, writing each piece into ``params`` as it arrives.
+
+    Every piece's broadcast is posted first (so all of them travel while the
+    program waits), then they are collected in order. A driver that runs the
+    program one collect at a time can let a module run once the pieces it
+    waits for (:meth:`ForwardGather.waits`) have been collected.
+
+    Args:
+        gather: the pieces and their order.
+        buffers: one buffer per layout, this rank's segment packed; handed
+            over: the other segments are written in place.
+        rank: this rank's index in the group.
+        shards: writes an arrived range into the parameters.
+        params: every parameter, in the optimizer's order; handed over.
+    """
+    broadcasts = [
+        Broadcast(buffers[piece.buffer][piece.start : piece.stop], src=piece.owner)
+        for piece in gather.pieces
+    ]
+    for request in broadcasts:
+        yield Post(request)
+    for piece, request in zip(gather.pieces, broadcasts, strict=True):
+        yield Collect(request)
+        shards.unpack_range(params, piece.buffer, piece.start, piece.stop)
