@@ -179,12 +179,12 @@ def lost_in_flight(rank: int, world_size: int) -> str:
     opt = ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.SGD, lr=0.1, gather_during_forward=True
     )
-    model(torch.ones(2, 12)).sum().backward()
-    if rank == 1:
-        # Rank 1 posts its pieces and is gone before anyone collects them.
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 12)).sum().backward()
+        if step == 1 and rank == 1:
+            os._exit(0)  # gone before it sends its pieces: rank 0's are in flight
         opt.step()
-        os._exit(0)
-    opt.step()
     try:
         model(torch.ones(2, 12))
     except CollectiveError as error:
