@@ -188,6 +188,9 @@ def overlap_part(raw: Mapping[str, Any], rate: str, bits: float) -> Part:
         ],
     )
     factor_line = ", ".join(f"{k} {v:.2f}x" for k, v in factors.items())
+    gathered, gathered_text = bench_overlap.gather_headline(
+        times, bench, f"link {rate_label(bits)} gather behind forward", held
+    )
     body = "\n\n".join(
         [
             f"**DDP + ZeRO** ({model}; {len(times['pytorch'])} timed rounds): 'overlapped' is "
@@ -200,10 +203,11 @@ def overlap_part(raw: Mapping[str, Any], rate: str, bits: float) -> Part:
             f"({grad_bytes / 1e6:.1f} MB): on the link they put {factor_line} of that.",
             table,
             parts,
+            gathered_text,
             *([f"Missed: {headline.why}."] if headline.met is False else []),
         ]
     )
-    return Part(body, (headline,))
+    return Part(body, (headline, gathered))
 
 
 def powersgd_part(raw: Mapping[str, Any], rate: str, bits: float) -> Part:
