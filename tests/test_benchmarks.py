@@ -450,6 +450,22 @@ def test_overlap_miss_sets_the_reduction_against_the_all_reduce() -> None:
     )
 
 
+def test_the_gather_behind_the_forward_is_set_against_what_hiding_could_save() -> None:
+    times = {name: [0.01] * 3 for name in bench_overlap.PARTS}
+    times[bench_overlap.BROADCAST] = [0.1] * 3
+    times[bench_overlap.SEPARATE_ROW] = [0.8] * 3  # 0.2 s an iteration
+    times[bench_overlap.GATHERED_ROW] = [0.72] * 3  # 0.18 s an iteration
+    headline, text = bench_overlap.gather_headline(times, "model")
+    assert headline.value.median == pytest.approx(0.9) and headline.met
+    assert "it saves 20.0 ms an iteration" in text
+    assert "against 75.0 ms of broadcast that 3 of 4 iterations could hide" in text
+    times[bench_overlap.GATHERED_ROW] = [0.88] * 3
+    missed, _ = bench_overlap.gather_headline(times, "model")
+    assert missed.met is False and missed.why.startswith("only the forward (inside the 10.0 ms")
+    unheld, _ = bench_overlap.gather_headline(times, "model", held=False)
+    assert unheld.met is None and unheld.target == "" and unheld.why == ""
+
+
 def test_overlap_bytes_miss_says_what_the_collectives_carried() -> None:
     line = bench_overlap.missed_bytes_line({"reduce": 400, "broadcast": 400}, 400.0, 300.0)
     assert line == (
