@@ -73,6 +73,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("overlap", "overlap_with_ddp=True + hook_with_zero_step", ("overlap",)),
     Feature("redundancy", "redundancy=2", ("redundancy",)),
     Feature("bucket_view", "parameters_as_bucket_view=True", ("bucket",)),
+    Feature("gather", "gather_during_forward=True", ("gather",)),
     Feature("powersgd", "DDP hook powerSGD_hook", ("PowerSGD", "hook", "comm")),
     Feature("bf16_hook", "DDP hook bf16_compress_hook", ("bf16", "hook", "comm")),
     Feature("add_group", "add_param_group", ("param group", "add_param_group")),
@@ -88,8 +89,11 @@ NAMES = tuple(f.name for f in FEATURES)
 
 
 REFERENCED = frozenset(
-    {"balanced", "flat", "bucket_view", "add_group", "outside_write", "consolidated", "sharded"}
-)
+    {
+        "balanced", "flat", "bucket_view", "gather", "add_group", "outside_write",
+        "consolidated", "sharded",
+    }
+)  # fmt: skip
 """Features whose configurations PyTorch's own ZeRO optimizer can run beside
 zerofn's (exact, fp32): there the parameters must equal PyTorch's bit for bit."""
 
@@ -183,6 +187,8 @@ def _build(features: frozenset[str], groups: Groups, rank: int) -> dict[str, Any
             options["redundancy"] = 2
         if on("bucket_view"):
             options["parameters_as_bucket_view"] = True
+        if on("gather"):
+            options["gather_during_forward"] = True
         zero = ZeroRedundancyOptimizer(
             params, torch.optim.Adam, overlap_with_ddp=on("overlap"), **options
         )
@@ -230,6 +236,7 @@ def _backward(built: dict[str, Any], step: int) -> None:
 
 def _reference_step(built: dict[str, Any], features: frozenset[str], step: int) -> None:
     """PyTorch's ZeRO takes the same step, with the same actions."""
+    built["zero"].wait()  # reading parameters outside a forward (a no-op without a gather)
     theirs, ddp = built["reference"]
     opt = built["reference_opt"]
     opt.zero_grad()
@@ -273,6 +280,7 @@ def _actions(built: dict[str, Any], features: frozenset[str], step: int, folder:
         except (ValueError, TypeError, RuntimeError) as e:
             raise Refused(f"(when the group is added) {e}") from e
     if "outside_write" in features and step == 2:
+        zero.wait()  # writing parameters outside a forward
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.5)
@@ -291,6 +299,7 @@ def _check(built: dict[str, Any], features: frozenset[str], step: int) -> None:
     """The replicas agree wherever the configuration says they must: within
     a DiLoCo worker after every step and everywhere after a sync; under
     post-local SGD everywhere while it warms up and after each averaging."""
+    built["zero"].wait()  # reading parameters outside a forward
     groups: Groups = built["groups"]
     if "diloco" in features:
         _agree(built["model"], built["inner"], f"within a worker after step {step}")
@@ -335,6 +344,7 @@ def run_configuration(features: Iterable[str], groups: Groups, rank: int, folder
                     _check(built, chosen, step)
     except Refused as e:
         return f"refused: {e}"
+    built["zero"].wait()
     if not {"diloco", "post_local"} & chosen:
         _agree(built["model"], groups.world, "at the end")
     if "redundancy" in chosen:  # every carried copy is still its owner's state
