@@ -151,14 +151,16 @@ def compressed_sync_program(
 
 
 def encode_anchor_update(
-    quantizer: Codec, stepped: torch.Tensor, replica: torch.Tensor, scratch: torch.Tensor
-) -> torch.Tensor:
-    """An owner's payload for its slice's new anchor: ``stepped - replica``
-    (both the owner's slice), encoded (``scratch``: at least a slice long)."""
-    nbytes = quantizer.payload_nbytes(stepped.numel())
-    payload = torch.empty(nbytes, dtype=torch.uint8, device=stepped.device)
+    quantizer: Codec,
+    stepped: torch.Tensor,
+    replica: torch.Tensor,
+    scratch: torch.Tensor,
+    payload: torch.Tensor,
+) -> None:
+    """Encode into ``payload`` an owner's update of its slice's anchor:
+    ``stepped - replica`` (both the owner's slice; ``scratch``: at least a
+    slice long)."""
     quantizer.encode(torch.sub(stepped, replica, out=scratch[: stepped.numel()]), payload)
-    return payload
 
 
 def add_anchor_updates(
@@ -188,7 +190,7 @@ def exchange_anchor_update(
     receive every other owner's, and add them all to ``replica``."""
     updates = _payloads(quantizer, fragment.lengths, replica.device)
     own = fragment.slices(replica)[rank]
-    updates[rank] = encode_anchor_update(quantizer, stepped, own, scratch)
+    encode_anchor_update(quantizer, stepped, own, scratch, updates[rank])
     yield GatherSegments(tuple(updates), rank, via, last=True)
     add_anchor_updates(fragment, replica, updates, quantizer, scratch)
 
@@ -207,10 +209,11 @@ def replica_after_sync(
     """
     fragment.check_fits(0, ("anchor", fragment.slices(anchor)[0]), replica=replica, anchor=anchor)
     scratch = torch.empty(max(fragment.lengths), dtype=torch.float32, device=replica.device)
-    updates = [
-        encode_anchor_update(quantizer, new, old, scratch)
-        for new, old in zip(fragment.slices(anchor), fragment.slices(replica), strict=True)
-    ]
+    updates = _payloads(quantizer, fragment.lengths, replica.device)
+    for new, old, payload in zip(
+        fragment.slices(anchor), fragment.slices(replica), updates, strict=True
+    ):
+        encode_anchor_update(quantizer, new, old, scratch, payload)
     out = replica.clone()
     add_anchor_updates(fragment, out, updates, quantizer, scratch)
     return out

@@ -113,13 +113,20 @@ class ForwardGathering(ShellState):
             zerofn.errors.CollectiveError: the exchange failed (a peer died
                 or hung): restart from a checkpoint.
         """
+        flight = self._land_flight()
+        if flight is not None:
+            flight.wait()
+            self._exchanged()
+
+    def _land_flight(self) -> PolledProgram[Any] | None:
+        """The gather in flight, taken off the books (``None``: none): whoever
+        takes it finishes it or lets its error through."""
         gathering = self._gathering
         if gathering is None or gathering.flight is None:
-            return
+            return None
         flight, gathering.flight = gathering.flight, None
         _IN_FLIGHT.discard(self)
-        flight.wait()
-        self._exchanged()
+        return flight
 
     def _forward_order(self, plan: ShardPlan) -> ForwardGather | None:
         """The order this step's exchange travels in (``None``: inside the
@@ -137,11 +144,10 @@ class ForwardGathering(ShellState):
             gathering.order, gathering.calls = (plan, order), None
         return gathering.order[1]
 
-    def _exchange(self, program: Program[Any], purpose: str) -> Any:
+    def _exchange(self, program: Program[Any], purpose: str) -> None:
         """Run the step's ``program``: to its end (then the position moves
         on), or, gathering during the forward, up to its first piece to
-        collect (the local step taken, every piece posted). Returns the
-        local step's answer, or ``None`` when it is still to come.
+        collect (the local step taken, every piece posted).
 
         Inside a ``Join`` the exchange runs to its end here: the other
         joinables read the parameters when the last rank joins (DDP
@@ -149,12 +155,11 @@ class ForwardGathering(ShellState):
         gathering = self._gathering
         join = getattr(self, "_join_config", None)
         if gathering is None or (join is not None and join.enable):
-            loss = wait(drive(program, self.process_group, purpose), purpose)
+            wait(drive(program, self.process_group, purpose), purpose)
             self._exchanged()
-            return loss
+            return
         gathering.flight = PolledProgram(program, self.process_group, purpose)
         _IN_FLIGHT.add(self)
-        return None
 
     def _exchanged(self) -> None:
         """Every piece arrived: the step is over (a CollectiveError before
@@ -172,15 +177,14 @@ class ForwardGathering(ShellState):
         if gathering.calls is not None:
             gathering.calls.append(used)
         flight = gathering.flight
-        if flight is None or gathering.order is None:
+        if flight is None:
             return
+        assert gathering.order is not None  # agreed before the step that started it
         try:
             flight.advance_until(gathering.order[1].waits(used))
         except BaseException:
-            gathering.flight = None
-            _IN_FLIGHT.discard(self)
+            self._land_flight()
             raise
         if flight.ended:
-            gathering.flight = None
-            _IN_FLIGHT.discard(self)
+            self._land_flight()
             self._exchanged()
