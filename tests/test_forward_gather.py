@@ -15,13 +15,19 @@ from _draws import draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofn.comm import Broadcast, Collect, GatherSegments, Program, watched
+from zerofn.comm import Broadcast, Collect, GatherSegments, Program, request_bytes, watched
+from zerofn.overlap.ddp_buckets import BucketPlan, assign_buckets
+from zerofn.overlap.step import broadcast_in_forward_order, send_pieces
+from zerofn.testing import strategies as zst
+from zerofn.testing.overlap import simulate_overlapped_step
 from zerofn.testing.world import run_programs
 from zerofn.testing.zero import SimulatedRank, simulated_ranks
 from zerofn.zero.forward_gather import (
     check_gather_during_forward,
+    check_gather_with_hook,
     first_uses,
     gather_pieces,
+    in_forward_order,
     plan_forward_gather,
 )
 from zerofn.zero.planning.plan import ShardPlan, plan_shards
@@ -97,9 +103,9 @@ def test_pieces_tile_every_segment_and_travel_in_the_order_of_first_use(
 @pytest.mark.parametrize(
     ("overlap", "compression", "redundancy", "named"),
     [
-        (True, None, 1, "overlap_with_ddp=True"),
         (False, "int4", 1, "exchange_compression='int4'"),
         (False, None, 2, "redundancy=2"),
+        (True, None, 2, "redundancy=2"),
     ],
 )
 def test_options_it_does_not_compose_with_are_refused_naming_both(
@@ -108,6 +114,20 @@ def test_options_it_does_not_compose_with_are_refused_naming_both(
     with pytest.raises(ValueError, match=f"gather_during_forward=True with {named}: "):
         check_gather_during_forward(overlap, compression, redundancy)
     check_gather_during_forward(False, None, 1)
+    check_gather_during_forward(True, None, 1)
+    check_gather_during_forward(True, "int8", 1)  # the overlapped step's sends compose
+
+
+def test_the_interleaved_hook_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match="interleaved .* gather_during_forward=True"):
+        check_gather_with_hook(True, True)
+    check_gather_with_hook(True, False)
+    check_gather_with_hook(False, True)
+    with pytest.raises(ValueError, match="interleaved .* gather_during_forward=True"):
+        simulate_overlapped_step(
+            [[0]], [torch.zeros(2)], [[[torch.zeros(2)]]], torch.optim.SGD,
+            interleaved=True, forward_order=[0], lr=0.1,
+        )  # fmt: skip
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -224,3 +244,134 @@ def test_forward_order_and_a_compressed_exchange_are_refused_together() -> None:
     program = ranks[0].program([torch.randn(40), torch.randn(30)], "broadcasts", gather)
     with pytest.raises(ValueError, match="compressed exchange cannot travel in forward order"):
         next(program)
+
+
+# ----- the overlapped step's sends behind the forward -------------------------------
+
+
+@st.composite
+def bucket_plans(draw: st.DrawFn) -> tuple[BucketPlan, list[list[int]], list[int]]:
+    """A fixed bucket plan, DDP's buckets (global indices) and every parameter's size."""
+    buckets, shapes = draw(zst.bucketed_models(max_numel=12))
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    bucket_sizes = [[sizes[i] for i in bucket] for bucket in buckets]
+    world = draw(st.integers(1, 4), label="world")
+    plan = assign_buckets(bucket_sizes, world, draw(st.booleans(), label="shard_buckets"))
+    return plan, buckets, sizes
+
+
+@SETTINGS
+@given(bucket_plans(), st.one_of(st.none(), st.integers(1, 20)), st.data())
+def test_send_pieces_hold_whole_parameters_of_one_shard_and_cover_every_shard(
+    case: tuple[BucketPlan, list[list[int]], list[int]],
+    piece_numel: int | None,
+    data: st.DataObject,
+) -> None:
+    plan, buckets, sizes = case
+    chosen = data.draw(st.lists(st.sampled_from(range(len(buckets))), unique=True), label="buckets")
+    indices = dict(enumerate(buckets))
+    pieces = send_pieces(plan, chosen, indices, piece_numel)
+    for bucket in chosen:
+        for shard in (s for s in plan.shards if s.bucket == bucket):
+            mine = [q for q in pieces if q.buffer == bucket and q.owner == shard.rank]
+            held = [p for q in mine for p in q.params]
+            assert held == buckets[bucket][shard.offset : shard.offset + shard.count]
+            for q in mine:
+                numel = sum(sizes[p] for p in q.params)
+                assert q.stop - q.start == numel
+                assert piece_numel is None or numel <= piece_numel or len(q.params) == 1
+            if piece_numel is None:
+                assert len(mine) == 1
+    assert {q.buffer for q in pieces} == set(chosen)
+
+
+@SETTINGS
+@given(bucket_plans(), st.integers(1, 20), st.data(), st.integers(0, 2**16))
+def test_sends_behind_the_forward_write_each_parameter_once_its_pieces_arrived(
+    case: tuple[BucketPlan, list[list[int]], list[int]],
+    piece_numel: int,
+    data: st.DataObject,
+    seed: int,
+) -> None:
+    """Each rank starts from values of its own; at every arrival each
+    parameter whose pieces have all arrived holds its owner's value, bit for
+    bit, on every rank; the bytes are the model's, each sent once."""
+    plan, buckets, sizes = case
+    num_params = len(sizes)
+    calls = data.draw(forward_orders(num_params))
+    indices = dict(enumerate(buckets))
+    pieces = send_pieces(plan, range(len(buckets)), indices, piece_numel)
+    gather = in_forward_order(pieces, first_uses(calls, num_params))
+    g = torch.Generator().manual_seed(seed)
+    worlds = [[torch.randn(n, generator=g) for n in sizes] for _ in range(plan.world_size)]
+    owner = {p: q.owner for q in pieces for p in q.params}
+    final = [worlds[owner[p]][p].clone() for p in range(num_params)]
+    checked: list[int] = []
+
+    def arrived(rank: int) -> Callable[[int], None]:
+        def check(count: int) -> None:
+            for p in range(num_params):
+                if 0 < gather.ready[p] <= count:
+                    assert torch.equal(worlds[rank][p], final[p]), p
+            checked.append(count)
+
+        return check
+
+    sent: list[Any] = []
+    programs = [
+        noting_arrivals(
+            watched(broadcast_in_forward_order(gather, rank, worlds[rank]), sent.append),
+            arrived(rank),
+        )
+        for rank in range(plan.world_size)
+    ]
+    run_programs(programs)
+    assert len(checked) == len(gather.pieces) * plan.world_size
+    for params in worlds:
+        assert all(torch.equal(a, b) for a, b in zip(params, final, strict=True))
+    broadcasts = [r for r in sent if isinstance(r, Broadcast)]
+    assert sum(r.tensor.numel() for r in broadcasts) == sum(sizes) * plan.world_size
+
+
+@settings(max_examples=draws(40), deadline=None)
+@given(
+    st.sampled_from([None, "int8"]),
+    st.booleans(),
+    st.integers(0, 2),
+    st.data(),
+    st.integers(0, 2**16),
+)
+def test_the_overlapped_step_with_its_sends_behind_the_forward_ends_bitwise_as_without(
+    compression: str | None, shard_buckets: bool, final_from: int, data: st.DataObject, seed: int
+) -> None:
+    """The simulated overlapped step, its owners' sends in the forward's
+    order after the last bucket against the sends inside the hook: the same
+    parameters on every rank, bit for bit, and the same bytes."""
+    buckets, shapes = data.draw(zst.bucketed_models(max_numel=20), label="model")
+    world = data.draw(st.integers(1, 4), label="world")
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [
+        [[torch.randn(s, generator=g) for s in shapes] for _ in range(world)] for _ in range(3)
+    ]
+    calls = data.draw(forward_orders(len(params)))
+    runs = [
+        simulate_overlapped_step(
+            buckets,
+            params,
+            grads,
+            torch.optim.Adam,
+            final_from=final_from,
+            shard_buckets=shard_buckets,
+            exchange_compression=compression,
+            forward_order=order,
+            lr=0.01,
+        )
+        for order in (None, first_uses(calls, len(params)))
+    ]
+    inside, behind = runs
+    for ours, theirs in zip(behind.params, inside.params, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    for ours, theirs in zip(behind.requests, inside.requests, strict=True):
+        for mine, other in zip(ours, theirs, strict=True):
+            assert sum(map(request_bytes, mine)) == sum(map(request_bytes, other))

@@ -2,7 +2,8 @@
 without it: the step returns with its exchange still in flight, the next
 forward (under DDP or not) computes bitwise the same losses, and parameters
 and optimizer state end bitwise equal, in every partition, with bucket views
-and with fp32 masters; every zerofn reader of parameters waits first; a rank
+and with fp32 masters, and for the overlapped step (its owners' sends behind
+the forward: fp32, masters, sharded buckets, int8); every zerofn reader of parameters waits first; a rank
 lost while a gather is in flight fails the other's forward with a
 CollectiveError. The refused combinations name both options."""
 
@@ -19,6 +20,11 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
 from zerofn_torch.averaging import average_parameters
+from zerofn_torch.hooks import (
+    allreduce_hook,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+)
 from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.runtime.launch import run_local_world
 
@@ -31,7 +37,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "flat, no bucket views": {"partition": "flat", "parameters_as_bucket_view": False},
     "greedy, bucket views": {"parameters_as_bucket_view": True, "ddp": True},
     "bf16 with fp32 masters": {"dtype": torch.bfloat16, "master_dtype": torch.float32},
+    "overlapped step": {"overlap": "plain"},
+    "overlapped step, buckets sharded": {"overlap": "sharded"},
+    "overlapped step, bf16 with fp32 masters": {
+        "overlap": "plain",
+        "dtype": torch.bfloat16,
+        "master_dtype": torch.float32,
+    },
+    "overlapped step, int8 sends": {"overlap": "sharded", "exchange_compression": "int8"},
 }
+"""Each configuration's options; ``overlap``: DDP's hook steps the optimizer
+(``hook_with_zero_step``, with ``shard_buckets`` when ``"sharded"``) on
+buckets of a few parameters each, so the sends follow the forward's order."""
 
 
 def make_model(dtype: torch.dtype) -> torch.nn.Module:
@@ -46,11 +63,24 @@ def run(config: dict[str, Any], gather: bool, rank: int) -> dict[str, Any]:
     exchange in flight, and whether the forward finished it."""
     options = dict(config)
     ddp, dtype = options.pop("ddp", False), options.pop("dtype", torch.float32)
+    overlap = options.pop("overlap", None)
     model = make_model(dtype)
     opt = ZeroRedundancyOptimizer(
-        model.parameters(), torch.optim.Adam, lr=0.02, gather_during_forward=gather, **options
+        model.parameters(),
+        torch.optim.Adam,
+        lr=0.02,
+        gather_during_forward=gather,
+        overlap_with_ddp=overlap is not None,
+        **options,
     )
-    net = DDP(model) if ddp else model
+    net: torch.nn.Module = model
+    if overlap is not None:
+        net = ddp_net = DDP(model, bucket_cap_mb=0.001)
+        hook = hook_with_zero_step(allreduce_hook, ddp_net, opt, overlap == "sharded")
+        ddp_net.register_comm_hook(None, hook)
+        ddp = True
+    elif ddp:
+        net = DDP(model)
     losses, in_flight, finished = [], [], []
     for step in range(5):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -64,7 +94,8 @@ def run(config: dict[str, Any], gather: bool, rank: int) -> dict[str, Any]:
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()
         losses.append(loss.detach())
-        opt.step()
+        if overlap is None:
+            opt.step()
         in_flight.append(gather and opt._gathering.flight is not None)  # type: ignore[union-attr]
     opt.consolidate_state_dict(0)  # waits for the last step's exchange
     return {
@@ -145,9 +176,12 @@ def two() -> list[dict[str, Any]]:
 def test_the_forward_finds_every_update_and_the_run_ends_bitwise_as_without_it(
     two: list[dict[str, Any]], config: str
 ) -> None:
+    # The overlapped step sends once DDP's buckets are final and its plan
+    # fixed: from the third backward on.
+    sending = slice(2, None) if "overlap" in CONFIGS[config] else slice(None)
     for out in two:
         plain, gathered = out[config]
-        assert all(gathered["in flight"]), "step() waited for its exchange"
+        assert all(gathered["in flight"][sending]), "the step waited for its sends"
         assert all(gathered["finished by the forward"]), "the forward left pieces behind"
         assert all(
             torch.equal(a, b) for a, b in zip(plain["losses"], gathered["losses"], strict=True)
@@ -202,8 +236,8 @@ def test_a_rank_lost_while_the_gather_is_in_flight_fails_the_forward() -> None:
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"overlap_with_ddp": True}, "overlap_with_ddp=True"),
         ({"exchange_compression": "int8"}, "exchange_compression='int8'"),
+        ({"exchange_compression": "int4"}, "exchange_compression='int4'"),
     ],
 )
 def test_options_it_does_not_compose_with_are_refused_naming_both(
@@ -216,3 +250,15 @@ def test_options_it_does_not_compose_with_are_refused_naming_both(
             model.parameters(), torch.optim.Adam, gather_during_forward=True, **options
         )
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_the_interleaved_overlap_hook_is_refused_naming_both() -> None:
+    model = make_model(torch.float32)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, overlap_with_ddp=True, gather_during_forward=True
+    )
+    ddp = DDP(model)
+    with pytest.raises(ValueError, match="interleaved .* gather_during_forward=True"):
+        hook_with_zero_step_interleaved(allreduce_hook, ddp, opt)
+    hook_with_zero_step(allreduce_hook, ddp, opt)  # the hook that sends behind the forward

@@ -11,7 +11,9 @@ optimizer), and hand back the programs that send the owners' updates. The
 adapter's runner (``zerofn_torch.hooks.overlap``) and the simulated world
 (:func:`zerofn.testing.overlap.simulate_overlapped_step`) both run it; they
 start the sends as they like (the adapter without waiting, so backward goes
-on) and write what arrived with :func:`write_updates` after the last bucket.
+on) and write what arrived with :func:`write_updates` after the last bucket;
+or, given the forward's order (``gather_during_forward=True``), run the one
+program that sends and writes every piece behind the next forward.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ from zerofn.blockquant import BlockQuantizer
 from zerofn.comm import Program, ProgramStep
 from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
-from zerofn.overlap.step import broadcast_differences_from_owners, broadcast_from_owners
-from zerofn.zero.compressed.exchange import add_difference
+from zerofn.overlap.step import (
+    broadcast_differences_from_owners,
+    broadcast_from_owners,
+    broadcast_in_forward_order,
+    send_pieces,
+    write_flat,
+)
+from zerofn.zero.forward_gather import PIECE_NUMEL, ForwardGather, in_forward_order
 from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.mixed_precision.precision import step_factor_program
 
@@ -113,12 +121,16 @@ class OrderObeyed:
             or ``None``.
         differences: the sends return every shard's decoded difference, to
             add (the rank's own shard too), not the others' values.
+        behind_forward: with the forward's order given, the sends instead:
+            their pieces in that order and the program that posts them all
+            and writes each as it arrives (run it behind the next forward).
     """
 
     stepped: bool
     sends: tuple[tuple[tuple[int, ...], Program[Sent]], ...] = ()
     reshard: tuple[tuple[int, ...], ...] | None = None
     differences: bool = False
+    behind_forward: tuple[ForwardGather, Program[None]] | None = None
 
 
 def obey_order(
@@ -129,6 +141,7 @@ def obey_order(
     params: Sequence[torch.Tensor],
     checks: StepChecks,
     compressed: SendCompressed | None = None,
+    first_use: Sequence[int | None] | None = None,
 ) -> Generator[ProgramStep | StepGradients, Any, OrderObeyed]:
     """Everything rank ``config.rank`` does for ``order``.
 
@@ -142,6 +155,10 @@ def obey_order(
         checks: the loss scaler's and clipping's questions, if any.
         compressed: send quantized differences of the masters (``None``:
             the updated values).
+        first_use: the forward's first use of each parameter
+            (:func:`zerofn.zero.forward_gather.first_uses`), when the sends
+            are to travel behind the next forward (``gather_during_forward``):
+            the order's sends come back as one program, in that order.
 
     Returns:
         A program: the checks' collectives (none without checks, or while
@@ -173,8 +190,36 @@ def obey_order(
         return OrderObeyed(True, (), order.reshard)
     plan = state.overlap.plan
     assert plan is not None  # gradients_to_step refused an order without one
+    if first_use is not None:
+        behind = _sends_behind_forward(
+            plan, config.rank, order, handed, params, compressed, first_use
+        )
+        return OrderObeyed(True, (), order.reshard, compressed is not None, behind)
     sends = _owners_sends(plan, config.rank, order, handed, params, compressed)
     return OrderObeyed(True, sends, order.reshard, differences=compressed is not None)
+
+
+def _sends_behind_forward(
+    plan: BucketPlan,
+    rank: int,
+    order: StepOrder,
+    handed: Handed,
+    params: Sequence[torch.Tensor],
+    compressed: SendCompressed | None,
+    first_use: Sequence[int | None],
+) -> tuple[ForwardGather, Program[None]]:
+    """The order's sends as pieces in the forward's order, and the one
+    program that sends them (whole shards when compressed: a quantization
+    block spans the shard, so the bytes are those of the sends in turn)."""
+    indices = {index: handed[index][0] for index in order.buckets}
+    numel = None if compressed is not None else PIECE_NUMEL
+    gather = in_forward_order(send_pieces(plan, order.buckets, indices, numel), first_use)
+    if compressed is None:
+        return gather, broadcast_in_forward_order(gather, rank, params)
+    program = broadcast_in_forward_order(
+        gather, rank, params, compressed.masters, compressed.quantizer
+    )
+    return gather, program
 
 
 def _owners_sends(
@@ -267,14 +312,9 @@ def write_updates(
         differences: ``sent`` holds decoded differences to add (see
             :class:`OrderObeyed`), not values to copy.
     """
-    with torch.no_grad():
-        for shard, flat in sent:
-            owned = [params[i] for i in indices[shard.offset : shard.offset + shard.count]]
-            offset = 0
-            for p in owned:
-                part = flat[offset : offset + p.numel()].view_as(p)
-                if differences:
-                    add_difference(p, part)
-                else:
-                    p.copy_(part)
-                offset += p.numel()
+    for shard, flat in sent:
+        write_flat(
+            [params[i] for i in indices[shard.offset : shard.offset + shard.count]],
+            flat,
+            differences,
+        )

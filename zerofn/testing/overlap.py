@@ -56,6 +56,7 @@ from zerofn.overlap.orders import (
     write_updates,
 )
 from zerofn.testing.world import run_programs
+from zerofn.zero.forward_gather import check_gather_with_hook
 from zerofn.zero.hook_driven import (
     attach,
     build_hook_driven_rank,
@@ -114,13 +115,16 @@ class _OverlapRank:
         config: OverlapConfig,
         groups: list[dict[str, Any]],
         zero: ZeroRank,
+        first_use: Sequence[int | None] | None = None,
     ) -> None:
         self.hook, self.config = hook, config
         self.state = init_hook_state(hook)
         self.groups, self.zero = groups, zero
         self.params = flat_params(groups)
+        self.first_use = first_use
         self.handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         self.incoming: list[tuple[tuple[int, ...], _Sent, bool]] = []
+        self.behind_forward: list[Program[None]] = []
 
     @property
     def held(self) -> tuple[int, ...] | None:
@@ -160,6 +164,7 @@ class _OverlapRank:
             self.params,
             StepChecks(),
             send_compressed(self.zero, self.params),
+            self.first_use,
         )
         return answering(program, StepGradients, self.step)
 
@@ -178,6 +183,8 @@ class _OverlapRank:
         sends, their results kept to write at the iteration's end."""
         if done.reshard is not None:
             self.zero = sharded_by_owners(self.zero, self.groups, done.reshard)
+        if done.behind_forward is not None:
+            self.behind_forward.append(done.behind_forward[1])
         return [
             self._sending(program, indices, done.differences) for indices, program in done.sends
         ]
@@ -236,6 +243,15 @@ def _hand_over(
             [watched(_in_turn(s), seen.append) for s, seen in zip(sends, made, strict=True)],
             purpose=f"after DDP bucket {info.index}: the owners' updated parameters",
         )
+    if info.is_last and any(rank.behind_forward for rank in ranks):
+        # The next forward collects them, in the order they travel.
+        behind = [_in_turn(rank.behind_forward) for rank in ranks]
+        for rank in ranks:
+            rank.behind_forward = []
+        run_programs(
+            [watched(program, seen.append) for program, seen in zip(behind, made, strict=True)],
+            purpose="behind the next forward: the owners' updated parameters",
+        )
     if info.is_last:
         for rank in ranks:
             rank.receive()
@@ -272,6 +288,7 @@ def simulate_overlapped_step(
     interleaved: bool = False,
     final_from: int = 0,
     exchange_compression: str | BlockQuantizer | None = None,
+    forward_order: Sequence[int | None] | None = None,
     **defaults: Any,
 ) -> OverlappedRun:
     """Iterations of the overlapped ZeRO step (``hook_with_zero_step``) on
@@ -307,6 +324,11 @@ def simulate_overlapped_step(
         exchange_compression: as ``ZeroRedundancyOptimizer``'s: every rank
             steps exact copies of the parameters, and owners send quantized
             differences once the plan is fixed.
+        forward_order: each parameter's first use in the forward
+            (:func:`zerofn.zero.forward_gather.first_uses`): the owners'
+            updates travel behind the next forward in that order, as with
+            ``gather_during_forward=True`` (``None``: inside the last
+            bucket's hook call).
         **defaults: the optimizer's hyperparameters.
 
     Returns:
@@ -316,11 +338,13 @@ def simulate_overlapped_step(
 
     Raises:
         ValueError: buckets that do not cover the parameters once; no
-            iteration, or iterations with different numbers of ranks.
+            iteration, or iterations with different numbers of ranks; a
+            ``forward_order`` with ``interleaved``.
         zerofn.testing.world.CollectiveMismatch: if the ranks' collectives differ.
         AssertionError: the hook ordered a rank to step a parameter whose
             state it had given up (a ``reshard`` the order did not keep to).
     """
+    check_gather_with_hook(forward_order is not None, interleaved)
     world_size = _checked_world(buckets, len(params), grads_per_iteration_per_rank)
     sizes = tuple(p.numel() for p in params)
     config = OverlapConfig(
@@ -343,7 +367,8 @@ def simulate_overlapped_step(
             exchange_compression=exchange_compression,
         )  # fmt: skip
         zero = attach(build_hook_driven_rank(groups, options))
-        ranks.append(_OverlapRank(zero_step_hook(hook_inner, mine), mine, groups, zero))
+        hook = zero_step_hook(hook_inner, mine)
+        ranks.append(_OverlapRank(hook, mine, groups, zero, forward_order))
     requests = [
         _iteration(ranks, buckets, grads, final=iteration >= final_from)
         for iteration, grads in enumerate(grads_per_iteration_per_rank)

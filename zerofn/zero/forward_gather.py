@@ -15,9 +15,12 @@ Everything here is pure:
 - :func:`gather_pieces` cuts every segment into pieces;
 - :func:`first_uses` reads the forward's order from the parameters each
   module call used;
-- :func:`plan_forward_gather` orders the pieces by the first use of their
+- :func:`in_forward_order` orders pieces by the first use of their
   parameters and says, for each parameter, how many pieces must have arrived
   before it holds its updated value (:class:`ForwardGather`);
+  :func:`plan_forward_gather` does so for the exchange's pieces, and the
+  overlapped step's sends (:func:`zerofn.overlap.step.send_pieces`) use it
+  for theirs;
 - :func:`forward_gather_program` posts every piece's broadcast and collects
   them in order, writing each into the parameters as it arrives
   (:meth:`zerofn.zero.shards.WholeTensorShards.unpack_range`).
@@ -45,9 +48,11 @@ __all__ = [
     "GatherPiece",
     "UnpacksRanges",
     "check_gather_during_forward",
+    "check_gather_with_hook",
     "first_uses",
     "forward_gather_program",
     "gather_pieces",
+    "in_forward_order",
     "plan_forward_gather",
 ]
 
@@ -64,17 +69,17 @@ def check_gather_during_forward(
     compose with, naming both.
 
     Raises:
-        ValueError: with ``overlap_with_ddp`` (its hook sends each bucket's
-            shards during backward), ``exchange_compression`` (its pieces
-            are decoded and added whole) or ``redundancy=2`` (a recovery
-            expects the exchange inside the step).
+        ValueError: with ``exchange_compression`` and no ``overlap_with_ddp``
+            (the compressed exchange decodes and adds its pieces whole; the
+            overlapped step's compressed sends compose), or ``redundancy=2``
+            (a recovery expects the exchange inside the step).
     """
     clashes = [
-        ("overlap_with_ddp=True", overlap_with_ddp, "the overlap hook sends the shards itself"),
         (
             f"exchange_compression={exchange_compression!r}",
-            exchange_compression is not None,
-            "the compressed exchange decodes every piece inside the step",
+            exchange_compression is not None and not overlap_with_ddp,
+            "the compressed exchange decodes every piece inside the step (with "
+            "overlap_with_ddp=True its sends travel behind the forward)",
         ),
         (
             "redundancy=2",
@@ -89,10 +94,32 @@ def check_gather_during_forward(
             )
 
 
+def check_gather_with_hook(gathering: bool, interleaved: bool) -> None:
+    """Refuse ``hook_with_zero_step_interleaved`` over an optimizer built
+    with ``gather_during_forward=True``, naming both.
+
+    Raises:
+        ValueError: the interleaved hook sends each bucket's updates during
+            backward, where the gather sends them behind the next forward.
+    """
+    if gathering and interleaved:
+        raise ValueError(
+            "hook_with_zero_step_interleaved over a ZeroRedundancyOptimizer built with "
+            "gather_during_forward=True: the interleaved hook sends each bucket's updates during "
+            "backward, the gather sends them behind the next forward. Use hook_with_zero_step "
+            "(its sends then travel behind the forward), or gather_during_forward=False"
+        )
+
+
 @attrs.frozen
 class GatherPiece:
     """Elements ``[start, stop)`` of buffer ``buffer``, inside rank ``owner``'s
-    segment, and the parameters with an element in it."""
+    segment, and the parameters with an element in it.
+
+    The buffers are the exchange's (one per layout); for the overlapped
+    step's sends (:mod:`zerofn.overlap.step`) they are DDP's buckets, laid
+    out as the bucket's flat gradient, and a piece holds whole parameters of
+    one owner's shard."""
 
     buffer: int
     owner: int
@@ -166,16 +193,51 @@ def first_uses(calls: Sequence[Sequence[int]], num_params: int) -> tuple[int | N
     return tuple(first)
 
 
+def in_forward_order(
+    pieces: Sequence[GatherPiece], first_use: Sequence[int | None]
+) -> ForwardGather:
+    """``pieces`` in the order the forward needs them, and each parameter's wait.
+
+    A piece travels as early as its earliest-used parameter is used; pieces
+    whose parameters the forward never used travel last; ties keep the
+    given order. Every rank computes the same order from the same
+    ``first_use``.
+
+    Args:
+        pieces: what travels, each naming the parameters it holds.
+        first_use: :func:`first_uses` of every parameter (all ``None``: the
+            parameters' own order).
+
+    Raises:
+        ValueError: a piece names a parameter outside ``range(len(first_use))``.
+    """
+    num_params = len(first_use)
+    known = [u for u in first_use if u is not None]
+    after_all = max(known, default=-1) + 1
+
+    def when(p: int) -> tuple[int, int]:
+        if not 0 <= p < num_params:
+            raise ValueError(f"a piece holds parameter {p} of {num_params}")
+        use = first_use[p]
+        return (after_all, p) if use is None else (use, p)
+
+    order = sorted(
+        range(len(pieces)),
+        key=lambda i: (min(map(when, pieces[i].params), default=(after_all + 1, 0)), i),
+    )
+    ordered = tuple(pieces[i] for i in order)
+    ready = [0] * num_params
+    for position, piece in enumerate(ordered):
+        for p in piece.params:
+            ready[p] = position + 1
+    return ForwardGather(ordered, tuple(ready))
+
+
 def plan_forward_gather(
     plan: ShardPlan, first_use: Sequence[int | None], piece_numel: int = PIECE_NUMEL
 ) -> ForwardGather:
     """The pieces of ``plan``'s exchange in forward order, and each
-    parameter's wait.
-
-    A piece travels as early as its earliest-used parameter is used; pieces
-    whose parameters the forward never used travel last; ties keep the
-    layout's order. Every rank computes the same order from the same
-    ``first_use``.
+    parameter's wait (:func:`in_forward_order` of :func:`gather_pieces`).
 
     Args:
         plan: the shard plan (its buffer layouts).
@@ -190,24 +252,7 @@ def plan_forward_gather(
     num_params = len(plan.keys)
     if len(first_use) != num_params:
         raise ValueError(f"first_use has {len(first_use)} entries for {num_params} parameters")
-    known = [u for u in first_use if u is not None]
-    after_all = max(known, default=-1) + 1
-
-    def when(p: int) -> tuple[int, int]:
-        use = first_use[p]
-        return (after_all, p) if use is None else (use, p)
-
-    pieces = gather_pieces(plan.layouts, piece_numel)
-    order = sorted(
-        range(len(pieces)),
-        key=lambda i: (min(map(when, pieces[i].params), default=(after_all + 1, 0)), i),
-    )
-    ordered = tuple(pieces[i] for i in order)
-    ready = [0] * num_params
-    for position, piece in enumerate(ordered):
-        for p in piece.params:
-            ready[p] = position + 1
-    return ForwardGather(ordered, tuple(ready))
+    return in_forward_order(gather_pieces(plan.layouts, piece_numel), first_use)
 
 
 class UnpacksRanges(Protocol):

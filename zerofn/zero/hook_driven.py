@@ -13,8 +13,10 @@ from typing import Any
 import attrs
 import torch
 
+from zerofn.comm import Program
 from zerofn.overlap.orders import SendCompressed, StepGradients, step_with_gradients
 from zerofn.zero.arguments import plan_for
+from zerofn.zero.forward_gather import ForwardGather
 from zerofn.zero.options import ZeroOptions
 from zerofn.zero.rank import (
     OverlapMode,
@@ -50,12 +52,21 @@ class OverlapBinding:
         step_whole: take the optimizer's whole step (its exchange included)
             with these averaged gradients, by global parameter index
             (``None`` with no whole step: ``redundancy=1``).
+        forward_order: the forward's first use of each parameter when the
+            owners' sends are to travel behind the next forward
+            (``gather_during_forward=True``; agreed across ranks, a
+            collective the first time), else ``None``.
+        behind_forward: hand over those sends' pieces and the program that
+            runs them, for the next forward (and every reader of
+            parameters) to finish.
     """
 
     step: Callable[[StepGradients], None]
     adopt_owners: Callable[[Sequence[Sequence[int]]], None]
     compressed: Callable[[], SendCompressed | None]
     step_whole: Callable[[Mapping[int, torch.Tensor]], None] | None = None
+    forward_order: Callable[[], Sequence[int | None] | None] = lambda: None
+    behind_forward: Callable[[ForwardGather, Program[None]], None] | None = None
 
 
 def build_hook_driven_rank(groups: Sequence[dict[str, Any]], options: ZeroOptions) -> ZeroRank:

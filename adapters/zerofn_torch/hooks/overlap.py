@@ -52,6 +52,7 @@ from zerofn.errors import CollectiveError
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
 from zerofn.overlap.orders import Sent, StepChecks, StepGradients, obey_order, write_updates
+from zerofn.zero.forward_gather import check_gather_with_hook
 from zerofn.zero.mixed_precision.precision import clip_coefficient
 from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
@@ -131,6 +132,7 @@ class _OverlapRunner:
         whole = zero.zero_rank.steps_whole_in_hook
         if whole:
             _check_whole_step(shard_buckets, interleaved, max_grad_norm, loss_scaler)
+        check_gather_with_hook(zero.zero_rank.options.gather_during_forward, interleaved)
         self.binding = zero.bind_overlap_hook()
         self.config = OverlapConfig(
             sizes=tuple(p.numel() for p in params),
@@ -192,6 +194,7 @@ class _OverlapRunner:
                 step, failed.
         """
         self.cell.pipeline.drain()  # the buckets to step must be fully issued
+        self.zero.wait()  # the last iteration's sends, if the forward left any
         handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         for index in order.buckets:
             params, reduced = self.handed.pop(index)
@@ -204,7 +207,10 @@ class _OverlapRunner:
             device=self.zero.join_device,
         )
         compressed = self.binding.compressed()
-        program = obey_order(state, self.config, order, handed, self.params, checks, compressed)
+        first_use = None if order.everywhere else self.binding.forward_order()
+        program = obey_order(
+            state, self.config, order, handed, self.params, checks, compressed, first_use
+        )
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
         done = drive(answering(program, StepGradients, self.binding.step), group, purpose).wait()
@@ -213,6 +219,9 @@ class _OverlapRunner:
         for indices, send in done.sends:
             purpose = "the overlapped ZeRO step: sending updated parameters from their owners"
             self.sending.append((indices, drive(send, group, purpose), done.differences))
+        if done.behind_forward is not None:
+            assert self.binding.behind_forward is not None
+            self.binding.behind_forward(*done.behind_forward)
         if done.reshard is not None:
             self.binding.adopt_owners(done.reshard)
 

@@ -20,8 +20,10 @@ model averaging.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from zerofn.comm import Program
@@ -33,7 +35,7 @@ from zerofn_torch.runtime.heartbeat import wait
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.zero.shell_state import ShellState
 
-__all__ = ["ForwardGathering", "Gathering", "wait_for_gathers"]
+__all__ = ["Flight", "ForwardGathering", "Gathering", "wait_for_gathers"]
 
 # Optimizers with a gather in flight, to finish before anything reads parameters.
 _IN_FLIGHT: weakref.WeakSet[ForwardGathering] = weakref.WeakSet()
@@ -50,23 +52,41 @@ def wait_for_gathers() -> None:
         optimizer.wait()
 
 
-class Gathering:
-    """The live bookkeeping of ``gather_during_forward``: the parameters'
-    indices, the forward's module calls (watched until the first step), the
-    order agreed from them, and the gather in flight.
+@attrs.frozen(eq=False)
+class Flight:
+    """A gather in flight: the live program moving its pieces, their order
+    and waits, and what its landing means to the optimizer.
 
     Attributes:
-        calls: the parameters each module call used, until the first step
-            (then ``None``).
-        order: the agreed order, for the plan it was made for.
+        program: the program, polled one piece at a time.
+        gather: its pieces in the order they travel, and each parameter's wait.
+        landed: called once every piece arrived.
+    """
+
+    program: PolledProgram[Any]
+    gather: ForwardGather
+    landed: Callable[[], None]
+
+
+class Gathering:
+    """The live bookkeeping of ``gather_during_forward``: the parameters'
+    indices, the forward's module calls (watched until the order is agreed),
+    the order agreed from them, and the gather in flight.
+
+    Attributes:
+        calls: the parameters each module call used, until the order is
+            agreed (then ``None``).
+        first_use: the agreed first use of each parameter, once agreed.
+        order: the pieces' order, for the shard plan it was made for.
         flight: the gather in flight, or ``None``.
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.index(params)
         self.calls: list[tuple[int, ...]] | None = []
+        self.first_use: tuple[int | None, ...] | None = None
         self.order: tuple[ShardPlan, ForwardGather] | None = None
-        self.flight: PolledProgram[Any] | None = None
+        self.flight: Flight | None = None
 
     def index(self, params: list[torch.Tensor]) -> None:
         """Know ``params`` (the optimizer's, in order) from now on."""
@@ -115,10 +135,10 @@ class ForwardGathering(ShellState):
         """
         flight = self._land_flight()
         if flight is not None:
-            flight.wait()
-            self._exchanged()
+            flight.program.wait()
+            flight.landed()
 
-    def _land_flight(self) -> PolledProgram[Any] | None:
+    def _land_flight(self) -> Flight | None:
         """The gather in flight, taken off the books (``None``: none): whoever
         takes it finishes it or lets its error through."""
         gathering = self._gathering
@@ -128,37 +148,62 @@ class ForwardGathering(ShellState):
         _IN_FLIGHT.discard(self)
         return flight
 
+    def _gathers_now(self) -> bool:
+        """Whether this step's exchange is to travel behind the forward.
+        Not inside a ``Join``: the other joinables read the parameters when
+        the last rank joins (DDP broadcasts its model), where no forward
+        waits first."""
+        join = getattr(self, "_join_config", None)
+        return self._gathering is not None and not (join is not None and join.enable)
+
+    def _agreed_first_use(self) -> tuple[int | None, ...]:
+        """Each parameter's first use in the forward, agreed from rank 0's
+        watched forward the first time it is asked for (a collective then);
+        parameters added since use none."""
+        gathering = self._gathering
+        assert gathering is not None
+        params = self._all_params
+        if gathering.first_use is None:
+            gathering.index(params)  # a param group may have been added
+            purpose = "gather_during_forward: agreeing on the forward's order"
+            agreed = all_gather_objects(gathering.calls or [], self.process_group, purpose)[0]
+            gathering.first_use, gathering.calls = first_uses(agreed, len(params)), None
+        known = gathering.first_use
+        return known + (None,) * (len(params) - len(known))
+
     def _forward_order(self, plan: ShardPlan) -> ForwardGather | None:
         """The order this step's exchange travels in (``None``: inside the
-        step), agreed from rank 0's watched forward the first time a plan
-        needs one. Collective then."""
+        step); collective the first time an order is needed."""
         gathering = self._gathering
-        if gathering is None:
+        if gathering is None or not self._gathers_now():
             return None
         if gathering.order is None or gathering.order[0] is not plan:
-            gathering.index(self._all_params)  # a param group may have been added
-            calls = gathering.calls or []
-            purpose = "gather_during_forward: agreeing on the forward's order"
-            agreed = all_gather_objects(calls, self.process_group, purpose)[0]
-            order = plan_forward_gather(plan, first_uses(agreed, len(self._all_params)))
-            gathering.order, gathering.calls = (plan, order), None
+            gathering.index(self._all_params)
+            gathering.order = (plan, plan_forward_gather(plan, self._agreed_first_use()))
         return gathering.order[1]
 
-    def _exchange(self, program: Program[Any], purpose: str) -> None:
+    def _exchange(self, program: Program[Any], order: ForwardGather | None, purpose: str) -> None:
         """Run the step's ``program``: to its end (then the position moves
-        on), or, gathering during the forward, up to its first piece to
-        collect (the local step taken, every piece posted).
-
-        Inside a ``Join`` the exchange runs to its end here: the other
-        joinables read the parameters when the last rank joins (DDP
-        broadcasts its model), where no forward waits first."""
-        gathering = self._gathering
-        join = getattr(self, "_join_config", None)
-        if gathering is None or (join is not None and join.enable):
+        on), or, with an ``order`` (:meth:`_forward_order`), up to its first
+        piece to collect (the local step taken, every piece posted)."""
+        if order is None:
             wait(drive(program, self.process_group, purpose), purpose)
             self._exchanged()
             return
-        gathering.flight = PolledProgram(program, self.process_group, purpose)
+        self._behind_forward(order, program, purpose, self._exchanged)
+
+    def _behind_forward(
+        self,
+        gather: ForwardGather,
+        program: Program[None],
+        purpose: str,
+        landed: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Start ``program`` (its pieces ``gather``) and leave it in flight
+        for the next forward, or a reader of parameters, to finish."""
+        flight = PolledProgram(program, self.process_group, purpose)
+        assert self._gathering is not None and self._gathering.flight is None
+        self._gathering.flight = Flight(flight, gather, landed)
         _IN_FLIGHT.add(self)
 
     def _exchanged(self) -> None:
@@ -179,12 +224,11 @@ class ForwardGathering(ShellState):
         flight = gathering.flight
         if flight is None:
             return
-        assert gathering.order is not None  # agreed before the step that started it
         try:
-            flight.advance_until(gathering.order[1].waits(used))
+            flight.program.advance_until(flight.gather.waits(used))
         except BaseException:
             self._land_flight()
             raise
-        if flight.ended:
+        if flight.program.ended:
             self._land_flight()
-            self._exchanged()
+            flight.landed()

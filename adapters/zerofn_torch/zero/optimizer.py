@@ -287,7 +287,7 @@ class ZeroRedundancyOptimizer(
             order = self._forward_order(zero.plan)
             via, compressed = zero.options.via, zero.compressed
             self._exchange(
-                run_zero_step(zero.shards, params, via, answer, compressed, order), purpose
+                run_zero_step(zero.shards, params, via, answer, compressed, order), order, purpose
             )
         return losses[-1] if losses else None
 

@@ -9,16 +9,18 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from zerofn.comm import Program
 from zerofn.overlap.orders import SendCompressed, StepGradients
 from zerofn.zero import hook_driven
+from zerofn.zero.forward_gather import ForwardGather
 from zerofn.zero.hook_driven import OverlapBinding
 from zerofn.zero.replan import sharded_by_owners
-from zerofn_torch.zero.shell_state import ShellState
+from zerofn_torch.zero.forward_gather import ForwardGathering
 
 __all__ = ["HookDriven"]
 
 
-class HookDriven(ShellState):
+class HookDriven(ForwardGathering):
     """Being stepped by DDP's overlap hook
     (:func:`zerofn_torch.hooks.hook_with_zero_step`; see
     :class:`~zerofn_torch.zero.shell_state.ShellState`)."""
@@ -37,8 +39,20 @@ class HookDriven(ShellState):
         self._zero = zero = hook_driven.attach(self._zero)
         whole = self._step_whole if zero.steps_whole_in_hook else None
         return OverlapBinding(
-            self._step_with_gradients, self._adopt_owners, self._send_compressed, whole
+            self._step_with_gradients,
+            self._adopt_owners,
+            self._send_compressed,
+            whole,
+            self._sends_order,
+            self._sends_behind_forward,
         )
+
+    def _sends_order(self) -> Sequence[int | None] | None:
+        return self._agreed_first_use() if self._gathers_now() else None
+
+    def _sends_behind_forward(self, gather: ForwardGather, program: Program[None]) -> None:
+        purpose = "the overlapped ZeRO step: sending updated parameters from their owners"
+        self._behind_forward(gather, program, purpose)
 
     def _step_with_gradients(self, request: StepGradients) -> None:
         self._untouched = False
