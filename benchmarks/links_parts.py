@@ -191,6 +191,13 @@ def overlap_part(raw: Mapping[str, Any], rate: str, bits: float) -> Part:
     gathered, gathered_text = bench_overlap.gather_headline(
         times, bench, f"link {rate_label(bits)} gather behind forward", held
     )
+    both, both_text = bench_overlap.both_headlines(
+        times,
+        bench,
+        f"link {rate_label(bits)} overlap + gather",
+        held,
+        (on_link["overlapped"], bits),
+    )
     body = "\n\n".join(
         [
             f"**DDP + ZeRO** ({model}; {len(times['pytorch'])} timed rounds): 'overlapped' is "
@@ -204,10 +211,11 @@ def overlap_part(raw: Mapping[str, Any], rate: str, bits: float) -> Part:
             table,
             parts,
             gathered_text,
-            *([f"Missed: {headline.why}."] if headline.met is False else []),
+            both_text,
+            *(f"Missed ({h.measure}): {h.why}." for h in (headline, *both) if h.met is False),
         ]
     )
-    return Part(body, (headline, gathered))
+    return Part(body, (headline, gathered, *both))
 
 
 def powersgd_part(raw: Mapping[str, Any], rate: str, bits: float) -> Part:
