@@ -33,7 +33,7 @@ from zerofn.comm import Program, Request, watched
 from zerofn.testing.world import run_programs
 from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
 from zerofn.zero.exchange import ExchangeVia
-from zerofn.zero.forward_gather import ForwardGather
+from zerofn.zero.forward_gather import Arrivals
 from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.options import resolve_options
 from zerofn.zero.planning.plan import ShardPlan
@@ -88,12 +88,13 @@ class SimulatedRank:
         self,
         grads: Sequence[torch.Tensor | None],
         via: ExchangeVia,
-        in_forward_order: ForwardGather | None = None,
+        in_forward_order: Arrivals | None = None,
     ) -> Program[Any]:
         """This rank's step program, its local step answered as the optimizer
         answers it (:func:`~zerofn.zero.rank.answer_local_step`), after this step's
         gradients land in the parameters' ``.grad`` (what DDP leaves); with
-        ``in_forward_order``, its exchange piece by piece in that order."""
+        ``in_forward_order``, its exchange as it travels behind the forward
+        (:func:`~zerofn.zero.step.zero_step`)."""
         for param, grad in zip(self.params, grads, strict=True):
             param.grad = None if grad is None else grad.clone()
         zero = self.zero

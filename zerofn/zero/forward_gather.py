@@ -44,11 +44,13 @@ from zerofn.zero.planning.plan import ShardPlan
 
 __all__ = [
     "PIECE_NUMEL",
+    "Arrivals",
     "ForwardGather",
     "GatherPiece",
     "UnpacksRanges",
     "check_gather_during_forward",
     "check_gather_with_hook",
+    "compressed_arrivals",
     "first_uses",
     "forward_gather_program",
     "gather_pieces",
@@ -62,36 +64,19 @@ modules wait for little, large enough that a broadcast's fixed cost is
 small beside its bytes."""
 
 
-def check_gather_during_forward(
-    overlap_with_ddp: bool, exchange_compression: object, redundancy: int
-) -> None:
+def check_gather_during_forward(redundancy: int) -> None:
     """Refuse ``gather_during_forward=True`` beside an option it does not
     compose with, naming both.
 
     Raises:
-        ValueError: with ``exchange_compression`` and no ``overlap_with_ddp``
-            (the compressed exchange decodes and adds its pieces whole; the
-            overlapped step's compressed sends compose), or ``redundancy=2``
-            (a recovery expects the exchange inside the step).
+        ValueError: with ``redundancy=2`` (a recovery finishes an
+            interrupted exchange inside the step).
     """
-    clashes = [
-        (
-            f"exchange_compression={exchange_compression!r}",
-            exchange_compression is not None and not overlap_with_ddp,
-            "the compressed exchange decodes every piece inside the step (with "
-            "overlap_with_ddp=True its sends travel behind the forward)",
-        ),
-        (
-            "redundancy=2",
-            redundancy == 2,
-            "a recovery finishes an interrupted exchange inside the step",
-        ),
-    ]
-    for name, on, why in clashes:
-        if on:
-            raise ValueError(
-                f"gather_during_forward=True with {name}: {why}. Use one of the two options"
-            )
+    if redundancy == 2:
+        raise ValueError(
+            "gather_during_forward=True with redundancy=2: a recovery finishes an interrupted "
+            "exchange inside the step. Use one of the two options"
+        )
 
 
 def check_gather_with_hook(gathering: bool, interleaved: bool) -> None:
@@ -129,22 +114,29 @@ class GatherPiece:
 
 
 @attrs.frozen
-class ForwardGather:
-    """A gather in forward order.
+class Arrivals:
+    """When each parameter holds its updated value, in a program that
+    collects its pieces in a fixed order.
 
     Attributes:
-        pieces: the pieces, in the order they travel.
-        ready: ``ready[p]`` is how many pieces must have arrived before
-            parameter ``p`` holds its updated value (0: it needs none, as a
-            frozen parameter).
+        ready: ``ready[p]`` is how many pieces must have been collected
+            before parameter ``p`` holds its updated value (0: it needs
+            none, as a frozen parameter).
     """
 
-    pieces: tuple[GatherPiece, ...]
     ready: tuple[int, ...]
 
     def waits(self, params: Sequence[int]) -> int:
         """How many pieces must have arrived before a module using ``params`` runs."""
         return max((self.ready[p] for p in params), default=0)
+
+
+@attrs.frozen
+class ForwardGather(Arrivals):
+    """A gather in forward order: its :class:`Arrivals`, and the pieces, in
+    the order they travel."""
+
+    pieces: tuple[GatherPiece, ...]
 
 
 def gather_pieces(
@@ -230,7 +222,7 @@ def in_forward_order(
     for position, piece in enumerate(ordered):
         for p in piece.params:
             ready[p] = position + 1
-    return ForwardGather(ordered, tuple(ready))
+    return ForwardGather(tuple(ready), ordered)
 
 
 def plan_forward_gather(
@@ -253,6 +245,33 @@ def plan_forward_gather(
     if len(first_use) != num_params:
         raise ValueError(f"first_use has {len(first_use)} entries for {num_params} parameters")
     return in_forward_order(gather_pieces(plan.layouts, piece_numel), first_use)
+
+
+def compressed_arrivals(plan: ShardPlan, piece: int) -> Arrivals:
+    """The waits of the compressed exchange behind the forward
+    (:func:`zerofn.zero.compressed.exchange.compressed_exchange_program`), which
+    collects, buffer by buffer, piece ``k`` of every rank's segment at once
+    (elements ``[k * piece, (k + 1) * piece)`` of each): its pieces keep
+    that order, since each one's codes span whole blocks of every segment.
+
+    Raises:
+        ValueError: ``piece`` below 1.
+    """
+    if piece < 1:
+        raise ValueError(f"piece must be at least 1, got {piece}")
+    ready = [0] * len(plan.keys)
+    position = 0
+    for layout in plan.layouts:
+        longest = max((s.length for s in layout.segments), default=0)
+        for k in range(max(1, -(-longest // piece))):
+            position += 1
+            for segment in layout.segments:
+                start = segment.offset + min(k * piece, segment.length)
+                stop = segment.offset + min((k + 1) * piece, segment.length)
+                for slot in layout.slots[segment.rank]:
+                    if slot.offset < stop and start < slot.stop:
+                        ready[slot.piece.param] = position
+    return Arrivals(tuple(ready))
 
 
 class UnpacksRanges(Protocol):

@@ -30,7 +30,7 @@ import torch
 from zerofn.comm import Program, answering
 from zerofn.zero.compressed.exchange import CompressedExchange, compressed_exchange_program
 from zerofn.zero.exchange import ExchangeVia, exchange_program
-from zerofn.zero.forward_gather import ForwardGather, forward_gather_program
+from zerofn.zero.forward_gather import Arrivals, ForwardGather, forward_gather_program
 from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.shards import WholeTensorShards
@@ -82,7 +82,7 @@ def zero_step(
     params: Sequence[torch.Tensor],
     via: ExchangeVia,
     compressed: Compressed | None = None,
-    in_forward_order: ForwardGather | None = None,
+    in_forward_order: Arrivals | None = None,
 ) -> StepProgram[Any]:
     """One plain ZeRO step on rank ``shards.rank``.
 
@@ -94,10 +94,16 @@ def zero_step(
         via: how the exchange moves its bytes.
         compressed: send quantized differences of the masters instead of the
             updated values (``None``: the exact exchange).
-        in_forward_order: with the exact exchange, send the segments piece
-            by piece in this order, each written into the parameters as it
-            arrives (:mod:`zerofn.zero.forward_gather`), instead of one
-            request per buffer.
+        in_forward_order: the exchange is to travel behind the next
+            forward (:mod:`zerofn.zero.forward_gather`). With the exact
+            exchange, a :class:`~zerofn.zero.forward_gather.ForwardGather`:
+            the segments go piece by piece in its order, each written into
+            the parameters as it arrives, instead of one request per buffer.
+            With a compressed one, its
+            :func:`~zerofn.zero.forward_gather.compressed_arrivals`: the
+            pieces keep their own order, and the local step is taken whole
+            first (never in parts), so that the step is over when the
+            program first waits.
 
     Returns:
         A program: one :class:`LocalStep`, then one exchange request per
@@ -106,12 +112,14 @@ def zero_step(
         exchange's requests instead, and it returns ``None``.
 
     Raises:
-        ValueError: (from the exchange) buffers that do not fit the plan.
+        ValueError: (from the exchange) buffers that do not fit the plan;
+            an exact exchange given no order of pieces.
     """
-    if compressed is not None and in_forward_order is not None:
-        raise ValueError("a compressed exchange cannot travel in forward order (refused at set-up)")
+    exact_order = isinstance(in_forward_order, ForwardGather)
+    if compressed is None and in_forward_order is not None and not exact_order:
+        raise ValueError("the exact exchange behind the forward needs its pieces' order")
     shards.refresh(params)
-    if compressed is not None and compressed.in_parts:
+    if compressed is not None and compressed.in_parts and in_forward_order is None:
         # The local step moves only the masters: the replica is packed as it is.
         shards.pack_own(params)
         yield from compressed_exchange_program(
@@ -120,7 +128,7 @@ def zero_step(
         return None
     loss = yield LocalStep(shards.rank)
     shards.pack_own(params)
-    if compressed is None and in_forward_order is not None:
+    if compressed is None and isinstance(in_forward_order, ForwardGather):
         gather = in_forward_order
         yield from forward_gather_program(gather, shards.buffers, shards.rank, shards, params)
     elif compressed is None:
@@ -139,7 +147,7 @@ def run_zero_step(
     via: ExchangeVia,
     local_step: Callable[[LocalStep], Any],
     compressed: Compressed | None = None,
-    in_forward_order: ForwardGather | None = None,
+    in_forward_order: Arrivals | None = None,
 ) -> Program[Any]:
     """:func:`zero_step` with its local step answered by ``local_step``: a
     program of collectives only, for a driver or the simulated world."""

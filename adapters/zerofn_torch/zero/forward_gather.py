@@ -28,7 +28,12 @@ import torch
 
 from zerofn.comm import Program
 from zerofn.zero.elastic.recovery_point import exchanged
-from zerofn.zero.forward_gather import ForwardGather, first_uses, plan_forward_gather
+from zerofn.zero.forward_gather import (
+    Arrivals,
+    compressed_arrivals,
+    first_uses,
+    plan_forward_gather,
+)
 from zerofn.zero.planning.plan import ShardPlan
 from zerofn_torch.runtime.driver import PolledProgram, drive
 from zerofn_torch.runtime.heartbeat import wait
@@ -64,7 +69,7 @@ class Flight:
     """
 
     program: PolledProgram[Any]
-    gather: ForwardGather
+    gather: Arrivals
     landed: Callable[[], None]
 
 
@@ -85,7 +90,7 @@ class Gathering:
         self.index(params)
         self.calls: list[tuple[int, ...]] | None = []
         self.first_use: tuple[int | None, ...] | None = None
-        self.order: tuple[ShardPlan, ForwardGather] | None = None
+        self.order: tuple[ShardPlan, Arrivals] | None = None
         self.flight: Flight | None = None
 
     def index(self, params: list[torch.Tensor]) -> None:
@@ -171,18 +176,27 @@ class ForwardGathering(ShellState):
         known = gathering.first_use
         return known + (None,) * (len(params) - len(known))
 
-    def _forward_order(self, plan: ShardPlan) -> ForwardGather | None:
-        """The order this step's exchange travels in (``None``: inside the
-        step); collective the first time an order is needed."""
+    def _forward_order(self, plan: ShardPlan) -> Arrivals | None:
+        """How this step's exchange travels behind the forward (``None``:
+        inside the step): the exact exchange's pieces in the forward's order
+        (collective the first time one is needed), or the compressed
+        exchange's own pieces, which keep their order."""
         gathering = self._gathering
         if gathering is None or not self._gathers_now():
             return None
         if gathering.order is None or gathering.order[0] is not plan:
-            gathering.index(self._all_params)
-            gathering.order = (plan, plan_forward_gather(plan, self._agreed_first_use()))
+            compressed = self._zero.compressed
+            order: Arrivals
+            if compressed is not None:
+                gathering.calls = None  # no order to agree on: stop watching
+                order = compressed_arrivals(plan, compressed.exchange.piece)
+            else:
+                gathering.index(self._all_params)
+                order = plan_forward_gather(plan, self._agreed_first_use())
+            gathering.order = (plan, order)
         return gathering.order[1]
 
-    def _exchange(self, program: Program[Any], order: ForwardGather | None, purpose: str) -> None:
+    def _exchange(self, program: Program[Any], order: Arrivals | None, purpose: str) -> None:
         """Run the step's ``program``: to its end (then the position moves
         on), or, with an ``order`` (:meth:`_forward_order`), up to its first
         piece to collect (the local step taken, every piece posted)."""
@@ -194,7 +208,7 @@ class ForwardGathering(ShellState):
 
     def _behind_forward(
         self,
-        gather: ForwardGather,
+        gather: Arrivals,
         program: Program[None],
         purpose: str,
         landed: Callable[[], None] = lambda: None,

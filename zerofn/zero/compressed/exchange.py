@@ -52,6 +52,7 @@ from zerofn.zero.compressed.payloads import (
     payload_offsets,
     piece_bounds,
     piece_count,
+    piece_numel,
     work_numel,
 )
 from zerofn.zero.exchange import ExchangeVia, pack, slot_view
@@ -143,11 +144,9 @@ def compressed_exchange(
     piece_elements: int = PIECE_ELEMENTS,
 ) -> CompressedExchange:
     """Payload buffers and scratch for ``plan``'s layouts (zeroed), each
-    segment to travel in pieces of ``piece_elements`` (rounded up to whole
-    blocks)."""
-    if piece_elements < 1:
-        raise ValueError(f"piece_elements must be positive, got {piece_elements}")
-    piece = quantizer.padded_numel(piece_elements)
+    segment to travel in pieces of ``piece_elements`` (rounded up as
+    :func:`~zerofn.zero.compressed.payloads.piece_numel` says)."""
+    piece = piece_numel(quantizer, piece_elements)
     offsets = tuple(payload_offsets(quantizer, layout) for layout in plan.layouts)
     payloads = [torch.zeros(o[-1], dtype=torch.uint8, device=device) for o in offsets]
     work = torch.zeros(work_numel(quantizer, plan, piece), dtype=torch.float32, device=device)

@@ -10,6 +10,8 @@ its finish after a loss and the planner read them.
 
 from __future__ import annotations
 
+import math
+
 from zerofn.blockquant import BlockQuantizer
 from zerofn.zero.planning.layout import BufferLayout
 from zerofn.zero.planning.plan import ShardPlan
@@ -22,6 +24,7 @@ __all__ = [
     "payload_offsets",
     "piece_bounds",
     "piece_count",
+    "piece_numel",
     "work_numel",
 ]
 
@@ -73,6 +76,21 @@ def difference_numel(quantizer: BlockQuantizer, plan: ShardPlan) -> int:
     return quantizer.padded_numel(max(lengths, default=0))
 
 
+def piece_numel(quantizer: BlockQuantizer, piece_elements: int) -> int:
+    """The elements of one piece: ``piece_elements`` rounded up to whole
+    blocks whose codes fill whole 4-byte words, so that no piece but the
+    last pads its payload and the pieces' payloads laid end to end are the
+    segment's (:func:`piece_bounds`).
+
+    Raises:
+        ValueError: ``piece_elements`` below 1.
+    """
+    if piece_elements < 1:
+        raise ValueError(f"piece_elements must be positive, got {piece_elements}")
+    unit = math.lcm(quantizer.block, 32 // quantizer.bits)  # codes per 4 bytes
+    return -(-piece_elements // unit) * unit
+
+
 def work_numel(quantizer: BlockQuantizer, plan: ShardPlan, piece: int) -> int:
     """Scratch elements: the longest segment's difference, then one piece
     decoded beside it."""
@@ -87,5 +105,5 @@ def compressed_buffer_bytes(
     buffers (every rank's codes and scales) and one ``float32`` scratch as
     long as the longest segment (the difference) plus one piece (each piece
     decoded, while the difference's later pieces are still to encode)."""
-    piece = quantizer.padded_numel(piece_elements)
+    piece = piece_numel(quantizer, piece_elements)
     return exchange_bytes(quantizer, plan) + 4 * work_numel(quantizer, plan, piece)
