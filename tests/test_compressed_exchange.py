@@ -21,6 +21,7 @@ from zerofn.testing.compressed import master_replica_gap
 from zerofn.testing.overlap import simulate_overlapped_step
 from zerofn.testing.zero import SimulatedRank, simulated_ranks, step_simulated
 from zerofn.zero.compressed.exchange import exchange_bytes, local_spans, update_parts
+from zerofn.zero.compressed.payloads import piece_bounds, piece_numel
 from zerofn.zero.optimizers import steps_in_parts
 from zerofn.zero.options import compression_master_dtype, resolve_compression
 from zerofn.zero.planning.plan import plan_shards
@@ -359,3 +360,26 @@ def test_only_torch_optim_s_own_element_wise_classes_without_hooks_step_in_parts
         assert not steps_in_parts(torch.optim.Adam([param]))
     finally:
         handle.remove()
+
+
+@settings(max_examples=draws(80), deadline=None)
+@given(
+    q=st.builds(BlockQuantizer, st.sampled_from([8, 4]), st.integers(1, 40).map(lambda b: 2 * b)),
+    elements=st.integers(1, 300),
+    length=st.integers(0, 900),
+)
+def test_a_segments_pieces_lay_their_payloads_end_to_end(
+    q: BlockQuantizer, elements: int, length: int
+) -> None:
+    # Pieces are whole blocks whose codes fill whole 4-byte words: only the
+    # last pads, so the pieces' payloads fill the segment's exactly.
+    piece = piece_numel(q, elements)
+    assert piece >= elements and piece % q.block == 0
+    count = max(1, -(-length // piece))
+    ends = []
+    for k in range(count):
+        start, numel, at, nbytes = piece_bounds(q, piece, length, k)
+        assert at == (ends[-1] if ends else 0)
+        ends.append(at + nbytes)
+        assert numel == min(piece, length - start)
+    assert ends[-1] == q.payload_nbytes(length)
