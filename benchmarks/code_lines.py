@@ -264,6 +264,22 @@ BEYOND: tuple[Beyond, ...] = (
         ),
     ),
     Beyond(
+        "the exchange behind the next forward (gather_during_forward: pieces in the forward's "
+        "order, each module's wait)",
+        _ZERO,
+        files=("zerofn/zero/forward_gather.py", "adapters/zerofn_torch/zero/forward_gather.py"),
+        definitions=(
+            *_in("zerofn/overlap/step.py", "send_pieces", "broadcast_in_forward_order"),
+            *_in("zerofn/overlap/orders.py", "_sends_behind_forward"),
+            *_in("zerofn/zero/shards.py", "WholeTensorShards.unpack_range"),
+            *_in(
+                "adapters/zerofn_torch/zero/overlap_binding.py",
+                "HookDriven._sends_order",
+                "HookDriven._sends_behind_forward",
+            ),
+        ),
+    ),
+    Beyond(
         "going on in another world (zerofn_torch.elastic's side of the optimizer)",
         _ZERO,
         files=("adapters/zerofn_torch/zero/world_changes.py",),
