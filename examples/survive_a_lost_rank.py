@@ -16,7 +16,10 @@ moment); steps count from 0. PHASE says where in STEP it dies:
 - ``backward``: inside its backward (a hook on a parameter's gradient ends
   the process); the survivors' DDP all-reduce fails and they redo STEP;
 - ``exchange``: right after its local optimizer step, inside the ZeRO step's
-  exchange; the survivors finish STEP from the carried copies;
+  exchange; the survivors finish STEP from the carried copies (with the
+  exchange behind the forward, ``--config gather``, their ``step()`` has
+  returned: their next forward fails, and they redo STEP+1 once STEP is
+  finished);
 - ``between``: after STEP completed, before STEP+1; the survivors' STEP+1
   fails and they redo it.
 
@@ -250,8 +253,11 @@ def _pause_self(seconds: float, zero: ZeroRedundancyOptimizer) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def check_kills(world_size: int, steps: int, kills: tuple[Kill, ...]) -> None:
-    """Refuse kills this run cannot honour.
+def check_kills(
+    world_size: int, steps: int, kills: tuple[Kill, ...], config: Config = PLAIN
+) -> None:
+    """Refuse kills this run of ``config`` cannot honour (with its exchange
+    behind the forward, a death inside it is noticed at the next step).
 
     Raises:
         ValueError: a rank outside the world or killed twice, a kill the
@@ -265,9 +271,13 @@ def check_kills(world_size: int, steps: int, kills: tuple[Kill, ...]) -> None:
         raise ValueError(
             f"{len(kills)} kills of {world_size} ranks: redundancy=2 needs 2 survivors to go on"
         )
-    if any(k.failing_step >= steps or k.step < 0 for k in kills):
-        raise ValueError(f"every kill must be noticed within the {steps} steps (between: STEP+1)")
-    failing = [k.failing_step for k in kills]
+    behind = dict(config.options).get("gather_during_forward", False)
+    failing = [k.failing_step + (behind and k.phase == "exchange") for k in kills]
+    if any(f >= steps for f in failing) or any(k.step < 0 for k in kills):
+        raise ValueError(
+            f"every kill must be noticed within the {steps} steps (between, and exchange with "
+            "the exchange behind the forward: STEP+1)"
+        )
     if failing != sorted(set(failing)):
         raise ValueError(f"kills in step order, one per step: {[str(k) for k in kills]}")
 
@@ -391,7 +401,7 @@ def run_killed(
         What the final world's rank 0 returned (:func:`run_rank`), with
         ``paused``: what each paused rank raised once resumed.
     """
-    check_kills(world_size, steps, merged(kills, pauses))
+    check_kills(world_size, steps, merged(kills, pauses), config)
     job = Segment(0, steps, kills, deadline_s=deadline_s, pauses=pauses, config=config)
     gone = [k.rank for k in kills] + [p.rank for p in pauses]
     results = run_local_world(run_rank, world_size, job, timeout_s=TIMEOUT_S, may_exit=gone)
@@ -417,7 +427,7 @@ def run_reference(
         recoveries), with ``segments``: ``(first step, last step + 1, ranks)``
         of each launch.
     """
-    check_kills(world_size, steps, kills)
+    check_kills(world_size, steps, kills, config)
     start: dict[str, Any] | None = None
     first, segments = 0, []
     owners: Owners | None = None
@@ -527,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
     pauses = tuple(args.pause)
     kills = merged(tuple(args.kill), pauses)
     try:
-        check_kills(args.world_size, args.steps, kills)
+        check_kills(args.world_size, args.steps, kills, CONFIGS.get(args.config, PLAIN))
     except ValueError as error:
         parser.error(str(error))
     if args.config in BLOCKING_DILOCO:

@@ -111,6 +111,16 @@ CONFIGS = {
         Config(
             "overlap", "fp32, stepped inside DDP's backward", options=(("overlap_with_ddp", True),)
         ),
+        Config(
+            "gather",
+            "fp32, the exchange behind the next forward",
+            options=(("gather_during_forward", True),),
+        ),
+        Config(
+            "gather-int8",
+            "fp32, the int8 exchange behind the next forward",
+            options=(("gather_during_forward", True), ("exchange_compression", "int8")),
+        ),
     )
 }
 """The configurations a lost rank is survived in, by name: ``plain`` (fp32
@@ -118,9 +128,12 @@ parameters, Adam's state sharded by whole parameters), ``masters`` (bf16
 parameters, fp32 masters and Adam's state sharded, as a mixed-precision job
 trains), ``flat`` (fp32, every rank an equal range of the elements,
 the parameters views of the exchange buffer), ``int8`` (fp32, the
-updated shards sent as int8 differences from fp32 masters) and ``overlap``
+updated shards sent as int8 differences from fp32 masters), ``overlap``
 (fp32, ``overlap_with_ddp=True``: DDP's hook takes the step when the last
-bucket is averaged)."""
+bucket is averaged), ``gather`` (fp32, ``gather_during_forward=True``: the
+exchange travels behind the next forward, so a loss inside it fails the
+survivors' next forward) and ``gather-int8`` (the int8 exchange behind the
+next forward)."""
 PLAIN = CONFIGS["plain"]
 
 

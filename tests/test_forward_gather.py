@@ -111,10 +111,13 @@ def test_pieces_tile_every_segment_and_travel_in_the_order_of_first_use(
         assert gather.waits(used) <= early
 
 
-def test_redundancy_is_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match="gather_during_forward=True with redundancy=2: "):
-        check_gather_during_forward(2)
-    check_gather_during_forward(1)
+def test_redundancy_with_the_overlapped_step_is_refused_naming_all_three() -> None:
+    with pytest.raises(
+        ValueError, match="gather_during_forward=True with redundancy=2 and overlap_with_ddp=True"
+    ):
+        check_gather_during_forward(2, True)
+    for redundancy, overlap in ((1, False), (1, True), (2, False)):
+        check_gather_during_forward(redundancy, overlap)
 
 
 def test_the_interleaved_hook_is_refused_naming_both() -> None:

@@ -33,7 +33,7 @@ from train_elastic import fresh_phase as phase
 
 
 @pytest.mark.slow  # make test-slow: a real rank killed, 4 processes, three reference worlds
-@pytest.mark.parametrize("config", ["plain", "masters", "flat", "int8", "overlap"])
+@pytest.mark.parametrize("config", ["plain", "masters", "flat", "int8", "overlap", "gather"])
 def test_lose_a_rank_go_on_and_grow_back_on_real_ranks(tmp_path: Any, config: str) -> None:
     chosen = CONFIGS[config]
     ours = example.lifecycle(str(tmp_path), chosen)

@@ -31,6 +31,8 @@ from zerofn_torch.runtime.launch import run_local_world
         (4, "flat"),
         (4, "int8"),
         (4, "overlap"),
+        (4, "gather"),
+        (3, "gather-int8"),
     ],
 )
 def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, config: str) -> None:

@@ -316,7 +316,9 @@ def recover(
         )
         if new_rank in point.behind:
             zero.take_missed_local_step(grads)
-    finished = point.finished_step(zero.position)
+    # With the exchange behind the forward, the step had returned: the call
+    # that failed (a forward, DDP's collectives) is no step to skip.
+    finished = point.finished_step(zero.position) and not zero.exchange_behind_forward
     zero.regroup(group, regrouping, new_rank, finish_step=point.finish)
     if new_rank == 0:
         store.set(GENERATION, str(zero.generation))

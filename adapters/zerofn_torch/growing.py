@@ -64,6 +64,7 @@ class Fingerprint:
         flat: the optimizer's partition is flat (element ranges), not whole
             parameters.
         compression: the exchange's codec, as text (``"None"``: exact).
+        gather_during_forward: the exchange travels behind the next forward.
     """
 
     optimizer: str
@@ -73,6 +74,7 @@ class Fingerprint:
     master_dtype: str = "None"
     flat: bool = False
     compression: str = "None"
+    gather_during_forward: bool = False
 
     def refusal(self, joiner: Fingerprint) -> str | None:
         """Why ``joiner`` cannot join a job of this fingerprint (``None``: it can)."""
@@ -94,13 +96,14 @@ def fingerprint(
     master_dtype: torch.dtype | None = None,
     flat: bool = False,
     compression: BlockQuantizer | None = None,
+    gather_during_forward: bool = False,
 ) -> Fingerprint:
     """The :class:`Fingerprint` of a model's parameters and optimizer options."""
     name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
     shapes = tuple((tuple(p.shape), str(p.dtype)) for p in params)
     return Fingerprint(
         name, repr(sorted(defaults.items())), redundancy, shapes, str(master_dtype), flat,
-        repr(compression),
+        repr(compression), gather_during_forward,
     )  # fmt: skip
 
 
@@ -110,7 +113,7 @@ def _fingerprint_of(zero: ZeroRedundancyOptimizer) -> Fingerprint:
     return fingerprint(
         params, options.optimizer_class, options.defaults, options.redundancy,
         options.master_dtype, isinstance(zero.shard_plan.partition, FlatPartition),
-        options.quantizer,
+        options.quantizer, options.gather_during_forward,
     )  # fmt: skip
 
 
@@ -254,6 +257,7 @@ def admit(
     Raises:
         zerofn.errors.CollectiveError: a collective of the growth failed.
     """
+    zero.wait()  # an exchange behind the forward, in the world about to go
     group = zero.process_group
     decided = _decide(store, _fingerprint_of(zero)) if zero.rank == 0 else None
     tickets: tuple[int, ...] = broadcast_object(decided, 0, group, "who joins")
@@ -286,6 +290,7 @@ def join(
     partition: str = "greedy",
     exchange_compression: str | BlockQuantizer | None = None,
     overlap_with_ddp: bool = False,
+    gather_during_forward: bool = False,
     timeout_s: float = 120.0,
     **defaults: Any,
 ) -> Joined:
@@ -307,6 +312,8 @@ def join(
         overlap_with_ddp: the job steps inside DDP's backward (register
             ``hook_with_zero_step`` on the DDP built on the new group, as
             the running ranks do).
+        gather_during_forward: the job's exchange travels behind the next
+            forward.
         timeout_s: how long to wait to be admitted, and the group's timeout.
         **defaults: the job's optimizer options.
 
@@ -328,8 +335,9 @@ def join(
         else compression_master_dtype(dtype, master_dtype)
     )
     mine = fingerprint(
-        params, optimizer_class, defaults, redundancy, masters, partition == "flat", codec
-    )
+        params, optimizer_class, defaults, redundancy, masters, partition == "flat", codec,
+        gather_during_forward,
+    )  # fmt: skip
     # Before announcing: the options are checked while the job is untouched,
     # and the optimizer's lazy imports are paid before the running ranks wait.
     optimizer_class([torch.zeros(1, dtype=master_dtype or params[0].dtype)], **defaults)
@@ -347,7 +355,8 @@ def join(
     zero = ZeroRedundancyOptimizer(
         params, optimizer_class, redundancy=redundancy, master_dtype=master_dtype,
         partition=partition, exchange_compression=exchange_compression,
-        overlap_with_ddp=overlap_with_ddp, **defaults,
+        overlap_with_ddp=overlap_with_ddp, gather_during_forward=gather_during_forward,
+        **defaults,
     )  # fmt: skip
     extra = _grow(zero, group, None, 0, None)  # type: ignore[arg-type]
     return Joined(zero, answer["rank"], answer["world_size"], extra)

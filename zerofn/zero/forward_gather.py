@@ -64,18 +64,20 @@ modules wait for little, large enough that a broadcast's fixed cost is
 small beside its bytes."""
 
 
-def check_gather_during_forward(redundancy: int) -> None:
-    """Refuse ``gather_during_forward=True`` beside an option it does not
-    compose with, naming both.
+def check_gather_during_forward(redundancy: int, overlap_with_ddp: bool) -> None:
+    """Refuse ``gather_during_forward=True`` beside options it does not
+    compose with, naming them.
 
     Raises:
-        ValueError: with ``redundancy=2`` (a recovery finishes an
-            interrupted exchange inside the step).
+        ValueError: with ``redundancy=2`` and ``overlap_with_ddp=True``
+            together (the hook then takes the whole step inside backward,
+            where a loss is recovered from inside the step).
     """
-    if redundancy == 2:
+    if redundancy == 2 and overlap_with_ddp:
         raise ValueError(
-            "gather_during_forward=True with redundancy=2: a recovery finishes an interrupted "
-            "exchange inside the step. Use one of the two options"
+            "gather_during_forward=True with redundancy=2 and overlap_with_ddp=True: the hook "
+            "takes the whole step inside backward, where a loss is recovered from inside the "
+            "step. Leave out one of the three options"
         )
 
 

@@ -161,7 +161,7 @@ def resolve_options(
     _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
     check_redundancy(redundancy, world_size)
     if gather_during_forward:
-        check_gather_during_forward(redundancy)
+        check_gather_during_forward(redundancy, overlap_with_ddp)
     first = next(p for g in groups for p in g["params"])
     quantizer = resolve_compression(exchange_compression, first.dtype)
     wide = (

@@ -80,18 +80,23 @@ class Gathering:
 
     Attributes:
         calls: the parameters each module call used, until the order is
-            agreed (then ``None``).
-        first_use: the agreed first use of each parameter, once agreed.
+            first agreed (then ``None``).
+        first_use: the first use of each parameter, once agreed.
+        agreed: whether the ranks of this world agreed on ``first_use``.
         order: the pieces' order, for the shard plan it was made for.
         flight: the gather in flight, or ``None``.
+        failed: the last gather failed behind the forward, after the step
+            that started it had returned (until the world changes).
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.index(params)
         self.calls: list[tuple[int, ...]] | None = []
         self.first_use: tuple[int | None, ...] | None = None
+        self.agreed = False
         self.order: tuple[ShardPlan, Arrivals] | None = None
         self.flight: Flight | None = None
+        self.failed = False
 
     def index(self, params: list[torch.Tensor]) -> None:
         """Know ``params`` (the optimizer's, in order) from now on."""
@@ -139,9 +144,38 @@ class ForwardGathering(ShellState):
                 or hung): restart from a checkpoint.
         """
         flight = self._land_flight()
-        if flight is not None:
+        if flight is None:
+            return
+        try:
             flight.program.wait()
-            flight.landed()
+        except BaseException:
+            assert self._gathering is not None
+            self._gathering.failed = True
+            raise
+        flight.landed()
+
+    @property
+    def exchange_behind_forward(self) -> bool:
+        """Whether the last step's exchange is still behind the forward, or
+        failed there: the ``step()`` that started it had returned, so
+        whatever call failed since (a forward, DDP's collectives, a read of
+        the parameters) was no step, and a recovery that finishes that step
+        (:func:`zerofn_torch.elastic.recover`) leaves the call to be redone."""
+        gathering = self._gathering
+        return gathering is not None and (gathering.flight is not None or gathering.failed)
+
+    def _leave_world(self) -> None:
+        """Leave the gather's old world behind, when the optimizer goes on
+        in another: a gather still in flight there is abandoned (after a
+        loss its group failed; a growth finished it first), and the
+        forward's order is agreed again in the new world (a joiner
+        learns rank 0's)."""
+        flight = self._land_flight()
+        if flight is not None:
+            flight.program.abandon()
+        gathering = self._gathering
+        if gathering is not None:
+            gathering.agreed, gathering.order, gathering.failed = False, None, False
 
     def _land_flight(self) -> Flight | None:
         """The gather in flight, taken off the books (``None``: none): whoever
@@ -162,18 +196,20 @@ class ForwardGathering(ShellState):
         return self._gathering is not None and not (join is not None and join.enable)
 
     def _agreed_first_use(self) -> tuple[int | None, ...]:
-        """Each parameter's first use in the forward, agreed from rank 0's
-        watched forward the first time it is asked for (a collective then);
-        parameters added since use none."""
+        """Each parameter's first use in the forward, rank 0's, agreed the
+        first time a world asks for it (a collective then; rank 0 holds the
+        order it watched or agreed before); parameters added since use none."""
         gathering = self._gathering
         assert gathering is not None
         params = self._all_params
-        if gathering.first_use is None:
+        if not gathering.agreed:
             gathering.index(params)  # a param group may have been added
+            mine = gathering.first_use or first_uses(gathering.calls or [], len(params))
             purpose = "gather_during_forward: agreeing on the forward's order"
-            agreed = all_gather_objects(gathering.calls or [], self.process_group, purpose)[0]
-            gathering.first_use, gathering.calls = first_uses(agreed, len(params)), None
+            agreed = all_gather_objects(mine, self.process_group, purpose)[0]
+            gathering.first_use, gathering.calls, gathering.agreed = tuple(agreed), None, True
         known = gathering.first_use
+        assert known is not None
         return known + (None,) * (len(params) - len(known))
 
     def _forward_order(self, plan: ShardPlan) -> Arrivals | None:
@@ -242,6 +278,7 @@ class ForwardGathering(ShellState):
             flight.program.advance_until(flight.gather.waits(used))
         except BaseException:
             self._land_flight()
+            gathering.failed = True
             raise
         if flight.program.ended:
             self._land_flight()

@@ -58,6 +58,8 @@ class ShellState:
     _step_and_exchange: Callable[..., Any]
     # Finish an exchange still behind the forward (ForwardGathering's).
     wait: Callable[[], None]
+    # Leave that gather's world behind when the world changes (ForwardGathering's).
+    _leave_world: Callable[[], None]
 
     @property
     def _all_params(self) -> list[torch.Tensor]:

@@ -110,6 +110,7 @@ class WorldChanges(ShellState):
         Raises:
             zerofn.errors.CollectiveError: a collective on ``group`` failed.
         """
+        self._leave_world()
         program = regroup_program(
             self._zero, self.param_groups, regrouping, new_rank, finish_step=finish_step
         )
