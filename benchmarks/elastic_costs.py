@@ -270,7 +270,13 @@ def cost_tables(costs: Sequence[Cost]) -> tuple[str, str, list[str]]:
     return times, memory, lines
 
 
-COSTED = tuple(c for c in CONFIGS.values() if not dict(c.options).get("overlap_with_ddp"))
+COSTED = tuple(
+    c
+    for c in CONFIGS.values()
+    if not dict(c.options).get("overlap_with_ddp")
+    # What the carried copy costs does not depend on when the exchange travels.
+    and not dict(c.options).get("gather_during_forward")
+)
 """The configurations whose step is timed apart from backward: with
 ``redundancy=2`` the overlapped one takes ``plain``'s whole step inside
 backward (its cost is that row's, plus the all-reduce its ``redundancy=1``
