@@ -216,10 +216,8 @@ def _sends_behind_forward(
     gather = in_forward_order(send_pieces(plan, order.buckets, indices, numel), first_use)
     if compressed is None:
         return gather, broadcast_in_forward_order(gather, rank, params)
-    program = broadcast_in_forward_order(
-        gather, rank, params, compressed.masters, compressed.quantizer
-    )
-    return gather, program
+    codec = compressed.quantizer
+    return gather, broadcast_in_forward_order(gather, rank, params, compressed.masters, codec)
 
 
 def _owners_sends(

@@ -141,7 +141,9 @@ class ForwardGathering(ShellState):
 
         Raises:
             zerofn.errors.CollectiveError: the exchange failed (a peer died
-                or hung): restart from a checkpoint.
+                or hung): restart from a checkpoint, or, with
+                ``redundancy=2``, go on without the lost rank
+                (:func:`zerofn_torch.elastic.recover`).
         """
         flight = self._land_flight()
         if flight is None:
