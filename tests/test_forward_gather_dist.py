@@ -160,6 +160,28 @@ def uneven(gather: bool, rank: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def kept_gradients(rank: int) -> tuple[bool, bool, bool]:
+    """With ``redundancy=2``: after the step, and the next iteration's
+    ``zero_grad``, the optimizer still hands over the gradients its local
+    step took (a survivor that missed that step takes it from them); once
+    the forward landed the exchange, the parameters' own."""
+    model = make_model(torch.float32)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, lr=0.02, gather_during_forward=True, redundancy=2
+    )
+    net = DDP(model)
+    g = torch.Generator().manual_seed(rank)
+    net(torch.randn(7, 12, generator=g)).square().mean().backward()
+    taken = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    opt.step()
+    opt.zero_grad()  # the next iteration begins
+    kept = opt.step_gradients
+    same = all(k is not None and torch.equal(k, t) for k, t in zip(kept, taken, strict=True))
+    net(torch.randn(7, 12, generator=g))  # lands the exchange
+    landed = all(k is None for k in opt.step_gradients)
+    return opt._gathering.flight is None, same, landed  # type: ignore[union-attr]
+
+
 def world(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         name: (run(config, False, rank), run(config, True, rank))
@@ -167,6 +189,7 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     }
     out["readers"] = readers(rank)
     out["join"] = (uneven(False, rank), uneven(True, rank))
+    out["kept"] = kept_gradients(rank)
     return out
 
 
@@ -209,6 +232,16 @@ def test_uneven_inputs_under_join_end_bitwise_as_without_it(two: list[dict[str, 
     for out in two:
         plain, gathered = out["join"]
         assert all(torch.equal(a, b) for a, b in zip(plain, gathered, strict=True))
+
+
+def test_with_redundancy_the_step_keeps_its_gradients_until_its_exchange_lands(
+    two: list[dict[str, Any]],
+) -> None:
+    for out in two:
+        landed, same, dropped = out["kept"]
+        assert landed, "the forward did not land the exchange"
+        assert same, "zero_grad took the gradients a survivor that missed the step needs"
+        assert dropped, "the kept gradients outlived the exchange"
 
 
 def lost_in_flight(rank: int, world_size: int) -> str:

@@ -309,7 +309,7 @@ def recover(
     if point.behind:
         assert point.source is not None
         grads = broadcast_object(
-            [p.grad for p in params] if new_rank == point.source else None,
+            zero.step_gradients if new_rank == point.source else None,
             point.source,
             group,
             "handing the averaged gradients to survivors that missed the local step",

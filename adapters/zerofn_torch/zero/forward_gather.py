@@ -87,6 +87,10 @@ class Gathering:
         flight: the gather in flight, or ``None``.
         failed: the last gather failed behind the forward, after the step
             that started it had returned (until the world changes).
+        grads: with ``redundancy=2``, the gradients the local step of the
+            gather in flight took (or of one that failed), kept for a
+            survivor that missed that step (the training loop may have
+            zeroed or overwritten ``.grad`` since); ``None`` once it landed.
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
@@ -97,6 +101,7 @@ class Gathering:
         self.order: tuple[ShardPlan, Arrivals] | None = None
         self.flight: Flight | None = None
         self.failed = False
+        self.grads: list[torch.Tensor | None] | None = None
 
     def index(self, params: list[torch.Tensor]) -> None:
         """Know ``params`` (the optimizer's, in order) from now on."""
@@ -154,7 +159,7 @@ class ForwardGathering(ShellState):
             assert self._gathering is not None
             self._gathering.failed = True
             raise
-        flight.landed()
+        self._landed(flight)
 
     @property
     def exchange_behind_forward(self) -> bool:
@@ -165,6 +170,23 @@ class ForwardGathering(ShellState):
         (:func:`zerofn_torch.elastic.recover`) leaves the call to be redone."""
         gathering = self._gathering
         return gathering is not None and (gathering.flight is not None or gathering.failed)
+
+    @property
+    def step_gradients(self) -> list[torch.Tensor | None]:
+        """The gradients the last local step took, by parameter: kept beside
+        an exchange behind the forward (``redundancy=2``), else the
+        parameters' ``.grad``. What :func:`zerofn_torch.elastic.recover`
+        hands a survivor that missed that step."""
+        gathering = self._gathering
+        if gathering is not None and gathering.grads is not None:
+            return gathering.grads
+        return [p.grad for p in self._all_params]
+
+    def _landed(self, flight: Flight) -> None:
+        """Every piece of ``flight`` arrived: nobody can have missed its step."""
+        assert self._gathering is not None
+        self._gathering.grads = None
+        flight.landed()
 
     def _leave_world(self) -> None:
         """Leave the gather's old world behind, when the optimizer goes on
@@ -178,6 +200,7 @@ class ForwardGathering(ShellState):
         gathering = self._gathering
         if gathering is not None:
             gathering.agreed, gathering.order, gathering.failed = False, None, False
+            gathering.grads = None
 
     def _land_flight(self) -> Flight | None:
         """The gather in flight, taken off the books (``None``: none): whoever
@@ -242,6 +265,10 @@ class ForwardGathering(ShellState):
             wait(drive(program, self.process_group, purpose), purpose)
             self._exchanged()
             return
+        if self._zero.options.redundancy == 2:  # a survivor may miss this step
+            assert self._gathering is not None
+            grads = [p.grad for p in self._all_params]
+            self._gathering.grads = [None if g is None else g.detach().clone() for g in grads]
         self._behind_forward(order, program, purpose, self._exchanged)
 
     def _behind_forward(
@@ -284,4 +311,4 @@ class ForwardGathering(ShellState):
             raise
         if flight.program.ended:
             self._land_flight()
-            flight.landed()
+            self._landed(flight)
