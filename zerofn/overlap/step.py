@@ -221,9 +221,8 @@ def broadcast_in_forward_order(
         ValueError: with ``quantizer``, this rank owns a piece it holds no
             masters for.
     """
-    messages = []
-    for piece in gather.pieces:
-        owned = [params[i] for i in piece.params]
+    messages, owners = [], [[params[i] for i in piece.params] for piece in gather.pieces]
+    for piece, owned in zip(gather.pieces, owners, strict=True):
         numel = piece.stop - piece.start
         if quantizer is None:
             flat = (
@@ -237,11 +236,10 @@ def broadcast_in_forward_order(
         messages.append(Broadcast(flat, src=piece.owner))
     for message in messages:
         yield Post(message)
-    for piece, message in zip(gather.pieces, messages, strict=True):
+    for piece, owned, message in zip(gather.pieces, owners, messages, strict=True):
         # Not marked last: the caller's thread collects every piece (a
         # forward's pre-hook), and writes it there.
         yield Collect(message)
-        owned = [params[i] for i in piece.params]
         if quantizer is not None:
             write_flat(owned, quantizer.decode(message.tensor, piece.stop - piece.start), True)
         elif piece.owner != rank:

@@ -39,7 +39,8 @@ import attrs
 import torch
 
 from zerofn.comm import Broadcast, Collect, Post, Program
-from zerofn.zero.planning.layout import BufferLayout
+from zerofn.zero.compressed.payloads import piece_count
+from zerofn.zero.planning.layout import BufferLayout, Slot
 from zerofn.zero.planning.plan import ShardPlan
 
 __all__ = [
@@ -159,11 +160,16 @@ def gather_pieces(
             stop = segment.offset + segment.length
             for start in range(segment.offset, stop, piece_numel):
                 end = min(start + piece_numel, stop)
-                inside = (s.piece.param for s in slots if s.offset < end and start < s.stop)
-                pieces.append(
-                    GatherPiece(index, segment.rank, start, end, tuple(dict.fromkeys(inside)))
-                )
+                inside = _params_within(slots, start, end)
+                pieces.append(GatherPiece(index, segment.rank, start, end, inside))
     return tuple(pieces)
+
+
+def _params_within(slots: Sequence[Slot], start: int, stop: int) -> tuple[int, ...]:
+    """The parameters with an element in ``[start, stop)`` of a buffer,
+    among one rank's ``slots``, each once, in slot order."""
+    inside = (s.piece.param for s in slots if s.offset < stop and start < s.stop)
+    return tuple(dict.fromkeys(inside))
 
 
 def first_uses(calls: Sequence[Sequence[int]], num_params: int) -> tuple[int | None, ...]:
@@ -264,15 +270,13 @@ def compressed_arrivals(plan: ShardPlan, piece: int) -> Arrivals:
     ready = [0] * len(plan.keys)
     position = 0
     for layout in plan.layouts:
-        longest = max((s.length for s in layout.segments), default=0)
-        for k in range(max(1, -(-longest // piece))):
+        for k in range(piece_count(piece, layout)):
             position += 1
             for segment in layout.segments:
                 start = segment.offset + min(k * piece, segment.length)
                 stop = segment.offset + min((k + 1) * piece, segment.length)
-                for slot in layout.slots[segment.rank]:
-                    if slot.offset < stop and start < slot.stop:
-                        ready[slot.piece.param] = position
+                for param in _params_within(layout.slots[segment.rank], start, stop):
+                    ready[param] = position
     return Arrivals(tuple(ready))
 
 

@@ -115,8 +115,8 @@ def zero_step(
         ValueError: (from the exchange) buffers that do not fit the plan;
             an exact exchange given no order of pieces.
     """
-    exact_order = isinstance(in_forward_order, ForwardGather)
-    if compressed is None and in_forward_order is not None and not exact_order:
+    gather = in_forward_order if isinstance(in_forward_order, ForwardGather) else None
+    if compressed is None and in_forward_order is not None and gather is None:
         raise ValueError("the exact exchange behind the forward needs its pieces' order")
     shards.refresh(params)
     if compressed is not None and compressed.in_parts and in_forward_order is None:
@@ -128,8 +128,7 @@ def zero_step(
         return None
     loss = yield LocalStep(shards.rank)
     shards.pack_own(params)
-    if compressed is None and isinstance(in_forward_order, ForwardGather):
-        gather = in_forward_order
+    if compressed is None and gather is not None:
         yield from forward_gather_program(gather, shards.buffers, shards.rank, shards, params)
     elif compressed is None:
         yield from exchange_program(shards.plan.layouts, shards.buffers, shards.rank, via)
