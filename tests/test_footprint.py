@@ -287,19 +287,21 @@ def test_command_line_refuses_bad_arguments_as_usage_errors(
 
 # ----- against live tensors and counted collectives, on 2 gloo ranks -----------------
 
-# (partition, bucket view (None: the default), hook, bf16 parameters with fp32 masters)
-CASES: list[tuple[str, bool | None, str, bool, str | None]] = [
-    ("greedy", False, "allreduce", False, None),
-    ("greedy", True, "allreduce", False, None),
-    ("balanced", False, "allreduce", False, None),
-    ("flat", False, "allreduce", False, None),
-    ("flat", None, "allreduce", False, None),
-    ("flat", True, "powersgd", False, None),
-    ("flat", True, "allreduce", True, None),
-    ("greedy", False, "allreduce", True, None),
-    ("greedy", False, "allreduce", False, "int8"),
-    ("flat", None, "allreduce", False, "int4"),
-    ("flat", True, "allreduce", True, "int8"),
+# (partition, bucket view (None: the default), hook, bf16 parameters with fp32 masters,
+# exchange compression, redundancy=2 with the exchange behind the next forward)
+CASES: list[tuple[str, bool | None, str, bool, str | None, bool]] = [
+    ("greedy", False, "allreduce", False, None, False),
+    ("greedy", True, "allreduce", False, None, False),
+    ("balanced", False, "allreduce", False, None, False),
+    ("flat", False, "allreduce", False, None, False),
+    ("flat", None, "allreduce", False, None, False),
+    ("flat", True, "powersgd", False, None, False),
+    ("flat", True, "allreduce", True, None, False),
+    ("greedy", False, "allreduce", True, None, False),
+    ("greedy", False, "allreduce", False, "int8", False),
+    ("flat", None, "allreduce", False, "int4", False),
+    ("flat", True, "allreduce", True, "int8", False),
+    ("greedy", False, "allreduce", False, None, True),
 ]
 
 
@@ -315,7 +317,13 @@ def _model() -> torch.nn.Module:
 
 
 def _measure(
-    rank: int, mode: str, bucket_view: bool | None, hook: str, bf16: bool, squeeze: str | None
+    rank: int,
+    mode: str,
+    bucket_view: bool | None,
+    hook: str,
+    bf16: bool,
+    squeeze: str | None,
+    kept: bool,
 ) -> dict[str, Any]:
     dtype = torch.bfloat16 if bf16 else torch.float32
     ddp = DDP(_model().to(dtype))
@@ -333,6 +341,8 @@ def _measure(
         lr=0.01,
         master_dtype=torch.float32 if bf16 else None,
         exchange_compression=squeeze,
+        redundancy=2 if kept else 1,
+        gather_during_forward=kept,
     )
     for step in range(3):  # PowerSGD compresses from the third step
         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(10 * rank + step))
@@ -356,7 +366,7 @@ def measured() -> list[list[dict[str, Any]]]:
 def test_planner_equals_live_tensors_and_counted_traffic(
     measured: list[list[dict[str, Any]]], case: int
 ) -> None:
-    mode, bucket_view, hook, bf16, squeeze = CASES[case]
+    mode, bucket_view, hook, bf16, squeeze, kept = CASES[case]
     plan = plan_footprint(
         shapes_of(_model()),
         2,
@@ -366,6 +376,8 @@ def test_planner_equals_live_tensors_and_counted_traffic(
         bucket_view=bucket_view,
         hook=hook,  # type: ignore[arg-type]
         exchange_compression=squeeze,
+        redundancy=2 if kept else 1,
+        gather_during_forward=kept,
     )
     for rank in range(2):
         got = measured[rank][case]
@@ -377,6 +389,7 @@ def test_planner_equals_live_tensors_and_counted_traffic(
             "optimizer_state": predicted.optimizer_state,
             "exchange_buffers": predicted.exchange_buffers,
             "carried": predicted.carried,
+            "kept_gradients": predicted.kept_gradients,
         }
         assert got["payload"] == dict(plan.payload_bytes)
 

@@ -322,6 +322,32 @@ def test_the_command_line_shows_the_carried_copy(capsys: pytest.CaptureFixture[s
         main(["--model", "gpt2-small", "--world-size", "4", "--redundancy", "3"])
 
 
+def test_the_planner_counts_the_gradients_kept_behind_the_forward(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With the exchange behind the next forward and ``redundancy=2``, each
+    rank keeps a copy of the gradients (its parameters' dtype) until the
+    exchange lands; without either, nothing is kept."""
+    shapes = [[(64, 32), (32,)]]
+    numel = 64 * 32 + 32
+    for dtype, width in ((torch.float32, 4), (torch.bfloat16, 2)):
+        kept = plan_footprint(
+            shapes, 3, param_dtype=dtype, redundancy=2, gather_during_forward=True
+        )
+        assert [r.kept_gradients for r in kept.ranks] == [numel * width] * 3
+        carried = plan_footprint(shapes, 3, param_dtype=dtype, redundancy=2)
+        assert [r.total + numel * width for r in carried.ranks] == [r.total for r in kept.ranks]
+    alone = plan_footprint(shapes, 3, gather_during_forward=True)
+    assert all(r.kept_gradients == 0 for r in alone.ranks)
+    from zerofn.footprint.cli import main
+
+    args = ["--model", "gpt2-small", "--world-size", "4", "--redundancy", "2"]
+    main([*args, "--gather-during-forward"])
+    assert "kept grads GiB" in capsys.readouterr().out
+    main(args)
+    assert "kept grads GiB" not in capsys.readouterr().out
+
+
 def check_against_unsharded(
     ranks: list[SimulatedRank],
     params: list[torch.Tensor],

@@ -156,6 +156,10 @@ all-reduce, the ZeRO exchange's broadcasts)."""
 CARRIED = Column("carried GiB", _heaviest(lambda r: r.carried))
 """The copy of another rank's shard a rank carries (``--redundancy 2``)."""
 
+KEPT = Column("kept grads GiB", _heaviest(lambda r: r.kept_gradients))
+"""The gradients kept while the exchange is behind the forward
+(``--redundancy 2 --gather-during-forward``)."""
+
 
 DILOCO_CODECS: dict[str, Compression] = {
     "int8": "int8",
@@ -247,6 +251,12 @@ def _parser() -> argparse.ArgumentParser:
         help="2: every rank also carries the previous rank's shard (survives a lost rank)",
     )
     parser.add_argument(
+        "--gather-during-forward",
+        action="store_true",
+        help="the exchange runs behind the next forward (with --redundancy 2 each rank keeps "
+        "a copy of the gradients until it lands)",
+    )
+    parser.add_argument(
         "--diloco-fragments",
         type=int,
         metavar="P",
@@ -305,6 +315,7 @@ def _plan_all(args: argparse.Namespace, shapes: Shapes) -> list[Footprint]:
             bucket_view=args.bucket_view,
             exchange_compression=args.exchange_compression,
             redundancy=args.redundancy,
+            gather_during_forward=args.gather_during_forward,
         )
         for n in args.world_size
         for mode in args.partition or ["greedy"]
@@ -357,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     columns = COLUMNS
     if args.redundancy == 2:
         total = len(COLUMNS) - 5  # before the totals: the carried copy is part of them
-        columns = (*COLUMNS[:total], CARRIED, *COLUMNS[total:])
+        kept = (KEPT,) if args.gather_during_forward else ()
+        columns = (*COLUMNS[:total], CARRIED, *kept, *COLUMNS[total:])
     if args.diloco_fragments is not None:
         diloco = _diloco_columns(args.diloco_fragments, args.diloco_compression, args.redundancy)
         columns = (*columns, *diloco)

@@ -78,7 +78,9 @@ OPTIMIZERS: dict[str, OptimizerModel] = {
 @attrs.frozen
 class RankBytes:
     """One rank's bytes by kind (``carried``: the copy of another rank's
-    shard kept with ``redundancy=2``, its values and optimizer state)."""
+    shard kept with ``redundancy=2``, its values and optimizer state;
+    ``kept_gradients``: with ``redundancy=2`` and ``gather_during_forward``,
+    the gradients the last local step took, kept until its exchange lands)."""
 
     parameters: int
     gradients: int
@@ -86,6 +88,7 @@ class RankBytes:
     optimizer_state: int
     exchange_buffers: int
     carried: int = 0
+    kept_gradients: int = 0
 
     @property
     def total(self) -> int:
@@ -97,6 +100,7 @@ class RankBytes:
             + self.optimizer_state
             + self.exchange_buffers
             + self.carried
+            + self.kept_gradients
         )
 
 
@@ -297,6 +301,7 @@ def plan_footprint(
     flat_chunks: bool = True,
     exchange_compression: str | None = None,
     redundancy: int = 1,
+    gather_during_forward: bool = False,
 ) -> Footprint:
     """Every rank's bytes by kind, and the bytes and collectives of a step.
 
@@ -327,6 +332,10 @@ def plan_footprint(
             shard (``ZeroRedundancyOptimizer(redundancy=2)``): for fp32 Adam
             ``4 + 4 + 20/d`` bytes per parameter against ``4 + 4 + 8/d``
             (plus the exchange buffers either way).
+        gather_during_forward: the exchange runs behind the next forward
+            (``ZeroRedundancyOptimizer(gather_during_forward=True)``); with
+            ``redundancy=2`` each rank keeps a copy of the gradients its local
+            step took until the exchange lands (``kept_gradients``).
 
     Returns:
         The :class:`Footprint`.
@@ -356,6 +365,8 @@ def plan_footprint(
     ranks = _rank_bytes(
         plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer, redundancy
     )
+    if redundancy == 2 and gather_during_forward:
+        ranks = tuple(attrs.evolve(r, kept_gradients=r.gradients) for r in ranks)
     collectives, payload = _zero_traffic(plan, backend, itemsize, quantizer)
     payload["all_reduce"] = _hook_payload(flat_shapes, hook, powersgd_rank, itemsize)
     return Footprint(

@@ -182,6 +182,14 @@ class ForwardGathering(ShellState):
             return gathering.grads
         return [p.grad for p in self._all_params]
 
+    @property
+    def kept_gradient_bytes(self) -> int:
+        """The bytes of the gradients kept for :attr:`step_gradients` (0
+        unless an exchange is behind the forward with ``redundancy=2``)."""
+        gathering = self._gathering
+        kept = [] if gathering is None or gathering.grads is None else gathering.grads
+        return sum(g.numel() * g.element_size() for g in kept if g is not None)
+
     def _landed(self, flight: Flight) -> None:
         """Every piece of ``flight`` arrived: nobody can have missed its step."""
         assert self._gathering is not None

@@ -368,8 +368,12 @@ class ZeroRedundancyOptimizer(
             ``parameters`` (all of them), ``gradients`` (their ``.grad``),
             ``master_weights`` (this rank's master copies; zero without
             ``master_dtype``), ``optimizer_state`` (tensors in the local
-            optimizer's state) and ``exchange_buffers`` (buffer bytes no
+            optimizer's state), ``exchange_buffers`` (buffer bytes no
             parameter lives in: zero with ``parameters_as_bucket_view``; with
-            ``exchange_compression``, plus the payload buffers).
+            ``exchange_compression``, plus the payload buffers), ``carried``
+            (``redundancy=2``: the copy of another rank's shard) and
+            ``kept_gradients`` (``redundancy=2`` with ``gather_during_forward``:
+            the gradients kept while the exchange is behind the forward).
         """
-        return memory_bytes(self._zero, self._all_params)
+        measured = memory_bytes(self._zero, self._all_params)
+        return measured | {"kept_gradients": self.kept_gradient_bytes}
