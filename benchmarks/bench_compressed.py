@@ -254,7 +254,7 @@ def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
 
         def exchange() -> None:
             program = run_zero_step(
-                zero.shards, params, zero.options.via, lambda _: None, zero.compressed
+                zero.shards, params, zero.options.collective, lambda _: None, zero.compressed
             )
             drive(program, opt.process_group, "the exchange alone").wait()
 

@@ -165,7 +165,9 @@ def _exchange_only(opt: torch.optim.Optimizer) -> Callable[[], None]:
 
         def exchange() -> None:
             # The step program, its local step answered by doing nothing.
-            program = run_zero_step(shards, params, opt.zero_rank.options.via, lambda _: None)
+            program = run_zero_step(
+                shards, params, opt.zero_rank.options.collective, lambda _: None
+            )
             drive(program, opt.process_group, "the exchange alone").wait()
 
         return exchange

@@ -19,7 +19,7 @@ from test_checkpoint_integrity import same
 
 from zerofn.averaging import average_program
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import Request, request_bytes, watched
+from zerofn.comm import Request, recording_requests, request_bytes
 from zerofn.diloco.checkpoint import check_layout, consolidate, rank_state_dict, shard
 from zerofn.diloco.compressed_sync import compressed_sync_bytes, compressed_sync_program
 from zerofn.diloco.config import DiLoCoConfig
@@ -279,7 +279,7 @@ class World:
                 self.anchors[rank][fragment],
                 self.quantizer,
             )
-        return watched(run_sync(program, self.answer(rank)), self.requests[rank].append)
+        return recording_requests(run_sync(program, self.answer(rank)), self.requests[rank].append)
 
     def sync(self, fragment: int, drop: Dropout | None = None) -> list[torch.Tensor]:
         programs = [self.program(r, fragment) for r in range(self.plan.world_size)]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_diloco_core import OUTER, Factory, World, drift, replicated, sizes_lists
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import Request, answering, request_bytes, watched
+from zerofn.comm import Request, answered_locally, recording_requests, request_bytes
 from zerofn.diloco.checkpoint import consolidate, rank_state_dict, shard
 from zerofn.diloco.config import Codec, DiLoCoConfig
 from zerofn.diloco.footprint import outer_state_bytes
@@ -243,7 +243,8 @@ def test_compressed_syncs_keep_copies_and_replicas_equal_and_carry_what_codes_dr
             true = torch.stack([o + world.residuals[k][span] for k, o in enumerate(owed)]).sum(0)
             requests: list[list[Request]] = [[] for _ in range(world_size)]
             programs = [
-                watched(world.program(k, fragment), requests[k].append) for k in range(world_size)
+                recording_requests(world.program(k, fragment), requests[k].append)
+                for k in range(world_size)
             ]
             results = run_programs(programs)
             for ps, result in zip(params, results, strict=True):
@@ -322,7 +323,7 @@ def regroup(
             lambda: world.held(old, recovery, fragment),
             None if world.codec is None else (world.codec, fragment),
         )
-        return answering(regroup, OuterStep, world.answer(old))
+        return answered_locally(regroup, OuterStep, world.answer(old))
 
     return run_programs([program(i) for i in range(len(survivors))])
 

@@ -22,8 +22,8 @@ from zerofn.comm import (
     GatherSegments,
     Post,
     Program,
+    recording_requests,
     request_bytes,
-    watched,
 )
 from zerofn.overlap.ddp_buckets import BucketPlan, assign_buckets
 from zerofn.overlap.step import broadcast_in_forward_order, send_pieces
@@ -208,7 +208,9 @@ def test_each_parameter_holds_its_update_once_its_pieces_arrived_and_ends_as_the
     for _ in range(2):
         grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
         plain_sent: list[Any] = []
-        run_programs([watched(r.program(grads, "broadcasts"), plain_sent.append) for r in plain])
+        run_programs(
+            [recording_requests(r.program(grads, "broadcasts"), plain_sent.append) for r in plain]
+        )
         checked: list[int] = []
 
         def arrived(rank: int, checked: list[int]) -> Callable[[int], None]:
@@ -223,7 +225,7 @@ def test_each_parameter_holds_its_update_once_its_pieces_arrived_and_ends_as_the
         sent: list[Any] = []
         programs = [
             noting_arrivals(
-                watched(r.program(grads, "broadcasts", gather), sent.append),
+                recording_requests(r.program(grads, "broadcasts", gather), sent.append),
                 arrived(rank, checked),
             )
             for rank, r in enumerate(ordered)
@@ -381,7 +383,7 @@ def test_sends_behind_the_forward_write_each_parameter_once_its_pieces_arrived(
     sent: list[Any] = []
     programs = [
         noting_arrivals(
-            watched(broadcast_in_forward_order(gather, rank, worlds[rank]), sent.append),
+            recording_requests(broadcast_in_forward_order(gather, rank, worlds[rank]), sent.append),
             arrived(rank),
         )
         for rank in range(plan.world_size)

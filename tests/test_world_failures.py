@@ -181,10 +181,12 @@ def test_reduce_sums_onto_its_destination_only(
 
 @given(
     sizes=st.lists(st.integers(0, 7), min_size=1, max_size=6),
-    via=st.sampled_from(["all_gather", "broadcasts"]),
+    collective=st.sampled_from(["all_gather", "broadcasts"]),
 )
 @SETTINGS
-def test_segment_exchange_fills_each_segment_from_its_owner(sizes: list[int], via: Any) -> None:
+def test_segment_exchange_fills_each_segment_from_its_owner(
+    sizes: list[int], collective: Any
+) -> None:
     world_size = len(sizes)
 
     def segments_of(rank: int) -> tuple[torch.Tensor, ...]:
@@ -193,7 +195,9 @@ def test_segment_exchange_fills_each_segment_from_its_owner(sizes: list[int], vi
             torch.full((n,), float(owner if owner == rank else -1)) for owner, n in enumerate(sizes)
         )
 
-    requests: list[Request] = [GatherSegments(segments_of(r), r, via) for r in range(world_size)]
+    requests: list[Request] = [
+        GatherSegments(segments_of(r), r, collective) for r in range(world_size)
+    ]
     for response in fulfil(requests):
         for owner, segment in enumerate(response):
             assert torch.equal(segment, torch.full((sizes[owner],), float(owner)))

@@ -122,9 +122,9 @@ def test_zero_steps_on_n_ranks_equal_the_unsharded_optimizer(
 
 
 @SETTINGS
-@given(planned=plans(), via=st.sampled_from(["all_gather", "broadcasts"]))
+@given(planned=plans(), collective=st.sampled_from(["all_gather", "broadcasts"]))
 def test_exchange_fills_each_segment_from_its_owner_only(
-    planned: tuple[ShardPlan, list[list[int]]], via: Any
+    planned: tuple[ShardPlan, list[list[int]]], collective: Any
 ) -> None:
     plan, _ = planned
     # Rank r knows only its own segment (r + 1 everywhere in it); the rest is stale.
@@ -140,7 +140,7 @@ def test_exchange_fills_each_segment_from_its_owner_only(
     from zerofn.testing.world import run_programs
 
     run_programs(
-        [exchange_program(plan.layouts, buffers[r], r, via) for r in range(plan.world_size)]
+        [exchange_program(plan.layouts, buffers[r], r, collective) for r in range(plan.world_size)]
     )
     for rank_buffers in buffers:
         for layout, buffer in zip(plan.layouts, rank_buffers, strict=True):

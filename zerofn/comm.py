@@ -41,13 +41,13 @@ __all__ = [
     "Reduction",
     "Request",
     "Response",
-    "answering",
+    "answered_locally",
     "describe",
     "kind_of",
+    "recording_requests",
     "request_bytes",
     "split_like",
     "tensors_of",
-    "watched",
 ]
 
 Reduction: TypeAlias = Literal["sum", "avg", "max"]
@@ -134,7 +134,7 @@ class GatherSegments:
         segments: one tensor per rank (its own filled, the others buffers to
             receive into), all handed over; segments may differ in size.
         rank: this rank's index in the group.
-        via: how the bytes move: ``"all_gather"`` (one collective; what NCCL
+        collective: how the bytes move: ``"all_gather"`` (one collective; what NCCL
             does best) or ``"broadcasts"`` (one broadcast per non-empty
             segment from its owner; measured faster on gloo). Either way each
             rank receives exactly the other ranks' segments.
@@ -145,7 +145,7 @@ class GatherSegments:
 
     segments: tuple[torch.Tensor, ...] = attrs.field(converter=_tensors)
     rank: int
-    via: Literal["all_gather", "broadcasts"] = "broadcasts"
+    collective: Literal["all_gather", "broadcasts"] = "broadcasts"
     last: bool = False
 
 
@@ -359,8 +359,8 @@ def describe(request: Request | ObjectRequest) -> str:
         return f"reduce to rank {request.dst} of {_size(request)}"
     if isinstance(request, AllToAll):
         return f"all_to_all among {len(request.sends)} ranks, {_size(request)} sent"
-    via = request.via.replace("_", "-")
-    return f"exchange of {len(request.segments)} segments by {via}, {_size(request)} in all"
+    collective = request.collective.replace("_", "-")
+    return f"exchange of {len(request.segments)} segments by {collective}, {_size(request)} in all"
 
 
 Response: TypeAlias = tuple[Any, ...]
@@ -373,7 +373,7 @@ Program: TypeAlias = Generator[ProgramStep, Response, R]
 collected), receives responses, returns ``R``."""
 
 
-def watched(program: Program[R], see: Callable[[Request], object]) -> Program[R]:
+def recording_requests(program: Program[R], see: Callable[[Request], object]) -> Program[R]:
     """``program`` unchanged, calling ``see`` on each collective of tensors
     it makes (to count or record them; a posted one when it is posted),
     before the request goes out. Collectives of objects are bookkeeping: not seen."""
@@ -391,7 +391,7 @@ def watched(program: Program[R], see: Callable[[Request], object]) -> Program[R]
 Q = TypeVar("Q")
 
 
-def answering(
+def answered_locally(
     program: Generator[ProgramStep | Q, Any, R], kind: type[Q], answer: Callable[[Q], Any]
 ) -> Program[R]:
     """``program`` with its local requests of type ``kind`` answered here by

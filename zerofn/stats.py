@@ -26,8 +26,8 @@ from zerofn.comm import (
     Program,
     Request,
     kind_of,
+    recording_requests,
     request_bytes,
-    watched,
 )
 from zerofn.hooks.hook import BucketInfo, CommHook, HookState, WrappedCall, wrap
 
@@ -118,7 +118,7 @@ def with_stats(inner: CommHook[G, B]) -> CommHook[G, StatsState[B]]:
         inner_program: Program[tuple[torch.Tensor, B]], call: WrappedCall[G, B, StatsState[B]]
     ) -> Program[tuple[torch.Tensor, StatsState[B]]]:
         records: list[CollectiveRecord] = []
-        seen = watched(inner_program, lambda request: records.append(_record(request)))
+        seen = recording_requests(inner_program, lambda request: records.append(_record(request)))
         result, inner_state = yield from seen
         b = call.state
         runs, total = (b.runs, b.total_bytes) if b is not None else (0, 0)

@@ -36,7 +36,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from zerofn.comm import answering
+from zerofn.comm import answered_locally
 from zerofn.diloco.outer import OuterStep
 from zerofn.diloco.redundancy import (
     InconsistentSyncs,
@@ -383,7 +383,7 @@ def recover_diloco(
     )
     purpose = "DiLoCo: regrouping the outer state without the lost ranks"
     regrouped = drive(
-        answering(program, OuterStep, diloco.answer_outer_step), group, purpose
+        answered_locally(program, OuterStep, diloco.answer_outer_step), group, purpose
     ).wait()
     diloco.regroup(group, new_rank, regrouped)
     if new_rank == 0:

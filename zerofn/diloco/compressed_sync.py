@@ -50,7 +50,7 @@ from zerofn.diloco.config import Codec
 from zerofn.diloco.fragments import Fragment
 from zerofn.diloco.outer import OuterStep
 from zerofn.diloco.sync import SyncProgram
-from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.exchange import ExchangeCollective
 
 __all__ = [
     "add_anchor_updates",
@@ -58,16 +58,21 @@ __all__ = [
     "compressed_sync_program",
     "encode_anchor_update",
     "exchange_anchor_update",
+    "payload_sizes",
     "replica_after_sync",
 ]
+
+
+def payload_sizes(quantizer: Codec, lengths: tuple[int, ...]) -> list[int]:
+    """The bytes of the codes of slices of ``lengths`` elements, slice by slice."""
+    return [quantizer.payload_nbytes(n) for n in lengths]
 
 
 def _payloads(
     quantizer: Codec, lengths: tuple[int, ...], device: torch.device
 ) -> list[torch.Tensor]:
-    return [
-        torch.empty(quantizer.payload_nbytes(n), dtype=torch.uint8, device=device) for n in lengths
-    ]
+    sizes = payload_sizes(quantizer, lengths)
+    return [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
 
 
 def _encoded(
@@ -100,7 +105,7 @@ def compressed_sync_program(
     residual: torch.Tensor,
     master: torch.Tensor,
     quantizer: Codec,
-    via: ExchangeVia = "broadcasts",
+    collective: ExchangeCollective = "broadcasts",
 ) -> SyncProgram:
     """Sync one fragment on rank ``rank``, sending quantized codes.
 
@@ -115,7 +120,7 @@ def compressed_sync_program(
         master: this rank's exact anchor slice (the outer optimizer's
             tensor); stepped by the answer to the outer step.
         quantizer: how payloads are coded (any :class:`~zerofn.diloco.config.Codec`).
-        via: how the payloads move.
+        collective: how the payloads move.
 
     Returns:
         A program whose result is ``replica``, holding the fragment's new
@@ -146,7 +151,9 @@ def compressed_sync_program(
         )
 
     stepped = yield OuterStep(fragment.index, total.div_(world_size))
-    yield from exchange_anchor_update(fragment, rank, stepped, replica, quantizer, via, decoded)
+    yield from exchange_anchor_update(
+        fragment, rank, stepped, replica, quantizer, collective, decoded
+    )
     return replica
 
 
@@ -183,7 +190,7 @@ def exchange_anchor_update(
     stepped: torch.Tensor,
     replica: torch.Tensor,
     quantizer: Codec,
-    via: ExchangeVia,
+    collective: ExchangeCollective,
     scratch: torch.Tensor,
 ) -> Generator[GatherSegments, Any, None]:
     """Send this owner's encoded update (``stepped``: its new anchor slice),
@@ -191,7 +198,7 @@ def exchange_anchor_update(
     updates = _payloads(quantizer, fragment.lengths, replica.device)
     own = fragment.slices(replica)[rank]
     encode_anchor_update(quantizer, stepped, own, scratch, updates[rank])
-    yield GatherSegments(tuple(updates), rank, via, last=True)
+    yield GatherSegments(tuple(updates), rank, collective, last=True)
     add_anchor_updates(fragment, replica, updates, quantizer, scratch)
 
 
@@ -224,5 +231,5 @@ def compressed_sync_bytes(fragment: Fragment, quantizer: Codec, rank: int) -> in
     of ``fragment`` (:func:`zerofn.comm.request_bytes` summed): its codes for
     the other owners' slices (the all-to-all), and every owner's codes of
     the anchor update (the exchange's whole buffer)."""
-    payloads = [quantizer.payload_nbytes(n) for n in fragment.lengths]
+    payloads = payload_sizes(quantizer, fragment.lengths)
     return sum(payloads) - payloads[rank] + sum(payloads)

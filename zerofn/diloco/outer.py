@@ -5,7 +5,7 @@ Each rank keeps, for every fragment, the anchor's slice it owns (see
 optimizer over those tensors (one per fragment, in fragment order): the
 *outer* optimizer. A sync program asks for the outer step with an
 :class:`OuterStep` request (not a collective: whoever runs the program
-answers it, see :func:`zerofn.comm.answering`); :func:`outer_step` is the
+answers it, see :func:`zerofn.comm.answered_locally`); :func:`outer_step` is the
 answer, the same for the adapter and the simulated world: the slice's
 gradient is the pseudo-gradient ``anchor - mean over ranks of the
 parameters``, and the outer optimizer steps that slice alone.

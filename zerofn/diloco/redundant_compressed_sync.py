@@ -40,22 +40,18 @@ import itertools
 import torch
 
 from zerofn.comm import GatherSegments
-from zerofn.diloco.compressed_sync import exchange_anchor_update
+from zerofn.diloco.compressed_sync import exchange_anchor_update, payload_sizes
 from zerofn.diloco.config import Codec
 from zerofn.diloco.fragments import Fragment
 from zerofn.diloco.redundancy import SyncRecovery, carried_rank, outer_steps
 from zerofn.diloco.sync import SyncProgram
-from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.exchange import ExchangeCollective
 
 __all__ = [
     "as_found",
     "redundant_compressed_sync_bytes",
     "redundant_compressed_sync_program",
 ]
-
-
-def _codes_nbytes(fragment: Fragment, quantizer: Codec) -> list[int]:
-    return [quantizer.payload_nbytes(n) for n in fragment.lengths]
 
 
 def _payloads_in(codes: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -73,7 +69,7 @@ def redundant_compressed_sync_program(
     anchor: torch.Tensor,
     carried_anchor: torch.Tensor,
     quantizer: Codec,
-    via: ExchangeVia = "broadcasts",
+    collective: ExchangeCollective = "broadcasts",
 ) -> SyncProgram:
     """Sync one fragment on rank ``rank`` with quantized codes, stepping the
     slice it carries too.
@@ -93,7 +89,7 @@ def redundant_compressed_sync_program(
         anchor: this rank's anchor slice of the fragment.
         carried_anchor: its copy of the carried rank's anchor slice.
         quantizer: how payloads are coded.
-        via: how the codes move.
+        collective: how the codes move.
 
     Returns:
         A program whose result is ``replica``, holding the fragment's new
@@ -108,7 +104,7 @@ def redundant_compressed_sync_program(
     device = values.device
     gradient = torch.sub(replica, values).add_(residual)
     scratch = torch.empty(max(fragment.lengths), dtype=torch.float32, device=device)
-    sizes = _codes_nbytes(fragment, quantizer)
+    sizes = payload_sizes(quantizer, fragment.lengths)
     segments = [torch.empty(sum(sizes), dtype=torch.uint8, device=device) for _ in fragment.lengths]
     mine = _payloads_in(segments[rank], sizes)
     for part, payload, left_out in zip(
@@ -117,14 +113,16 @@ def redundant_compressed_sync_program(
         quantizer.encode(part, payload)
         decoded = quantizer.decode(payload, part.numel(), scratch[: part.numel()])
         torch.sub(part, decoded, out=left_out)
-    every = yield GatherSegments(tuple(segments), rank, via)
+    every = yield GatherSegments(tuple(segments), rank, collective)
     summed = values.zero_()
     # Every rank adds the same decoded codes in the same order: the same bits.
     for codes in every:
         for part, payload in zip(fragment.slices(summed), _payloads_in(codes, sizes), strict=True):
             part.add_(quantizer.decode(payload, part.numel(), scratch[: part.numel()]))
     stepped = yield from outer_steps(fragment, rank, summed, anchor, carried_anchor)
-    yield from exchange_anchor_update(fragment, rank, stepped, replica, quantizer, via, scratch)
+    yield from exchange_anchor_update(
+        fragment, rank, stepped, replica, quantizer, collective, scratch
+    )
     return replica
 
 
@@ -132,7 +130,7 @@ def redundant_compressed_sync_bytes(fragment: Fragment, quantizer: Codec) -> int
     """The bytes a rank hands to the collectives of a redundant compressed
     sync of ``fragment`` (:func:`zerofn.comm.request_bytes` summed): every
     rank's codes of the whole fragment, and every owner's update codes."""
-    sizes = _codes_nbytes(fragment, quantizer)
+    sizes = payload_sizes(quantizer, fragment.lengths)
     return len(sizes) * sum(sizes) + sum(sizes)
 
 

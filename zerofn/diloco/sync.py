@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from zerofn.comm import GatherSegments, Program, Reduce, Request, answering
+from zerofn.comm import GatherSegments, Program, Reduce, Request, answered_locally
 from zerofn.diloco.fragments import Fragment
 from zerofn.diloco.outer import OuterStep, pseudo_gradient
-from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.exchange import ExchangeCollective
 
 __all__ = ["SyncProgram", "run_sync", "sync_bytes", "sync_program"]
 
@@ -42,7 +42,7 @@ def sync_program(
     rank: int,
     values: torch.Tensor,
     anchor: torch.Tensor,
-    via: ExchangeVia = "broadcasts",
+    collective: ExchangeCollective = "broadcasts",
 ) -> SyncProgram:
     """Sync one fragment on rank ``rank``.
 
@@ -53,7 +53,7 @@ def sync_program(
             over: reduced in place, then filled with the new anchor.
         anchor: this rank's anchor slice of the fragment (the outer
             optimizer's tensor); stepped by the answer to the outer step.
-        via: how the new anchor's slices move.
+        collective: how the new anchor's slices move.
 
     Returns:
         A program whose result is ``values``, holding the new anchor.
@@ -71,14 +71,14 @@ def sync_program(
     mean = own / world_size
     stepped = yield OuterStep(fragment.index, pseudo_gradient(anchor, mean))
     own.copy_(stepped)
-    yield GatherSegments(slices, rank, via, last=True)
+    yield GatherSegments(slices, rank, collective, last=True)
     return values
 
 
 def run_sync(program: SyncProgram, answer: Callable[[OuterStep], torch.Tensor]) -> Program[Any]:
     """``program`` with its outer step answered by ``answer``: a program of
     collectives only, returning the fragment's new values."""
-    return answering(program, OuterStep, answer)
+    return answered_locally(program, OuterStep, answer)
 
 
 def sync_bytes(fragment: Fragment) -> int:

@@ -190,59 +190,55 @@ def obey_order(
         return OrderObeyed(True, (), order.reshard)
     plan = state.overlap.plan
     assert plan is not None  # gradients_to_step refused an order without one
+    buckets = {index: handed[index][0] for index in order.buckets}
+    differences = compressed is not None
     if first_use is not None:
-        behind = _sends_behind_forward(
-            plan, config.rank, order, handed, params, compressed, first_use
-        )
-        return OrderObeyed(True, (), order.reshard, compressed is not None, behind)
-    sends = _owners_sends(plan, config.rank, order, handed, params, compressed)
-    return OrderObeyed(True, sends, order.reshard, differences=compressed is not None)
+        behind = _sends_behind_forward(plan, config.rank, buckets, params, compressed, first_use)
+        return OrderObeyed(True, (), order.reshard, differences, behind)
+    sends = tuple(
+        (indices, _owners_send(plan, config.rank, index, indices, params, compressed))
+        for index, indices in buckets.items()
+    )
+    return OrderObeyed(True, sends, order.reshard, differences)
 
 
 def _sends_behind_forward(
     plan: BucketPlan,
     rank: int,
-    order: StepOrder,
-    handed: Handed,
+    buckets: Mapping[int, tuple[int, ...]],
     params: Sequence[torch.Tensor],
     compressed: SendCompressed | None,
     first_use: Sequence[int | None],
 ) -> tuple[ForwardGather, Program[None]]:
-    """The order's sends as pieces in the forward's order, and the one
-    program that sends them (whole shards when compressed: a quantization
-    block spans the shard, so the bytes are those of the sends in turn)."""
-    indices = {index: handed[index][0] for index in order.buckets}
+    """The sends of ``buckets`` (bucket index: its parameters' indices) as
+    pieces in the forward's order, and the one program that sends them
+    (whole shards when compressed: a quantization block spans the shard, so
+    the bytes are those of the sends in turn)."""
     numel = None if compressed is not None else PIECE_NUMEL
-    gather = in_forward_order(send_pieces(plan, order.buckets, indices, numel), first_use)
+    gather = in_forward_order(send_pieces(plan, tuple(buckets), buckets, numel), first_use)
     if compressed is None:
         return gather, broadcast_in_forward_order(gather, rank, params)
     codec = compressed.quantizer
     return gather, broadcast_in_forward_order(gather, rank, params, compressed.masters, codec)
 
 
-def _owners_sends(
+def _owners_send(
     plan: BucketPlan,
     rank: int,
-    order: StepOrder,
-    handed: Handed,
+    index: int,
+    indices: tuple[int, ...],
     params: Sequence[torch.Tensor],
     compressed: SendCompressed | None,
-) -> tuple[tuple[tuple[int, ...], Program[Sent]], ...]:
-    """Per bucket the order names, its parameters' indices and the program
-    sending its owners' updates (values, or quantized differences)."""
-    sends = []
-    for index in order.buckets:
-        indices = handed[index][0]
-        bucket_params = [params[i] for i in indices]
-        if compressed is None:
-            send = broadcast_from_owners(plan, rank, index, bucket_params)
-        else:
-            masters = [compressed.masters[i] for i in indices]
-            send = broadcast_differences_from_owners(
-                plan, rank, index, bucket_params, masters, compressed.quantizer
-            )
-        sends.append((indices, send))
-    return tuple(sends)
+) -> Program[Sent]:
+    """The program sending bucket ``index``'s (parameters ``indices``)
+    owners' updates: values, or quantized differences of the masters."""
+    bucket_params = [params[i] for i in indices]
+    if compressed is None:
+        return broadcast_from_owners(plan, rank, index, bucket_params)
+    masters = [compressed.masters[i] for i in indices]
+    return broadcast_differences_from_owners(
+        plan, rank, index, bucket_params, masters, compressed.quantizer
+    )
 
 
 def step_with_gradients(

@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import Program, Request, answering, split_like, watched
+from zerofn.comm import Program, Request, answered_locally, recording_requests, split_like
 from zerofn.hooks.hook import (
     BucketInfo,
     CommHook,
@@ -166,7 +166,7 @@ class _OverlapRank:
             send_compressed(self.zero, self.params),
             self.first_use,
         )
-        return answering(program, StepGradients, self.step)
+        return answered_locally(program, StepGradients, self.step)
 
     def step(self, request: StepGradients) -> None:
         """Step as the optimizer does; the parameters not named sit out."""
@@ -221,7 +221,7 @@ def _hand_over(
     """One bucket on every rank: the hook's programs, then each rank's order
     (its step, its broadcasts), and at the last bucket the received updates."""
     programs = [
-        watched(rank.begin(grads, info), seen.append)
+        recording_requests(rank.begin(grads, info), seen.append)
         for rank, grads, seen in zip(ranks, grads_per_rank, made, strict=True)
     ]
     purpose = f"DDP bucket {info.index} (the overlapped ZeRO step's hook)"
@@ -230,7 +230,7 @@ def _hand_over(
     sends: list[list[Program[_Sent]]] = [[] for _ in ranks]
     if all(order is not None for order in orders):
         obeying = [
-            watched(rank.obeying(order), seen.append)
+            recording_requests(rank.obeying(order), seen.append)
             for rank, order, seen in zip(ranks, orders, made, strict=True)
             if order is not None
         ]
@@ -240,7 +240,10 @@ def _hand_over(
         raise AssertionError(f"after bucket {info.index} only some ranks were ordered to step")
     if any(sends):
         run_programs(
-            [watched(_in_turn(s), seen.append) for s, seen in zip(sends, made, strict=True)],
+            [
+                recording_requests(_in_turn(s), seen.append)
+                for s, seen in zip(sends, made, strict=True)
+            ],
             purpose=f"after DDP bucket {info.index}: the owners' updated parameters",
         )
     if info.is_last and any(rank.behind_forward for rank in ranks):
@@ -249,7 +252,10 @@ def _hand_over(
         for rank in ranks:
             rank.behind_forward = []
         run_programs(
-            [watched(program, seen.append) for program, seen in zip(behind, made, strict=True)],
+            [
+                recording_requests(program, seen.append)
+                for program, seen in zip(behind, made, strict=True)
+            ],
             purpose="behind the next forward: the owners' updated parameters",
         )
     if info.is_last:
@@ -362,7 +368,7 @@ def simulate_overlapped_step(
         groups = [{"params": [p.detach().clone().requires_grad_() for p in params]}]
         options = resolve_options(
             groups, optimizer_class, defaults,
-            rank=rank, world_size=world_size, via="broadcasts", bucket_view=None,
+            rank=rank, world_size=world_size, collective="broadcasts", bucket_view=None,
             overlap_with_ddp=True, partition="greedy", master_dtype=None,
             exchange_compression=exchange_compression,
         )  # fmt: skip

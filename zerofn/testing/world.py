@@ -95,7 +95,7 @@ def _signature(request: Request) -> tuple[object, ...]:
     if isinstance(request, Reduce):
         return (Reduce, request.dst, shapes)
     if isinstance(request, GatherSegments):
-        return (GatherSegments, request.via, shapes)
+        return (GatherSegments, request.collective, shapes)
     if isinstance(request, AllToAll):  # parts may differ in size from rank to rank
         return (AllToAll, len(request.sends), request.sends[0].dtype)
     return (AllGather, shapes)

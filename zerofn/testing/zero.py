@@ -29,10 +29,10 @@ import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import Program, Request, watched
+from zerofn.comm import Program, Request, recording_requests
 from zerofn.testing.world import run_programs
 from zerofn.zero.compressed.exchange import PIECE_ELEMENTS
-from zerofn.zero.exchange import ExchangeVia
+from zerofn.zero.exchange import ExchangeCollective
 from zerofn.zero.forward_gather import Arrivals
 from zerofn.zero.mixed_precision.masters import Masters
 from zerofn.zero.options import resolve_options
@@ -87,7 +87,7 @@ class SimulatedRank:
     def program(
         self,
         grads: Sequence[torch.Tensor | None],
-        via: ExchangeVia,
+        collective: ExchangeCollective,
         in_forward_order: Arrivals | None = None,
     ) -> Program[Any]:
         """This rank's step program, its local step answered as the optimizer
@@ -100,7 +100,7 @@ class SimulatedRank:
         zero = self.zero
         answer = answer_local_step(zero, self.params, lambda optim: optim.step())
         return run_zero_step(
-            zero.shards, self.params, via, answer, zero.compressed, in_forward_order
+            zero.shards, self.params, collective, answer, zero.compressed, in_forward_order
         )
 
 
@@ -147,7 +147,7 @@ def simulated_ranks(
         groups = param_groups_of(plan, mine)
         options = resolve_options(
             groups, optimizer_class, defaults,
-            rank=rank, world_size=plan.world_size, via="broadcasts", bucket_view=bucket_view,
+            rank=rank, world_size=plan.world_size, collective="broadcasts", bucket_view=bucket_view,
             overlap_with_ddp=False, partition=plan.mode, master_dtype=master_dtype,
             exchange_compression=exchange_compression, piece_elements=piece_elements,
             redundancy=redundancy, elementwise=elementwise,
@@ -159,7 +159,7 @@ def simulated_ranks(
 def step_simulated(
     ranks: Sequence[SimulatedRank],
     grads: Sequence[torch.Tensor | None],
-    via: ExchangeVia = "broadcasts",
+    collective: ExchangeCollective = "broadcasts",
 ) -> list[list[Request]]:
     """One ZeRO step on every simulated rank (the production program).
 
@@ -167,7 +167,7 @@ def step_simulated(
         ranks: the simulated ranks (:func:`simulated_ranks`).
         grads: every parameter's averaged gradient (what DDP hands every
             rank), or ``None`` for one without.
-        via: how the exchange moves its bytes.
+        collective: how the exchange moves its bytes.
 
     Returns:
         The requests each rank made.
@@ -177,7 +177,7 @@ def step_simulated(
     """
     requests: list[list[Request]] = [[] for _ in ranks]
     programs = [
-        watched(sim.program(grads, via), seen.append)
+        recording_requests(sim.program(grads, collective), seen.append)
         for sim, seen in zip(ranks, requests, strict=True)
     ]
     run_programs(programs, purpose="the simulated ZeRO step")
@@ -189,7 +189,7 @@ def simulate_zero_steps(
     params: Sequence[torch.Tensor],
     grads_per_step: Sequence[Sequence[torch.Tensor | None]],
     optimizer_class: type[torch.optim.Optimizer],
-    via: ExchangeVia = "broadcasts",
+    collective: ExchangeCollective = "broadcasts",
     bucket_view: bool | None = None,
     **defaults: Any,
 ) -> tuple[list[list[torch.Tensor]], list[list[Request]]]:
@@ -204,7 +204,7 @@ def simulate_zero_steps(
         grads_per_step: per step, every parameter's averaged gradient (what
             DDP hands every rank), or ``None`` for one without.
         optimizer_class: the local optimizer every rank runs on its shard.
-        via: how the exchange moves its bytes.
+        collective: how the exchange moves its bytes.
         bucket_view: parameters as views of the exchange buffers (``None``:
             the optimizer's default, on for a flat partition).
         **defaults: the optimizer's hyperparameters, and ``master_dtype`` or
@@ -220,7 +220,7 @@ def simulate_zero_steps(
     ranks = simulated_ranks(plan, params, optimizer_class, bucket_view, **defaults)
     requests: list[list[Request]] = [[] for _ in ranks]
     for grads in grads_per_step:
-        for seen, made in zip(requests, step_simulated(ranks, grads, via), strict=True):
+        for seen, made in zip(requests, step_simulated(ranks, grads, collective), strict=True):
             seen.extend(made)
     return [sim.params for sim in ranks], requests
 

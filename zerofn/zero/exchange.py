@@ -26,7 +26,7 @@ from zerofn.zero.planning.layout import BufferLayout, Slot
 from zerofn.zero.planning.partition import FlatPartition
 
 __all__ = [
-    "ExchangeVia",
+    "ExchangeCollective",
     "exchange_program",
     "group_slots",
     "pack",
@@ -35,7 +35,7 @@ __all__ = [
     "unpack",
 ]
 
-ExchangeVia: TypeAlias = Literal["all_gather", "broadcasts"]
+ExchangeCollective: TypeAlias = Literal["all_gather", "broadcasts"]
 """How an exchange moves its bytes (see :class:`~zerofn.comm.GatherSegments`)."""
 
 
@@ -81,7 +81,7 @@ def exchange_program(
     layouts: Sequence[BufferLayout],
     buffers: Sequence[torch.Tensor],
     rank: int,
-    via: ExchangeVia = "broadcasts",
+    collective: ExchangeCollective = "broadcasts",
 ) -> Program[None]:
     """Fill every rank's segment of every buffer from that rank.
 
@@ -90,7 +90,7 @@ def exchange_program(
         buffers: one buffer per layout, this rank's segment packed; handed
             over: the other segments are written in place.
         rank: this rank's index in the group.
-        via: ``"all_gather"`` (one collective per buffer; NCCL) or
+        collective: ``"all_gather"`` (one collective per buffer; NCCL) or
             ``"broadcasts"`` (one broadcast per non-empty segment; gloo).
 
     Returns:
@@ -112,7 +112,7 @@ def exchange_program(
     for index, (layout, buffer) in enumerate(zip(layouts, buffers, strict=True)):
         last = index == len(layouts) - 1
         # The driver fills the other ranks' segments in place (handed over).
-        yield GatherSegments(segment_views(layout, buffer), rank, via, last=last)
+        yield GatherSegments(segment_views(layout, buffer), rank, collective, last=last)
 
 
 def group_slots(

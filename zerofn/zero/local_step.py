@@ -21,7 +21,7 @@ class LocalStep:
     """Step the local optimizer on this rank's shard, now.
 
     Not a collective: the program's runner answers it itself (see
-    :func:`zerofn.comm.answering`), with whatever the local step returned
+    :func:`zerofn.comm.answered_locally`), with whatever the local step returned
     (the loss, when a closure was given).
 
     Attributes:

@@ -64,7 +64,7 @@ __all__ = [
     "master_grads",
     "memory_bytes",
     "owned_grads",
-    "placed_rank",
+    "rank_for_plan",
     "synced_hyperparameters",
     "with_current_trainable",
     "write_local_grads",
@@ -145,7 +145,7 @@ def _whole_in_hook(overlap: OverlapMode, options: ZeroOptions) -> bool:
     return overlap != "off" and options.redundancy == 2
 
 
-def placed_rank(
+def rank_for_plan(
     groups: Sequence[dict[str, Any]],
     options: ZeroOptions,
     plan: ShardPlan,
@@ -214,7 +214,7 @@ def build_rank(
     """A new rank: its shards, exchange buffers, masters and a fresh local
     optimizer over its shard of ``groups`` under ``plan`` (the constructor's,
     and each simulated rank's)."""
-    return placed_rank(groups, options, plan, overlap, masters=None, optim=None, rebuilt=False)
+    return rank_for_plan(groups, options, plan, overlap, masters=None, optim=None, rebuilt=False)
 
 
 def extend_local_optimizer(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> ZeroRank:
@@ -245,7 +245,7 @@ def with_current_trainable(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> 
     if trainable == rank.plan.trainable:
         return rank
     plan = with_trainable(rank.plan, trainable)  # may refuse: then nothing changed
-    return placed_rank(
+    return rank_for_plan(
         groups, rank.options, plan, rank.overlap,
         masters=rank.masters, optim=rank.optim, rebuilt=True, carried=rank.carried,
     )  # fmt: skip

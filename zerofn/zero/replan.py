@@ -19,7 +19,7 @@ from zerofn.zero.rank import (
     copy_hyperparameters,
     extend_local_optimizer,
     flat_params,
-    placed_rank,
+    rank_for_plan,
 )
 from zerofn.zero.rank_state import load_global_state, local_state_dict, regroup
 
@@ -48,13 +48,13 @@ def with_added_group(
     plan = plan_for(groups, rank.options.world_size, rank.plan.mode)
     if old_state is None:
         carried = None if rank.carried is None else _grown_carried(rank, groups, plan)
-        rank = placed_rank(
+        rank = rank_for_plan(
             groups, rank.options, plan, rank.overlap,
             masters=rank.masters, optim=rank.optim, rebuilt=True, carried=carried,
         )  # fmt: skip
         rank = extend_local_optimizer(rank, groups)
     else:
-        rank = placed_rank(
+        rank = rank_for_plan(
             groups, rank.options, plan, rank.overlap, masters=None, optim=None, rebuilt=True
         )
         old_state["param_groups"].append({**hyperparameters(groups[-1]), "params": []})
@@ -98,7 +98,7 @@ def sharded_by_owners(
     trainable = tuple(i in synced for i in range(len(params)))
     partition = [[params[i] for i in ranks] for ranks in owned]
     plan = plan_for(groups, rank.options.world_size, partition, trainable)
-    sharded = placed_rank(
+    sharded = rank_for_plan(
         groups, rank.options, plan, "sharded", masters=rank.masters, optim=None, rebuilt=False
     )
     load_global_state(sharded, groups, full_state)

@@ -27,9 +27,9 @@ from typing import Any
 import attrs
 import torch
 
-from zerofn.comm import Program, answering
+from zerofn.comm import Program, answered_locally
 from zerofn.zero.compressed.exchange import CompressedExchange, compressed_exchange_program
-from zerofn.zero.exchange import ExchangeVia, exchange_program
+from zerofn.zero.exchange import ExchangeCollective, exchange_program
 from zerofn.zero.forward_gather import Arrivals, ForwardGather, forward_gather_program
 from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.mixed_precision.masters import Masters
@@ -80,7 +80,7 @@ def finish_masters(masters: Masters | None, compressed: bool) -> None:
 def zero_step(
     shards: WholeTensorShards,
     params: Sequence[torch.Tensor],
-    via: ExchangeVia,
+    collective: ExchangeCollective,
     compressed: Compressed | None = None,
     in_forward_order: Arrivals | None = None,
 ) -> StepProgram[Any]:
@@ -91,7 +91,7 @@ def zero_step(
             exchange buffers, which are handed over).
         params: every parameter, in the optimizer's order; handed over: the
             other ranks' updates are written into them.
-        via: how the exchange moves its bytes.
+        collective: how the exchange moves its bytes.
         compressed: send quantized differences of the masters instead of the
             updated values (``None``: the exact exchange).
         in_forward_order: the exchange is to travel behind the next
@@ -123,7 +123,7 @@ def zero_step(
         # The local step moves only the masters: the replica is packed as it is.
         shards.pack_own(params)
         yield from compressed_exchange_program(
-            shards, params, compressed.masters, compressed.exchange, via, in_parts=True
+            shards, params, compressed.masters, compressed.exchange, collective, in_parts=True
         )
         return None
     loss = yield LocalStep(shards.rank)
@@ -131,11 +131,11 @@ def zero_step(
     if compressed is None and gather is not None:
         yield from forward_gather_program(gather, shards.buffers, shards.rank, shards, params)
     elif compressed is None:
-        yield from exchange_program(shards.plan.layouts, shards.buffers, shards.rank, via)
+        yield from exchange_program(shards.plan.layouts, shards.buffers, shards.rank, collective)
         shards.unpack_arrived(params)
     else:
         yield from compressed_exchange_program(
-            shards, params, compressed.masters, compressed.exchange, via
+            shards, params, compressed.masters, compressed.exchange, collective
         )
     return loss
 
@@ -143,12 +143,12 @@ def zero_step(
 def run_zero_step(
     shards: WholeTensorShards,
     params: Sequence[torch.Tensor],
-    via: ExchangeVia,
+    collective: ExchangeCollective,
     local_step: Callable[[LocalStep], Any],
     compressed: Compressed | None = None,
     in_forward_order: Arrivals | None = None,
 ) -> Program[Any]:
     """:func:`zero_step` with its local step answered by ``local_step``: a
     program of collectives only, for a driver or the simulated world."""
-    program = zero_step(shards, params, via, compressed, in_forward_order)
-    return answering(program, LocalStep, local_step)
+    program = zero_step(shards, params, collective, compressed, in_forward_order)
+    return answered_locally(program, LocalStep, local_step)

@@ -47,7 +47,7 @@ import torch
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
-from zerofn.comm import answering, split_like
+from zerofn.comm import answered_locally, split_like
 from zerofn.errors import CollectiveError
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
@@ -179,12 +179,12 @@ class _OverlapRunner:
                 # the future, it ends the iteration and raises from backward.
                 return for_ddp(failed(error))
         elif state.order is not None:
-            self._carry_out(state, state.order)
+            self._obey(state, state.order)
         if info.is_last:
             self._receive()
         return for_ddp(interruptible(reduced))
 
-    def _carry_out(self, state: OverlapHookState[Any], order: StepOrder) -> None:
+    def _obey(self, state: OverlapHookState[Any], order: StepOrder) -> None:
         """Run the core's :func:`zerofn.overlap.orders.obey_order` for ``order``:
         its checks and step here, the owners' sends started without waiting,
         and this rank's share kept once the plan is fixed.
@@ -213,7 +213,9 @@ class _OverlapRunner:
         )
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
-        done = drive(answering(program, StepGradients, self.binding.step), group, purpose).wait()
+        done = drive(
+            answered_locally(program, StepGradients, self.binding.step), group, purpose
+        ).wait()
         if scaler is not None:
             scaler.record(self.zero, not done.stepped)
         for indices, send in done.sends:

@@ -107,7 +107,7 @@ def _all_reduce(request: AllReduce, group: Any) -> torch.futures.Future[Response
 
 def _gather_segments(request: GatherSegments, group: Any) -> torch.futures.Future[Response]:
     segments = request.segments
-    if request.via == "all_gather":
+    if request.collective == "all_gather":
         work = dist.all_gather(list(segments), segments[request.rank], group=group, async_op=True)
         return then(_work_future(work, segments), lambda _: segments)
     futures = [

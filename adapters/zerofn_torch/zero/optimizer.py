@@ -24,7 +24,7 @@ from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, plan_for
 from zerofn.zero.elastic.recovery_point import Position
 from zerofn.zero.hook_driven import OverlapBinding
-from zerofn.zero.options import resolve_options, via_for_backend
+from zerofn.zero.options import collective_for_backend, resolve_options
 from zerofn.zero.outside_writes import (
     rederive_from_parameters,
     written_since,
@@ -170,8 +170,9 @@ class ZeroRedundancyOptimizer(
         options = resolve_options(
             groups, optimizer_class, defaults,
             rank=dist.get_rank(group), world_size=dist.get_world_size(group),
-            via=via_for_backend(dist.get_backend(group)), bucket_view=parameters_as_bucket_view,
-            overlap_with_ddp=overlap_with_ddp, partition=partition, master_dtype=master_dtype,
+            collective=collective_for_backend(dist.get_backend(group)),
+            bucket_view=parameters_as_bucket_view, overlap_with_ddp=overlap_with_ddp,
+            partition=partition, master_dtype=master_dtype,
             exchange_compression=exchange_compression, elementwise=elementwise,
             redundancy=redundancy, gather_during_forward=gather_during_forward,
         )  # fmt: skip
@@ -285,9 +286,11 @@ class ZeroRedundancyOptimizer(
         purpose = "the ZeRO step's exchange of updated shards"
         with synced_hyperparameters(self.param_groups, zero):
             order = self._forward_order(zero.plan)
-            via, compressed = zero.options.via, zero.compressed
+            collective, compressed = zero.options.collective, zero.compressed
             self._exchange(
-                run_zero_step(zero.shards, params, via, answer, compressed, order), order, purpose
+                run_zero_step(zero.shards, params, collective, answer, compressed, order),
+                order,
+                purpose,
             )
         return losses[-1] if losses else None
 

@@ -55,7 +55,7 @@ from zerofn.zero.compressed.payloads import (
     piece_numel,
     work_numel,
 )
-from zerofn.zero.exchange import ExchangeVia, pack, slot_view
+from zerofn.zero.exchange import ExchangeCollective, pack, slot_view
 from zerofn.zero.local_step import LocalStep, StepProgram
 from zerofn.zero.planning.chunks import ChunkSource
 from zerofn.zero.planning.plan import ShardPlan
@@ -233,7 +233,7 @@ def compressed_exchange_program(
     params: Sequence[torch.Tensor],
     masters: Sequence[torch.Tensor],
     exchange: CompressedExchange,
-    via: ExchangeVia,
+    collective: ExchangeCollective,
     in_parts: bool = False,
 ) -> StepProgram[None]:
     """Send this rank's shard as its quantized difference; apply everyone's.
@@ -246,7 +246,7 @@ def compressed_exchange_program(
         masters: the exact values of this rank's local tensors, in the local
             optimizer's order (``shards.local_sources``).
         exchange: the payload buffers (handed over).
-        via: how the payloads move.
+        collective: how the payloads move.
         in_parts: the masters are not stepped yet: the program asks for
             their local step a part at a time (:class:`LocalStep` requests
             naming tensors, the last one ``last``), each part just before
@@ -271,7 +271,14 @@ def compressed_exchange_program(
     for index in range(len(layouts)):
         difference = _difference(shards, index, masters, spans, exchange)
         yield from _send_pieces(
-            shards, index, params, difference, exchange, via, index == len(layouts) - 1, update
+            shards,
+            index,
+            params,
+            difference,
+            exchange,
+            collective,
+            index == len(layouts) - 1,
+            update,
         )
     if in_parts:
         # The tensors no buffer carries are in no part: they are stepped last.
@@ -377,7 +384,7 @@ def _send_pieces(
     params: Sequence[torch.Tensor],
     difference: _Difference,
     exchange: CompressedExchange,
-    via: ExchangeVia,
+    collective: ExchangeCollective,
     last: bool,
     update: dict[tuple[int, int], tuple[int, ...]],
 ) -> StepProgram[None]:
@@ -404,7 +411,7 @@ def _send_pieces(
             quantizer.encode(difference.take(start, numel), payload(shards.rank, k), work)
 
     requests = [
-        GatherSegments(tuple(payload(r, k) for r in range(len(parts))), shards.rank, via)
+        GatherSegments(tuple(payload(r, k) for r in range(len(parts))), shards.rank, collective)
         for k in range(count)
     ]
     # Two pieces in flight: the next one is queued behind the one on the

@@ -127,7 +127,7 @@ class Regrouping:
         return self.old_ranks.index(old_rank)
 
 
-def _whole(partition: Partition, indices: Iterable[int]) -> tuple[Piece, ...]:
+def _whole_params(partition: Partition, indices: Iterable[int]) -> tuple[Piece, ...]:
     sizes = partition.sizes
     return tuple(Piece(i, 0, sizes[i]) for i in indices)
 
@@ -192,7 +192,7 @@ def plan_after_loss(plan: ShardPlan, lost: Iterable[int]) -> Regrouping:
         held = {survivors[target], carried_owner(survivors[target], world)}
         missing = [i for old in olds if old not in held for i in partition.params_of(old)]
         if missing:
-            moves.append(Move(_whole(partition, missing), j, target))
+            moves.append(Move(_whole_params(partition, missing), j, target))
     return Regrouping(survivors, new_plan, tuple(moves))
 
 
@@ -281,7 +281,7 @@ def plan_after_join(plan: ShardPlan, joiners: int) -> Regrouping:
             for i in missing:  # from the old owner, who holds its state
                 by_source.setdefault(partition.owners[i], []).append(i)
             moves += [
-                Move(_whole(partition, indices), source, target_rank)
+                Move(_whole_params(partition, indices), source, target_rank)
                 for source, indices in sorted(by_source.items())
             ]
     return Regrouping(old_ranks, new_plan, tuple(moves))

@@ -29,7 +29,7 @@ from zerofn.zero.elastic.piece_state import (
 )
 from zerofn.zero.elastic.redundancy import Regrouping
 from zerofn.zero.planning.partition import Piece
-from zerofn.zero.rank import OverlapMode, ZeroRank, flat_params, placed_rank
+from zerofn.zero.rank import OverlapMode, ZeroRank, flat_params, rank_for_plan
 from zerofn.zero.step import run_zero_step
 
 __all__ = [
@@ -137,7 +137,7 @@ def regrouped(
     options = attrs.evolve(rank.options, rank=new, world_size=world)
     # A rank DDP's hook stepped waits for a hook on the new world's DDP.
     overlap: OverlapMode = "unattached" if rank.stepped_by_hook else "off"
-    fresh = placed_rank(
+    fresh = rank_for_plan(
         groups, options, regrouping.plan, overlap, masters=None, optim=None, rebuilt=True
     )
     load_states(fresh.optim, fresh.shards.local_pieces(flat_params(groups)), known, fresh.masters)
@@ -194,5 +194,5 @@ def regroup_program(
     take_moved_values(known, params)
     fresh = regrouped(rank, groups, regrouping, new, known)
     if finish_step and not compressed:
-        yield from run_zero_step(fresh.shards, params, fresh.options.via, lambda _: None)
+        yield from run_zero_step(fresh.shards, params, fresh.options.collective, lambda _: None)
     return fresh
