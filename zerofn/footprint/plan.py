@@ -249,10 +249,12 @@ def _rank_bytes(
     flat_chunks: bool,
     quantizer: BlockQuantizer | None,
     redundancy: int = 1,
+    kept_gradients: bool = False,
 ) -> tuple[RankBytes, ...]:
     """Every rank's bytes by kind under ``plan`` (with ``redundancy=2`` rank
     ``r`` carries rank ``r - 1``'s shard: its values, or masters, and
-    optimizer state)."""
+    optimizer state; with ``kept_gradients``, each rank keeps a copy of its
+    gradients beside an exchange in flight)."""
     numel = sum(plan.partition.loads())
     state_itemsize = itemsize if masters is None else torch.empty((), dtype=masters).element_size()
     buffers = 0 if bucket_view else sum(ly.numel for ly in plan.layouts) * itemsize
@@ -262,6 +264,7 @@ def _rank_bytes(
         RankBytes(
             parameters=numel * itemsize,
             gradients=numel * itemsize,
+            kept_gradients=numel * itemsize if kept_gradients else 0,
             master_weights=plan.partition.loads()[r] * state_itemsize if masters else 0,
             optimizer_state=_state_bytes(plan, r, model, state_itemsize, flat_chunks),
             exchange_buffers=buffers,
@@ -363,10 +366,16 @@ def plan_footprint(
     model = OPTIMIZERS[optimizer]
     check_redundancy(redundancy, world_size)
     ranks = _rank_bytes(
-        plan, itemsize, masters, model, bucket_view, flat_chunks, quantizer, redundancy
+        plan,
+        itemsize,
+        masters,
+        model,
+        bucket_view,
+        flat_chunks,
+        quantizer,
+        redundancy,
+        kept_gradients=redundancy == 2 and gather_during_forward,
     )
-    if redundancy == 2 and gather_during_forward:
-        ranks = tuple(attrs.evolve(r, kept_gradients=r.gradients) for r in ranks)
     collectives, payload = _zero_traffic(plan, backend, itemsize, quantizer)
     payload["all_reduce"] = _hook_payload(flat_shapes, hook, powersgd_rank, itemsize)
     return Footprint(
