@@ -8,6 +8,13 @@ redundancy=2)``, so one of the two fragments syncs after every inner step
 (``train_elastic.batch`` of the rank it started as, in the world it started
 in), so a loss changes nobody's data.
 
+With ``--config diloco-ddp`` a worker is two ranks: the model under DDP over
+the worker's group (zerofn's ``allreduce_hook``), one DiLoCo outer group per
+local index, each rank on its own batches. ``--world-size`` counts workers
+(twice as many processes), and a kill names the rank (process) that dies:
+its worker is lost whole, its other rank leaving (left behind) while the
+other workers go on and rebuild DDP on the group ``recover`` returns.
+
 Where a kill lands, for DiLoCo:
 
 - ``exchange``: inside the sync of STEP, right after its outer steps (its
@@ -33,9 +40,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from train_elastic import PLAIN, batch, exit_quietly, make_model
 from zerofn_torch.diloco import DiLoCoOptimizer
 from zerofn_torch.elastic import DEADLINE_S, recover
+from zerofn_torch.hooks import allreduce_hook
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.diloco.config import DiLoCoConfig
@@ -47,12 +56,16 @@ VARIANTS = {
     "diloco": DiLoCoConfig(SYNC_EVERY, FRAGMENTS),
     "diloco-streaming": DiLoCoConfig(4, 2, delay=1, mixing=0.5),
     "diloco-int8": DiLoCoConfig(SYNC_EVERY, FRAGMENTS, compression="int8"),
+    "diloco-ddp": DiLoCoConfig(SYNC_EVERY, FRAGMENTS),
 }
 """The workers' schedules by ``--config``: blocking syncs; Streaming DiLoCo
 (a fragment's sync every 2 steps, each merged half and half one inner step
 after it starts, so a loss can land while a sync is in flight across an
 inner step); and blocking syncs whose pseudo-gradients and anchor updates
-travel as int8 codes with error feedback."""
+travel as int8 codes with error feedback; and blocking syncs between
+workers of two ranks each."""
+RANKS_PER_WORKER = {"diloco-ddp": 2}
+"""Ranks per worker by ``--config`` (1 where it is not named)."""
 TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 """PyTorch's default group timeout: nothing waits for it."""
 
@@ -89,6 +102,33 @@ class Workers:
         variant: the schedule, a key of :data:`VARIANTS`.
     """
 
+    @property
+    def ranks_per_worker(self) -> int:
+        """Processes per worker (:data:`RANKS_PER_WORKER`)."""
+        return RANKS_PER_WORKER.get(self.variant, 1)
+
+    def worker_groups(self, rank: int) -> tuple[Any, Any]:
+        """This launch's groups for process ``rank``: its worker's (the
+        inner group) and its local index's across workers (the outer group);
+        ``(None, None)`` when each rank is a worker. Every rank makes every
+        group, as ``new_group`` asks."""
+        size, count = self.ranks_per_worker, len(self.workers)
+        if size == 1:
+            return None, None
+        inner = [dist.new_group([k * size + i for i in range(size)]) for k in range(count)]
+        outer = [dist.new_group([k * size + i for k in range(count)]) for i in range(size)]
+        return inner[rank // size], outer[rank % size]
+
+    def started_as(self, rank: int) -> int:
+        """The rank process ``rank`` of this launch started the job as (its batches)."""
+        size = self.ranks_per_worker
+        return self.workers[rank // size] * size + rank % size
+
+    @property
+    def processes(self) -> int:
+        """Processes in this launch."""
+        return len(self.workers) * self.ranks_per_worker
+
     first: int
     last: int
     started: int
@@ -116,15 +156,27 @@ class WorkerRecovery:
 
 
 def make_diloco(
-    model: torch.nn.Module, redundancy: int, variant: str = "diloco"
+    model: torch.nn.Module, redundancy: int, variant: str = "diloco", group: Any = None
 ) -> DiLoCoOptimizer:
-    """The worker's optimizer: inner Adam, DiLoCo's default outer SGD."""
+    """The worker's optimizer: inner Adam, DiLoCo's default outer SGD, across
+    ``group`` (default: every rank)."""
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     c = VARIANTS[variant]
     return DiLoCoOptimizer(
         inner, c.sync_every, fragments=c.fragments, delay=c.delay, mixing=c.mixing,
-        compression=c.compression, redundancy=redundancy,
+        compression=c.compression, process_group=group, redundancy=redundancy,
     )  # fmt: skip
+
+
+def under_ddp(model: torch.nn.Module, group: Any) -> torch.nn.Module:
+    """``model`` under DDP over ``group`` (a worker's ranks) with zerofn's
+    all-reduce hook, whose futures the job's alarm fails; ``model`` itself
+    without a group."""
+    if group is None:
+        return model
+    ddp = DDP(model, process_group=group)
+    ddp.register_comm_hook(group, allreduce_hook)
+    return ddp
 
 
 def _gone_key(generation: int) -> str:
@@ -166,20 +218,25 @@ def _arm(kill: WorkerKill | None, model: torch.nn.Module, diloco: DiLoCoOptimize
 
 
 def _inner_step(
-    model: torch.nn.Module, diloco: DiLoCoOptimizer, step: int, job: Workers, me: int
+    net: torch.nn.Module, diloco: DiLoCoOptimizer, step: int, job: Workers, me: int
 ) -> None:
-    x, y = batch(step, me, job.started)
+    x, y = batch(step, me, job.started * job.ranks_per_worker)
     diloco.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.functional.mse_loss(net(x), y).backward()
     diloco.step()
 
 
 def step_surviving(
-    model: torch.nn.Module, diloco: DiLoCoOptimizer, step: int, job: Workers, me: int
-) -> list[WorkerRecovery]:
+    net: torch.nn.Module, diloco: DiLoCoOptimizer, step: int, job: Workers, me: int
+) -> tuple[torch.nn.Module, list[WorkerRecovery]]:
     """Run ``step`` until it completes, recovering from each worker lost on
     the way (``recover``), each recovery timed from the moment the lost
-    worker noted it went (else from when the failure was caught).
+    worker noted it went (else from when the failure was caught). A rank of
+    a worker that lost another rank ends quietly, as the lost one did.
+
+    Returns:
+        What to train from now on (``net``, or its model under DDP over the
+        worker's new group), and the recoveries.
 
     Raises:
         zerofn.errors.CollectiveError: this worker was left behind (the
@@ -188,11 +245,19 @@ def step_surviving(
     recoveries = []
     while True:
         try:
-            _inner_step(model, diloco, step, job, me)
-            return recoveries
+            _inner_step(net, diloco, step, job, me)
+            return net, recoveries
         except (CollectiveError, RuntimeError) as error:
             caught, generation, size = time.time(), diloco.generation, diloco.world_size
-            recovered = recover(diloco, error, deadline_s=job.deadline_s)
+            try:
+                recovered = recover(diloco, error, deadline_s=job.deadline_s)
+            except CollectiveError as left:
+                if job.ranks_per_worker > 1 and "left behind" in str(left):
+                    exit_quietly()  # its worker is lost: it goes with it
+                raise
+            if recovered.inner_group is not None:
+                assert isinstance(net, DDP)
+                net = under_ddp(net.module, recovered.inner_group)
             gone_at = _gone_at(generation)
             point = recovered.point
             assert isinstance(point, SyncRecovery)
@@ -208,21 +273,24 @@ def step_surviving(
                 )
             )
             if recovered.finished_step:
-                return recoveries
+                return net, recoveries
 
 
 def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | None:
-    """One worker's loop: steps ``job.first`` to ``job.last``, dying where
+    """One rank's loop: steps ``job.first`` to ``job.last``, dying where
     ``job.kills`` say, the others recovering.
 
     Returns:
         Every survivor's ``me`` (the rank it started as), ``model`` and
         ``optimizer`` (``consolidated_state_dict``: its inner state and the
-        whole outer state), its ``recoveries`` and the final ``world_size``.
+        whole outer state), its ``recoveries`` and the final ``world_size``
+        (in workers).
     """
-    me = job.workers[rank]
+    me = job.started_as(rank)
+    inner, outer = job.worker_groups(rank)
     model = make_model(PLAIN)
-    diloco = make_diloco(model, job.redundancy, job.variant)
+    net = under_ddp(model, inner)
+    diloco = make_diloco(model, job.redundancy, job.variant, outer)
     if job.start is not None:  # after the constructor's broadcast of rank 0's parameters
         model.load_state_dict(job.start[me]["model"])
         diloco.load_state_dict(job.start[me]["optimizer"])
@@ -230,7 +298,8 @@ def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | Non
     recoveries: list[WorkerRecovery] = []
     for step in range(job.first, job.last):
         _arm(mine.get(step), model, diloco)
-        recoveries += step_surviving(model, diloco, step, job, me)
+        net, more = step_surviving(net, diloco, step, job, me)
+        recoveries += more
         for recovery in recoveries:
             if recovery.steps_lost is None:  # the first step completed since
                 recovery.seconds = time.time() - recovery.began
@@ -277,9 +346,10 @@ def run_killed(
     """``world_size`` workers for ``steps`` steps, losing those of ``kills``."""
     workers = tuple(range(world_size))
     job = Workers(0, steps, world_size, workers, kills, deadline_s=deadline_s, variant=variant)
-    gone = [k.rank for k in kills]
+    size = job.ranks_per_worker
+    gone = [k.rank // size * size + i for k in kills for i in range(size)]  # whole workers
     return final_of(
-        run_local_world(run_worker, world_size, job, timeout_s=TIMEOUT_S, may_exit=gone)
+        run_local_world(run_worker, job.processes, job, timeout_s=TIMEOUT_S, may_exit=gone)
     )
 
 
@@ -299,14 +369,16 @@ def run_reference(
     final: dict[str, Any] = {}
     for lost, end in enumerate([*(k.kept for k in kills), steps]):
         job = Workers(first, end, world_size, workers, start=start, variant=variant)
-        results = run_local_world(run_worker, len(workers), job, timeout_s=TIMEOUT_S)
+        results = run_local_world(run_worker, job.processes, job, timeout_s=TIMEOUT_S)
         start = {r["me"]: {"model": r["model"], "optimizer": r["optimizer"]} for r in results}
         final = final_of(results)
         segments.append((first, end, len(workers)))
         first = end
         if lost < len(kills):
-            workers = tuple(w for w in workers if w != kills[lost].rank)
-            _owe_the_survivors_mean(start, [r for r in results if r["me"] in workers])
+            size = job.ranks_per_worker
+            workers = tuple(w for w in workers if w != kills[lost].rank // size)
+            kept = [r for r in results if r["me"] // size in workers]
+            _owe_the_survivors_mean(start, kept)
     return {**final, "segments": segments}
 
 

@@ -136,3 +136,41 @@ def test_a_rank_still_beating_is_waited_for_past_the_deadline() -> None:
     answers, took = timed_call(dist.HashStore(), (0, 1, 2), deadline_s=0.3, patience_s=1.5)
     assert answers[0] == answers[1] == RollCall((0, 1), (Position(0), Position(0)))
     assert took >= 1.5
+
+
+def test_ranks_lost_together_are_not_waited_for_once_one_of_them_is_lost() -> None:
+    """Ranks 2 and 3 make one DiLoCo worker: rank 3 died (its heartbeat
+    stopped), and rank 2 beats on without answering (blocked): it is not
+    waited for, though a rank that beats is otherwise waited for to the
+    patience's end."""
+    store = dist.HashStore()
+    store.add(beat_key(0, 3), 7)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            store.add(beat_key(0, 2), 1)
+            time.sleep(0.05)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    out: dict[int, RollCall | BaseException] = {}
+
+    def one(rank: int) -> None:
+        out[rank] = roll_call(
+            store, "call", rank, 4, Position(0), 30.0, patience_s=30.0,
+            together=((0, 1), (2, 3)),
+        )  # fmt: skip
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    took = time.monotonic() - began
+    stop.set()
+    beating.join()
+    both = RollCall((0, 1), (Position(0), Position(0)))
+    assert out == {0: both, 1: both}
+    assert took < SILENT_AFTER_S + 1.0

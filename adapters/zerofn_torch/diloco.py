@@ -59,6 +59,7 @@ from zerofn_torch.diloco_carried import (
     CarryingWorker,
     check_redundancy,
     state_tensors,
+    workers_of,
 )
 from zerofn_torch.diloco_refusals import (
     NO_JOIN,
@@ -110,7 +111,11 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
             :mod:`zerofn_torch.elastic`): every rank gets each sync's sum
             (fp32: 1.5 times the bytes; compressed: every rank's codes),
             kept until the next (with a delay, its starting values too).
-            Needs the whole job as outer group, an unsharded inner optimizer.
+            Needs an inner optimizer that is not sharded across ranks. With
+            workers of several ranks (DDP over a group inside each, one
+            outer group per local index), every rank of the job builds its
+            ``DiLoCoOptimizer`` at the same time (they learn the layout from
+            each other), and a lost rank takes its whole worker with it.
 
     Raises:
         ValueError, TypeError: a bad configuration (see
@@ -150,8 +155,8 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
             )
         params = [p for g in optim.param_groups for p in g["params"]]
         world_size = dist.get_world_size(group)
-        whole_job = world_size == dist.get_world_size()
-        check_redundancy(redundancy, self.config, world_size, whole_job, optim)
+        workers = workers_of(group, gather=redundancy == 2)
+        check_redundancy(redundancy, self.config, workers, optim)
         plan = plan_fragments([p.numel() for p in params], fragments, world_size)
         refuse_all_reducing_ddp(params, group)
         refuse_carried_inner(optim)
@@ -181,9 +186,13 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         if self._carried is not None:
             self._carried.fill(plan, rank, start)
         # The others tell this rank is alive by its heartbeat (zerofn_torch.elastic).
+        self._me = dist.get_rank()
+        self._workers = workers
         self._generation = next_generation() if redundancy == 2 else 0
         self._heartbeat = (
-            start_heartbeat(self._generation, rank, world_size, group) if redundancy == 2 else None
+            start_heartbeat(self._generation, self.place, len(self._workers.ranks), group)
+            if redundancy == 2
+            else None
         )
         self._replica: torch.Tensor | None = None
         self._residual: torch.Tensor | None = None

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zerofn.diloco.checkpoint import rank_state_dict
 from zerofn.diloco.config import DiLoCoConfig
@@ -30,13 +31,14 @@ from zerofn.diloco.redundancy import (
 from zerofn.diloco.redundant_compressed_sync import as_found
 from zerofn.diloco.schedule import fragment_synced_at
 from zerofn.diloco.state import DiLoCoState, take_inner_step
+from zerofn.diloco.workers import Workers
 from zerofn.errors import CollectiveError
 from zerofn.replicas import ReplicaMismatch, digests
 from zerofn_torch.runtime.heartbeat import Heartbeat
 from zerofn_torch.runtime.object_collectives import all_gather_objects
-from zerofn_torch.runtime.wrapped_optimizer import zero_rank_of
+from zerofn_torch.runtime.wrapped_optimizer import parameters_written, zero_rank_of
 
-__all__ = ["CarriedOuter", "CarryingWorker", "check_redundancy", "state_tensors"]
+__all__ = ["CarriedOuter", "CarryingWorker", "check_redundancy", "state_tensors", "workers_of"]
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -47,8 +49,7 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def check_redundancy(
     redundancy: int,
     config: DiLoCoConfig,
-    world_size: int,
-    whole_job: bool,
+    workers: Workers,
     inner: torch.optim.Optimizer | None = None,
 ) -> None:
     """Refuse a ``redundancy`` DiLoCo cannot keep, before anything is built.
@@ -56,15 +57,13 @@ def check_redundancy(
     Args:
         redundancy: copies of each rank's outer state.
         config: the schedule.
-        world_size: ranks of the outer group.
-        whole_job: whether the outer group is every rank of the job.
+        workers: the job's workers (:func:`workers_of`).
         inner: the inner optimizer (one that shards over several ranks,
             a ZeRO optimizer's, is refused).
 
     Raises:
         ValueError: ``redundancy`` other than 1 or 2; 2 with one worker,
-            over a group that is not the whole job, or over an inner
-            optimizer sharded across ranks.
+            or over an inner optimizer sharded across ranks.
     """
     if redundancy not in (1, 2):
         raise ValueError(f"redundancy must be 1 (outer state on its owner) or 2, got {redundancy}")
@@ -73,20 +72,37 @@ def check_redundancy(
     zero = None if inner is None else zero_rank_of(inner)
     inner_ranks = 1 if zero is None else zero.options.world_size
     why = None
-    if world_size < 2:
+    if workers.count < 2:
         why = "one worker has nobody to keep a copy of its outer state"
     elif inner_ranks > 1:
         why = (
             f"the inner ZeroRedundancyOptimizer shards over {inner_ranks} ranks, and a lost "
-            "rank would take its shard with it; give each worker its own inner optimizer"
-        )
-    elif not whole_job:
-        why = (
-            "the outer group must be the whole job (every rank a worker): a lost rank of a "
-            "worker's inner group would break that group too"
+            "rank would take its shard with it; give each rank its own inner optimizer "
+            "(under DDP over the worker's ranks)"
         )
     if why is not None:
         raise ValueError(f"DiLoCoOptimizer(redundancy=2) is not available here: {why}")
+
+
+def workers_of(group: Any, gather: bool) -> Workers:
+    """The job's workers, over ``group`` (this rank's outer group).
+
+    When ``group`` holds every rank of the job, each rank is a worker. Else,
+    with ``gather``, every rank of the job names its outer group (a
+    collective of the default group: every rank builds its optimizer at the
+    same time); without it, this rank's outer group alone stands for them
+    (enough for the syncs, which never look past it).
+
+    Raises:
+        ValueError: the outer groups are no grid of workers (sizes that
+            differ, ranks in two groups).
+        zerofn.errors.CollectiveError: the gathering failed.
+    """
+    mine = tuple(dist.get_process_group_ranks(group))
+    if len(mine) == dist.get_world_size() or not gather:
+        return Workers((mine,))
+    every = all_gather_objects(mine, dist.group.WORLD, "DiLoCo: which ranks make up each worker")
+    return Workers.from_outer_groups(every)
 
 
 class CarriedOuter:
@@ -173,6 +189,23 @@ class CarriedOuter:
         self.outer.load_state_dict(saved["outer"])
         self.summed = True
 
+    def handed(self) -> dict[str, Any]:
+        """Everything this copy holds, for a sibling to take (:meth:`take`)."""
+        return {
+            "anchors": self.anchors,
+            "outer": self.outer.state_dict(),
+            "sync": (self.sync, self.due, self.summed),
+            "kept": (self.total, self.start, self.replica_before, self.residual_before),
+        }
+
+    def take(self, handed: Mapping[str, Any]) -> None:
+        """Hold what a sibling's :meth:`handed` gave, as its own."""
+        self.load({"anchor": handed["anchors"], "outer": handed["outer"]})
+        self.sync, self.due, self.summed = handed["sync"]
+        self.total, self.start, self.replica_before, self.residual_before = (
+            None if t is None else t.clone() for t in handed["kept"]
+        )
+
 
 class CarryingWorker:
     """What ``DiLoCoOptimizer`` does to go on without a lost rank
@@ -182,7 +215,11 @@ class CarryingWorker:
 
     config: DiLoCoConfig
     process_group: Any
+    optim: torch.optim.Optimizer
     outer: torch.optim.Optimizer
+    _params: list[Any]  # the parameters, as the inner optimizer holds them
+    _workers: Workers
+    _me: int
     _carried: CarriedOuter | None
     _heartbeat: Heartbeat | None
     _generation: int
@@ -211,6 +248,18 @@ class CarryingWorker:
         """This world's number in the job (``redundancy=2``): where its
         heartbeats, alarm and roll call live in the job's store."""
         return self._generation
+
+    @property
+    def workers(self) -> Workers:
+        """The job's workers, as this world has them (``redundancy=2``): which
+        ranks each worker has, and which are in this rank's outer group."""
+        return self._workers
+
+    @property
+    def place(self) -> int:
+        """This rank's place in the job's roll call and heartbeats: its index
+        in :attr:`Workers.ranks`."""
+        return self._workers.ranks.index(self._me)
 
     @property
     def rank(self) -> int:
@@ -307,14 +356,49 @@ class CarryingWorker:
         total = carried.total if carried.summed else None
         return self._plan.fragments[index], total, self._anchors[index], carried.anchors[index]
 
-    def enter_world(self, group: Any, new_rank: int, world_size: int) -> None:
+    def enter_world(self, group: Any, workers: Workers) -> None:
         """Beat (and watch, and heed the alarm) in the next world, over
-        ``group``, from now on, as rank ``new_rank`` of ``world_size``: before
-        the first collective on ``group``, which the old world's alarm must
-        not end."""
+        ``group`` (this rank's new outer group), from now on, as one of
+        ``workers``: before the first collective of the new world, which the
+        old world's alarm must not end."""
         self._generation += 1
+        self._workers = workers
         if self._heartbeat is not None:
-            self._heartbeat.beat_as(self._generation, new_rank, world_size, group)
+            self._heartbeat.beat_as(self._generation, self.place, len(workers.ranks), group)
+
+    def handed_state(self) -> dict[str, Any]:
+        """Everything a sibling (a rank of the same worker) needs to stand
+        where this rank stands: the parameters, the inner optimizer's state,
+        the outer state and its copy, and where it is in the syncs
+        (:meth:`take_state`)."""
+        return {
+            "params": [p.detach() for p in self._params],
+            "inner": self.optim.state_dict(),
+            "state": (self._state, self._taken),
+            "anchors": self._anchors,
+            "outer": self.outer.state_dict(),
+            "kept": (self._result, self._replica, self._residual),
+            "carried": self._carrying().handed(),
+        }
+
+    def take_state(self, handed: Mapping[str, Any]) -> None:
+        """Stand where the sibling that gave ``handed`` (:meth:`handed_state`)
+        stands. Not for training loops: :func:`zerofn_torch.elastic.recover` calls it."""
+        with torch.no_grad():
+            for param, value in zip(self._params, handed["params"], strict=True):
+                param.copy_(value)
+        self.optim.load_state_dict(handed["inner"])
+        parameters_written(self.optim)
+        self._state, self._taken = handed["state"]
+        self._anchors = [a.detach().clone() for a in handed["anchors"]]
+        self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
+        self.outer.load_state_dict(handed["outer"])
+        result, replica, residual = handed["kept"]
+        self._result = None if result is None else result.clone()
+        if self._replica is not None and self._residual is not None:
+            self._replica.copy_(replica)
+            self._residual.copy_(residual)
+        self._carrying().take(handed["carried"])
 
     def regroup(self, group: Any, new_rank: int, regrouped: Regrouped) -> None:
         """Go on as rank ``new_rank`` of ``group`` with the regrouped outer
@@ -334,13 +418,11 @@ class CarryingWorker:
         # is finished or run again from here (resume, run_again).
         self._flight, self._result = None, None
 
-    def resume(self, recovery: SyncRecovery, position: SyncPosition, results: Any) -> bool:
+    def resume(self, recovery: SyncRecovery, position: SyncPosition, results: Any) -> None:
         """Bring this rank's parameters and schedule to where ``recovery``
         leaves them: the result of a sync it stepped (from the regrouped
         ``results``) merged now if the failed call was to merge it, else kept
-        for its due step; a sync to run again is :meth:`run_again`'s.
-        Returns whether the call that failed here took its inner step (do
-        not redo it)."""
+        for its due step; a sync to run again is :meth:`run_again`'s."""
         self._taken = False
         index = fragment_synced_at(self.config, position.sync)
         if recovery.applies_consolidated(position):
@@ -351,7 +433,6 @@ class CarryingWorker:
                 self._result = results[index].clone()
         if position.taken:
             self._state = take_inner_step(self.config, self._state)[0]
-        return position.taken
 
     def run_again(self, position: SyncPosition) -> None:
         """Start again, on the new group, the sync this rank entered last,

@@ -46,6 +46,7 @@ from zerofn.diloco.redundancy import (
     sync_recovery,
 )
 from zerofn.diloco.schedule import fragment_synced_at
+from zerofn.diloco.workers import after_loss
 from zerofn.errors import CollectiveError
 from zerofn.zero.elastic.liveness import seen_beats, silent_ranks
 from zerofn.zero.elastic.recovery_point import (
@@ -144,6 +145,8 @@ class Recovered:
             them, whichever call failed on which): a ZeRO optimizer's
             :class:`~zerofn.zero.elastic.recovery_point.RecoveryPoint`, or DiLoCo's
             :class:`~zerofn.diloco.redundancy.SyncRecovery`.
+        inner_group: for DiLoCo workers of several ranks, this worker's new
+            group (build its DDP on it); ``None`` otherwise.
     """
 
     group: Any
@@ -152,6 +155,7 @@ class Recovered:
     lost: tuple[int, ...]
     finished_step: bool
     point: RecoveryPoint | SyncRecovery
+    inner_group: Any = None
 
 
 def roll_call(
@@ -165,6 +169,7 @@ def roll_call(
     generation: int = 0,
     silent_after_s: float = SILENT_AFTER_S,
     patience_s: float | None = None,
+    together: Sequence[Sequence[int]] = (),
 ) -> RollCall[P]:
     """Every rank that can, says it is alive (and where it stands) under
     ``prefix`` in ``store``; a rank that has not is declared lost by any
@@ -178,6 +183,8 @@ def roll_call(
     "lost"), so every survivor reads the same roll. It ends as soon as every
     rank has answered or been declared lost: within about ``silent_after_s``
     of the call for a dead rank that beat, rather than at the deadline.
+    Ranks ``together`` (the ranks of one DiLoCo worker) are lost together:
+    once one of them is, those that have not answered are not waited for.
 
     Raises:
         zerofn.errors.CollectiveError: this rank was left behind, declared
@@ -211,6 +218,7 @@ def roll_call(
             lost.update(r for r, count in enumerate(counts) if count is None)
         if now >= patience_end:
             lost.update(range(world_size))
+        lost.update(r for group in together if lost.intersection(group) for r in group)
         for r in set(undecided).intersection(lost):
             store.compare_set(keys[r], "", LOST)
         time.sleep(0.01)
@@ -300,7 +308,9 @@ def recover(
             "each shard a lost rank's optimizer state is gone; restart from a checkpoint"
         )
     store = store if store is not None else dist.distributed_c10d._get_default_store()
-    _, point, lost = _agree(zero, zero.position, recovery_point, error, store, deadline_s)
+    _, point, lost = _agree(
+        zero, zero.position, lambda c: recovery_point(c.positions), error, store, deadline_s
+    )
     regrouping = plan_after_loss(old.plan, lost)
     group = _group_of(zero.process_group, regrouping.survivors)
     params = [p for g in zero.param_groups for p in g["params"]]
@@ -336,46 +346,72 @@ def recover_diloco(
     """Go on without the DiLoCo workers that are gone, after ``error``: call
     it on every surviving rank, in the ``except`` of the failed call
     (``step``, which raises at once on a rank between syncs once another
-    raised the alarm).
+    raised the alarm; or a backward under DDP).
 
-    The survivors agree on who is alive and where each stood in the syncs
-    (:func:`roll_call`, :func:`~zerofn.diloco.redundancy.sync_recovery`),
-    form a process group, finish the interrupted sync forward with a
-    survivor's sum or leave it to run again, cut the outer state for their
-    world from owners and carriers (:func:`~zerofn.diloco.redundancy.regroup_program`),
-    merge the result of a sync they stepped, and check the new copies. A
+    The ranks of the whole job agree on who is alive and where each stood
+    in the syncs (:func:`roll_call`). A worker with a lost rank is lost
+    whole: its other ranks leave. The ranks of each surviving worker take
+    the state of its furthest rank (:func:`~zerofn.diloco.workers.after_loss`)
+    over the worker's new group, so every outer group decides the same
+    (:func:`~zerofn.diloco.redundancy.sync_recovery`): finish the
+    interrupted sync forward with a survivor's sum, or leave it to run
+    again. Each outer group then cuts the outer state for its world from
+    owners and carriers (:func:`~zerofn.diloco.redundancy.regroup_program`),
+    merges the result of a sync it stepped, and checks the new copies. A
     survivor that was inside a sync nobody could finish runs it again on the
     survivors' group before it returns; the others run it when their inner
     steps get there.
 
     Returns:
-        As :func:`recover`; ``finished_step``: the failed ``step`` took its
-        inner step and its sync is done (do not redo it).
+        As :func:`recover`, with ``inner_group`` for workers of several
+        ranks; ``finished_step``: the call that failed here is complete (its
+        inner step taken and its sync done): do not redo it.
 
     Raises:
         ValueError: ``diloco`` keeps no copies (``redundancy=1``), or a
             worker and its carrier are both lost: restart from a checkpoint.
         BaseException: ``error`` itself, when every rank answered and it is
             no failed collective.
-        zerofn.errors.CollectiveError: this rank was left behind; the
-            survivors' positions admit no common outer state; or a
-            collective on the new group failed.
+        zerofn.errors.CollectiveError: this rank was left behind, or its
+            worker lost another rank (it ends here and touches nothing);
+            the survivors' positions admit no common outer state; or a
+            collective on the new groups failed.
         zerofn.replicas.ReplicaMismatch: a carried copy differs from its owner's.
     """
-    position = diloco.position()
+    own = diloco.position()
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     diloco.leave_group()
-    call, recovery, lost = _agree(diloco, position, sync_recovery, error, store, deadline_s)
-    group = _group_of(diloco.process_group, call.alive)
-    new_rank = call.alive.index(diloco.rank)
-    diloco.enter_world(group, new_rank, len(call.alive))
+    workers, place = diloco.workers, diloco.place
+    _, loss, _ = _agree(
+        diloco, own, lambda c: after_loss(workers, c.alive, c.positions), error, store,
+        deadline_s, (place, len(workers.ranks), workers.together()),
+    )  # fmt: skip
+    worker, local = workers.place(workers.ranks[place])
+    if worker in loss.lost:
+        _leave(worker, loss.lost, error)
+    recovery = _decided(sync_recovery, loss.positions, diloco.generation, error)
+    new_rank = loss.kept.index(worker)
+    group = _group_of(diloco.process_group, loss.kept)
+    inner = None
+    if workers.ranks_per_worker > 1:
+        inner = _group_of(dist.group.WORLD, loss.survivors.inner(new_rank), part_of=group)
+    diloco.enter_world(group, loss.survivors)
+    if inner is not None:
+        source = loss.sources[new_rank]
+        purpose = "DiLoCo: handing the furthest rank's state to its worker's other ranks"
+        handed = broadcast_object(
+            diloco.handed_state() if local == source else None, source, inner, purpose
+        )
+        if local != source:
+            diloco.take_state(handed)
+    position = loss.positions[new_rank]
     index = fragment_synced_at(diloco.config, recovery.sync)
     codec = diloco.config.compression
     program = regroup_program(
         recovery,
         position,
         diloco.plan,
-        call.alive,
+        loss.kept,
         new_rank,
         lambda: diloco.finishing(index if index is not None else 0),
         lambda: diloco.held_state_dicts(recovery),
@@ -388,11 +424,29 @@ def recover_diloco(
     diloco.regroup(group, new_rank, regrouped)
     if new_rank == 0:
         store.set(GENERATION, str(diloco.generation))
-    finished = diloco.resume(recovery, position, regrouped.results)
+    diloco.resume(recovery, position, regrouped.results)
     diloco.verify_copies()
     if recovery.runs_again(position):
         diloco.run_again(position)
-    return Recovered(group, new_rank, len(call.alive), lost, finished, recovery)
+    # The failed call is done once the survivors stand past the step it was.
+    finished = position.steps + int(position.taken) > own.steps
+    return Recovered(group, new_rank, len(loss.kept), loss.lost, finished, recovery, inner)
+
+
+def _leave(worker: int, lost: tuple[int, ...], error: BaseException) -> None:
+    """End a live rank of a lost worker: it touches nothing more.
+
+    Raises:
+        zerofn.errors.CollectiveError: always, saying why.
+    """
+    raise CollectiveError(
+        "the roll call",
+        "going on without the lost ranks",
+        f"DiLoCo worker {worker}",
+        f"this rank was left behind: its worker lost another of its ranks (workers "
+        f"{list(lost)} are gone), and a worker goes on whole or not at all; the others go on "
+        "without it, and this rank ends here and touches nothing",
+    ) from error
 
 
 D = TypeVar("D")
@@ -401,19 +455,25 @@ D = TypeVar("D")
 def _agree(
     optimizer: ZeroRedundancyOptimizer | DiLoCoOptimizer,
     position: P,
-    decide: Callable[[tuple[P, ...]], D],
+    decide: Callable[[RollCall[P]], D],
     error: BaseException,
     store: Any,
     deadline_s: float,
+    job: tuple[int, int, Sequence[Sequence[int]]] | None = None,
 ) -> tuple[RollCall[P], D, tuple[int, ...]]:
     """The survivors' agreement, the same for every optimizer that recovers:
-    the failed world left, the alarm raised, the roll call held, and from the
-    positions it gathered one decision (``decide``: the ZeRO step's
+    the failed world left, the alarm raised, the roll call held, and from
+    what it gathered one decision (``decide``: the ZeRO step's
     :func:`~zerofn.zero.elastic.recovery_point.recovery_point` or DiLoCo's
-    :func:`~zerofn.diloco.redundancy.sync_recovery`).
+    :func:`~zerofn.diloco.workers.after_loss`).
+
+    Args:
+        job: this rank's place in the roll call, the ranks called, and the
+            places lost together (DiLoCo's workers); default: the
+            optimizer's group, each rank alone.
 
     Returns:
-        The roll call, the decision, and the ranks lost.
+        The roll call, the decision, and the places lost.
 
     Raises:
         zerofn.errors.CollectiveError: this rank was left behind, or the
@@ -421,40 +481,58 @@ def _agree(
         BaseException: ``error`` itself, when every rank answered and it is
             no failed collective.
     """
+    place, size, together = job if job is not None else (optimizer.rank, optimizer.world_size, ())
     # The failed world's group is never used again, and a collective of it
     # may stay pending (a wait the alarm ended, or a peer that gave up): its
     # destructor would wait for that, so it is kept for good.
     abandon(optimizer.process_group)
     _refuse_if_left_behind(store, optimizer.generation, error)
     # Every rank still waiting on a collective of this world ends its wait.
-    raise_alarm(f"rank {optimizer.rank} of {optimizer.world_size}: {type(error).__name__}")
+    raise_alarm(f"rank {place} of {size}: {type(error).__name__}")
     prefix = f"zerofn/elastic/{optimizer.generation}"
     call = roll_call(
-        store, prefix, optimizer.rank, optimizer.world_size, position, deadline_s,
-        generation=optimizer.generation, patience_s=_timeout_s(optimizer.process_group),
+        store, prefix, place, size, position, deadline_s, generation=optimizer.generation,
+        patience_s=_timeout_s(optimizer.process_group), together=together,
     )  # fmt: skip
-    try:
-        decision = decide(call.positions)
-    except (InconsistentPositions, InconsistentSyncs) as refused:
-        raise CollectiveError(
-            "the roll call", "going on without the lost ranks", prefix, str(refused)
-        ) from error
-    lost = tuple(r for r in range(optimizer.world_size) if r not in call.alive)
+    decision = _decided(decide, call, optimizer.generation, error)
+    lost = tuple(r for r in range(size) if r not in call.alive)
     if not lost and not _is_collective_failure(error):
         raise error  # every rank is here and no collective failed: not ours to mend
     return call, decision, lost
 
 
-def _group_of(group: Any, survivors: Sequence[int]) -> Any:
+A = TypeVar("A")
+
+
+def _decided(decide: Callable[[A], D], given: A, generation: int, error: BaseException) -> D:
+    """``decide(given)``; a refusal of positions no run reaches raised as
+    the failed recovery of the world of ``generation``.
+
+    Raises:
+        zerofn.errors.CollectiveError: ``decide`` refused the positions.
+    """
+    try:
+        return decide(given)
+    except (InconsistentPositions, InconsistentSyncs) as refused:
+        raise CollectiveError(
+            "the roll call",
+            "going on without the lost ranks",
+            f"zerofn/elastic/{generation}",
+            str(refused),
+        ) from error
+
+
+def _group_of(group: Any, survivors: Sequence[int], part_of: Any | None = None) -> Any:
     """A process group of ``group``'s ranks ``survivors``, formed by them
     alone, with ``group``'s timeout; its connections are shut when the
-    alarm of the world over it rings."""
+    alarm of the world over it (or over ``part_of``) rings."""
     return group_sockets.opened(
         lambda: dist.new_group(
             [dist.get_global_rank(group, r) for r in survivors],
             timeout=timedelta(seconds=_timeout_s(group)),
             use_local_synchronization=True,
-        )
+        ),
+        part_of,
     )
 
 
