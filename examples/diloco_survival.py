@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from train_elastic import PLAIN, batch, exit_quietly, make_model
 from zerofn_torch.diloco import DiLoCoOptimizer
-from zerofn_torch.elastic import DEADLINE_S, recover
+from zerofn_torch.elastic import DEADLINE_S, recover, worker_groups
 from zerofn_torch.hooks import allreduce_hook
 from zerofn_torch.runtime.launch import run_local_world
 
@@ -107,17 +107,14 @@ class Workers:
         """Processes per worker (:data:`RANKS_PER_WORKER`)."""
         return RANKS_PER_WORKER.get(self.variant, 1)
 
-    def worker_groups(self, rank: int) -> tuple[Any, Any]:
-        """This launch's groups for process ``rank``: its worker's (the
-        inner group) and its local index's across workers (the outer group);
-        ``(None, None)`` when each rank is a worker. Every rank makes every
-        group, as ``new_group`` asks."""
-        size, count = self.ranks_per_worker, len(self.workers)
-        if size == 1:
+    def worker_groups(self) -> tuple[Any, Any]:
+        """This rank's groups (``zerofn_torch.elastic.worker_groups``): its
+        worker's (the inner group) and its local index's across workers (the
+        outer group); ``(None, None)`` when each rank is a worker."""
+        if self.ranks_per_worker == 1:
             return None, None
-        inner = [dist.new_group([k * size + i for i in range(size)]) for k in range(count)]
-        outer = [dist.new_group([k * size + i for k in range(count)]) for i in range(size)]
-        return inner[rank // size], outer[rank % size]
+        groups = worker_groups(self.ranks_per_worker)
+        return groups.inner, groups.outer
 
     def started_as(self, rank: int) -> int:
         """The rank process ``rank`` of this launch started the job as (its batches)."""
@@ -287,7 +284,7 @@ def run_worker(rank: int, world_size: int, job: Workers) -> dict[str, Any] | Non
         (in workers).
     """
     me = job.started_as(rank)
-    inner, outer = job.worker_groups(rank)
+    inner, outer = job.worker_groups()
     model = make_model(PLAIN)
     net = under_ddp(model, inner)
     diloco = make_diloco(model, job.redundancy, job.variant, outer)

@@ -37,7 +37,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diloco_survival import FRAGMENTS, VARIANTS, WorkerKill, Workers, make_diloco
+from diloco_survival import (
+    FRAGMENTS,
+    RANKS_PER_WORKER,
+    VARIANTS,
+    WorkerKill,
+    Workers,
+    make_diloco,
+    under_ddp,
+)
 from diloco_survival import run_reference as diloco_reference
 from diloco_survival import step_surviving as diloco_step_surviving
 from train_elastic import (
@@ -276,11 +284,13 @@ def _soak(
     option: Any,
     check: Callable[[list[Any], Fault, int, str], Outcome],
     reference: Callable[[list[Any], int, int, int], None],
+    lost_with: Callable[[int], list[int]] = lambda rank: [rank],
 ) -> dict[str, Any]:
     """The soak's runs, for any configuration: a quiet run timed, then
     ``runs`` runs of ``train(rank, world_size, fault, steps, option)``, each
     checked by ``check``, the first loss also by ``reference(results,
-    world_size, lost rank, kept)``."""
+    world_size, lost rank, kept)``; ``lost_with(rank)``: the ranks that may
+    end with the one the fault strikes (itself, or its DiLoCo worker's)."""
     draw = random.Random(seed)
     quiet = run_local_world(train, world_size, Fault(0, 1e9), steps, option, timeout_s=TIMEOUT_S)
     # The first world of a process warms up: later runs train faster than
@@ -293,8 +303,9 @@ def _soak(
         label = f"seed {seed}, run {run}, {world_size} ranks, {name}, {fault}"
         began = time.perf_counter()
         results = run_local_world(
-            train, world_size, fault, steps, option, timeout_s=TIMEOUT_S, may_exit=[fault.rank]
-        )
+            train, world_size, fault, steps, option, timeout_s=TIMEOUT_S,
+            may_exit=lost_with(fault.rank),
+        )  # fmt: skip
         seconds.append(time.perf_counter() - began)
         outcome = check(results, fault, steps, label)
         if verbose:
@@ -324,15 +335,19 @@ def train_diloco_with_fault(
         went on from and whether it finished that sync forward), ``fenced``,
         ``seconds``.
     """
+    size = RANKS_PER_WORKER.get(variant, 1)
+    workers = world_size // size
+    job = Workers(0, steps, workers, tuple(range(workers)), variant=variant)
+    inner, outer_group = job.worker_groups()
     model = make_model(PLAIN)
-    diloco = make_diloco(model, 2, variant)
-    job = Workers(0, steps, world_size, tuple(range(world_size)), variant=variant)
+    net = under_ddp(model, inner)
+    diloco = make_diloco(model, 2, variant, outer_group)
     timer = _arm(fault) if rank == fault.rank else None
     done, points = 0, []
     began = time.perf_counter()
     for step in range(steps):
         try:
-            recovered = diloco_step_surviving(model, diloco, step, job, rank)
+            net, recovered = diloco_step_surviving(net, diloco, step, job, rank)
         except CollectiveError as fenced:
             if "left behind" not in str(fenced):
                 raise
@@ -346,7 +361,12 @@ def train_diloco_with_fault(
             outer = diloco.outer_state_dict()
             break
         except (CollectiveError, RuntimeError) as error:
-            survivors = recover(diloco, error, deadline_s=DEADLINE_S)
+            try:
+                survivors = recover(diloco, error, deadline_s=DEADLINE_S)
+            except CollectiveError as fenced:
+                if "left behind" not in str(fenced):
+                    raise
+                return {"fenced": str(fenced), "done": done}
             point = survivors.point
             assert isinstance(point, SyncRecovery)
             points.append((survivors.lost, point.sync, point.forward))
@@ -409,7 +429,8 @@ def check_diloco_against_reference(
         AssertionError: they differ.
     """
     kill = WorkerKill(lost, kept, "backward")  # the survivors' world runs from step kept
-    reference = diloco_reference(world_size, steps, (kill,), variant)
+    workers = world_size // RANKS_PER_WORKER.get(variant, 1)
+    reference = diloco_reference(workers, steps, (kill,), variant)
     for ours in (r for r in results if r is not None and r["fenced"] is None):
         theirs = reference["model"][ours["me"]]
         assert all(
@@ -437,7 +458,11 @@ def diloco_soak(
 ) -> dict[str, Any]:  # fmt: skip
     """:func:`soak` for DiLoCo workers (``--config diloco``, or another key
     of ``diloco_survival.VARIANTS``: ``diloco-streaming``, a sync in flight
-    across an inner step; ``diloco-int8``, compressed syncs)."""
+    across an inner step; ``diloco-int8``, compressed syncs; ``diloco-ddp``,
+    workers of two ranks under DDP, ``world_size`` counting ranks)."""
+    size = RANKS_PER_WORKER.get(variant, 1)
+    if world_size % size:
+        raise ValueError(f"{variant}: workers of {size} ranks, so a world size divisible by it")
     return _soak(
         world_size, runs, seed, pauses, steps, verbose, variant,
         train_diloco_with_fault, variant,
@@ -445,6 +470,7 @@ def diloco_soak(
         lambda results, world, lost, kept: check_diloco_against_reference(
             results, world, lost, kept, steps, variant
         ),
+        lambda rank: [rank // size * size + i for i in range(size)],
     )  # fmt: skip
 
 

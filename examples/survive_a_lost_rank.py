@@ -91,7 +91,7 @@ from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
 
-BLOCKING_DILOCO = ("diloco", "diloco-int8")
+BLOCKING_DILOCO = ("diloco", "diloco-int8", "diloco-ddp")
 """The DiLoCo workers this example runs (``diloco_survival.VARIANTS``): a
 kill's step places it in a sync without timing."""
 
@@ -483,17 +483,17 @@ def report(result: dict[str, Any], kills: tuple[Kill, ...]) -> list[str]:
 
 def run_diloco(args: argparse.Namespace, kills: tuple[Kill, ...]) -> None:
     """``--config diloco`` (or ``diloco-int8``): each rank a DiLoCo worker
-    (``diloco_survival.py``)."""
+    (``diloco_survival.py``); ``diloco-ddp``: workers of two ranks under DDP."""
     lost = tuple(WorkerKill(k.rank, k.step, k.phase) for k in kills)
+    size = diloco_survival.RANKS_PER_WORKER.get(args.config, 1)
+    workers = args.world_size // size
     if args.reference:
-        result = diloco_survival.run_reference(args.world_size, args.steps, lost, args.config)
+        result = diloco_survival.run_reference(workers, args.steps, lost, args.config)
     else:
-        result = diloco_survival.run_killed(
-            args.world_size, args.steps, lost, args.deadline_s, args.config
-        )
+        result = diloco_survival.run_killed(workers, args.steps, lost, args.deadline_s, args.config)
     path = save_final(result, args.out)
     print(
-        f"wrote {path}: {result['world_size']} of {args.world_size} workers at the end, "
+        f"wrote {path}: {result['world_size']} of {workers} workers at the end, "
         f"{args.steps} steps done, inner step count {result['inner_steps']}"
     )
     for line in diloco_survival.report(result, lost):
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=[*sorted(CONFIGS), *BLOCKING_DILOCO],
         default="plain",
         help=f"{legend()}; diloco: DiLoCo workers (diloco_survival.py), diloco-int8: their "
-        "syncs compressed",
+        "syncs compressed, diloco-ddp: workers of two ranks under DDP",
     )
     parser.add_argument("--out", required=True, help="directory for final.pt")
     parser.add_argument("--reference", action="store_true", help="the same, without dying")
@@ -543,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.config in BLOCKING_DILOCO:
         if pauses:
             parser.error("--pause is for the ZeRO configurations; --config diloco takes --kill")
+        if args.world_size % diloco_survival.RANKS_PER_WORKER.get(args.config, 1):
+            parser.error(f"--config {args.config}: --world-size counts ranks, two per worker")
         run_diloco(args, kills)
         return
     config = CONFIGS[args.config]

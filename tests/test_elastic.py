@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "exa
 import train_elastic as example
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zerofn_torch import ZeroRedundancyOptimizer
-from zerofn_torch.elastic import _timeout_s, recover
+from zerofn_torch.elastic import recover
+from zerofn_torch.roll_call import timeout_s as _timeout_s
 from zerofn_torch.runtime.launch import run_local_world
 from zerofn_torch.runtime.traffic import collective_traffic
 

@@ -189,8 +189,11 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
         self._me = dist.get_rank()
         self._workers = workers
         self._generation = next_generation() if redundancy == 2 else 0
+        # A loss shuts the connections of the whole job's groups when workers
+        # have several ranks (worker_groups notes them as the job's).
+        beats_over = group if workers.ranks_per_worker == 1 else dist.group.WORLD
         self._heartbeat = (
-            start_heartbeat(self._generation, self.place, len(self._workers.ranks), group)
+            start_heartbeat(self._generation, self.place, len(workers.ranks), beats_over)
             if redundancy == 2
             else None
         )
