@@ -47,8 +47,8 @@ def test_faults_at_random_moments_leave_one_consistent_state(world_size: int, co
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("world_size", "variant"),
-    [(3, "diloco"), (4, "diloco"), (4, "diloco-streaming"), (3, "diloco-int8")],
-    ids=["3", "4", "4-streaming", "3-int8"],
+    [(3, "diloco"), (4, "diloco"), (4, "diloco-streaming"), (3, "diloco-int8"), (6, "diloco-ddp")],
+    ids=["3", "4", "4-streaming", "3-int8", "6-ranks-in-3-workers"],
 )
 def test_diloco_workers_lost_at_random_moments_leave_one_consistent_state(
     world_size: int, variant: str

@@ -237,6 +237,40 @@ def test_diloco_workers_end_with_the_references_bits(
     assert_bitwise_equal(ours, theirs)
 
 
+@pytest.mark.slow  # each case: 6 or 8 ranks, killed and reference
+@pytest.mark.parametrize(
+    "workers,steps,kills",
+    [
+        (3, 8, ("1@4:exchange",)),
+        (3, 8, ("2@4:backward",)),
+        (3, 8, ("5@3:between",)),
+        (4, 10, ("0@2:backward", "6@6:exchange")),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, tuple) else " then ".join(v),
+)
+def test_diloco_workers_of_two_ranks_end_with_the_references_bits(
+    tmp_path: Path, workers: int, steps: int, kills: tuple[str, ...]
+) -> None:
+    """``--config diloco-ddp``: a kill ends one rank, its worker goes whole
+    (its other rank leaves), the other workers take their furthest rank's
+    state and rebuild DDP; bitwise equal to the reference that restarts the
+    surviving workers' ranks from their saved states."""
+    plan = tuple(diloco.WorkerKill(k.rank, k.step, k.phase) for k in map(example.parse_kill, kills))
+    killed = diloco.run_killed(workers, steps, plan, variant="diloco-ddp")
+    assert killed["world_size"] == workers - len(plan)
+    assert killed["inner_steps"] == [steps]
+    for kill, r in zip(plan, killed["recoveries"], strict=True):
+        assert r["forward"] == (kill.phase == "exchange")
+        assert r["steps_lost"] == 0 and r["seconds"] > 0
+    gone = {k.rank // 2 for k in plan}
+    assert set(killed["model"]) == {r for r in range(2 * workers) if r // 2 not in gone}
+    reference = diloco.run_reference(workers, steps, plan, "diloco-ddp")
+    assert_bitwise_equal(
+        {"model": killed["model"], "optimizer": killed["optimizer"]},
+        {"model": reference["model"], "optimizer": reference["optimizer"]},
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size,steps,kills",

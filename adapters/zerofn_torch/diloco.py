@@ -68,7 +68,6 @@ from zerofn_torch.diloco_refusals import (
     stepped_in_backward,
 )
 from zerofn_torch.runtime.driver import PolledProgram, drive
-from zerofn_torch.runtime.heartbeat import next_generation, start_heartbeat
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.runtime.wrapped_optimizer import WrappedOptimizer, innermost, parameters_written
 from zerofn_torch.zero.forward_gather import wait_for_gathers
@@ -185,18 +184,7 @@ class DiLoCoOptimizer(CarryingWorker, WrappedOptimizer):
             anchor.copy_(values[f.owned(rank)])
         if self._carried is not None:
             self._carried.fill(plan, rank, start)
-        # The others tell this rank is alive by its heartbeat (zerofn_torch.elastic).
-        self._me = dist.get_rank()
-        self._workers = workers
-        self._generation = next_generation() if redundancy == 2 else 0
-        # A loss shuts the connections of the whole job's groups when workers
-        # have several ranks (worker_groups notes them as the job's).
-        beats_over = group if workers.ranks_per_worker == 1 else dist.group.WORLD
-        self._heartbeat = (
-            start_heartbeat(self._generation, self.place, len(workers.ranks), beats_over)
-            if redundancy == 2
-            else None
-        )
+        self._start_beating(group, workers, redundancy)
         self._replica: torch.Tensor | None = None
         self._residual: torch.Tensor | None = None
         if self.config.compression is not None:

@@ -34,7 +34,7 @@ from zerofn.diloco.state import DiLoCoState, take_inner_step
 from zerofn.diloco.workers import Workers
 from zerofn.errors import CollectiveError
 from zerofn.replicas import ReplicaMismatch, digests
-from zerofn_torch.runtime.heartbeat import Heartbeat
+from zerofn_torch.runtime.heartbeat import Heartbeat, next_generation, start_heartbeat
 from zerofn_torch.runtime.object_collectives import all_gather_objects
 from zerofn_torch.runtime.wrapped_optimizer import parameters_written, zero_rank_of
 
@@ -211,7 +211,7 @@ class CarryingWorker:
     """What ``DiLoCoOptimizer`` does to go on without a lost rank
     (``redundancy=2``): its place in the syncs, its state dicts for the
     regroup, and taking up the regrouped state. The recovery's sequence is
-    :func:`zerofn_torch.elastic.recover_diloco`'s; these are its hands."""
+    :func:`zerofn_torch.diloco_recovery.recover_diloco`'s; these are its hands."""
 
     config: DiLoCoConfig
     process_group: Any
@@ -275,6 +275,21 @@ class CarryingWorker:
     def plan(self) -> FragmentPlan:
         """How the parameters are cut into fragments and owners' slices."""
         return self._plan
+
+    def _start_beating(self, group: Any, workers: Workers, redundancy: int) -> None:
+        """Beat as this rank of ``workers`` (with ``redundancy=2``): the
+        others tell it is alive by its heartbeat (:mod:`zerofn_torch.elastic`).
+        With workers of several ranks the alarm shuts the connections of the
+        job's groups (:func:`~zerofn_torch.diloco_recovery.worker_groups`
+        notes them as the default group's), else those of ``group``."""
+        self._me, self._workers = dist.get_rank(), workers
+        self._generation = next_generation() if redundancy == 2 else 0
+        self._heartbeat = None
+        if redundancy == 2:
+            over = group if workers.ranks_per_worker == 1 else dist.group.WORLD
+            self._heartbeat = start_heartbeat(
+                self._generation, self.place, len(workers.ranks), over
+            )
 
     def _check_alarm(self) -> None:
         """Fail at once when another rank raised this world's alarm: a

@@ -14,7 +14,7 @@ afresh, so a busy machine delays a verdict rather than making a false one.
 
 :class:`BeatView` is what one watcher has seen; :func:`seen_beats` takes one
 more reading; :func:`silent_ranks` says who has gone quiet. The roll call
-(``zerofn_torch.elastic.roll_call``) declares a silent rank lost, which is
+(``zerofn_torch.roll_call.roll_call``) declares a silent rank lost, which is
 what lets it end within a second of a death rather than at its deadline.
 """
 
