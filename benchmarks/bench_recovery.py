@@ -3,10 +3,11 @@
 in each phase of a step (in backward, inside the exchange, between steps),
 the last rank or a middle one, in each configuration of
 ``train_elastic.CONFIGS`` and for DiLoCo workers (``--config diloco`` and
-``diloco-int8``: inside a sync, in backward, between steps), and one rank
-paused. Each run's survivors time the recovery from the moment the lost rank
-went (it notes the moment in the job's store) to their next completed step.
-``--quick``: 3 ranks, one loss of each phase per configuration."""
+``diloco-int8``: inside a sync, in backward, between steps; ``diloco-ddp``,
+workers of two ranks, on 6 and 8 ranks), and one rank paused. Each run's
+survivors time the recovery from the moment the lost rank went (it notes the
+moment in the job's store) to their next completed step. ``--quick``: 3
+ranks (6 for ``diloco-ddp``), one loss of each phase per configuration."""
 
 from __future__ import annotations
 
@@ -50,11 +51,16 @@ def _one(
 DILOCO = ("diloco", "diloco-int8")
 """The DiLoCo workers timed: fp32 syncs, and int8 syncs."""
 
+DILOCO_DDP = "diloco-ddp"
+"""DiLoCo workers of two ranks under DDP, timed on 6 and 8 ranks (3 and 4 workers)."""
+
 
 def _one_diloco(world_size: int, victim: int, phase: str, variant: str) -> tuple[float, int]:
-    """One run of DiLoCo workers losing ``victim``: its seconds and steps lost."""
+    """One run of DiLoCo workers on ``world_size`` ranks losing rank
+    ``victim``: its seconds and steps lost."""
     kill = diloco_survival.WorkerKill(victim, AT, phase)
-    result = diloco_survival.run_killed(world_size, STEPS, (kill,), variant=variant)
+    workers = world_size // diloco_survival.RANKS_PER_WORKER.get(variant, 1)
+    result = diloco_survival.run_killed(workers, STEPS, (kill,), variant=variant)
     (recovery,) = result["recoveries"]
     return float(recovery["seconds"]), int(recovery["steps_lost"])
 
@@ -70,7 +76,11 @@ def bench_recovery(quick: bool) -> Section:
                 lost_steps.append(lost)
                 fault = f"rank {victim} lost"
                 rows.append([world_size, config.name, fault, phase, f"{seconds:.2f}", lost])
-    for world_size, variant, phase in itertools.product(worlds, DILOCO, PHASES):
+    diloco_runs = [
+        *itertools.product(worlds, DILOCO, PHASES),
+        *itertools.product((6,) if quick else (6, 8), (DILOCO_DDP,), PHASES),
+    ]
+    for world_size, variant, phase in diloco_runs:
         for victim in _victims(world_size, quick):
             seconds, lost = _one_diloco(world_size, victim, phase, variant)
             kills_seconds.append(seconds)
@@ -87,7 +97,8 @@ def bench_recovery(quick: bool) -> Section:
         f"`examples/train_elastic.py`'s model ({legend()}; `diloco`: each rank a worker of "
         "`DiLoCoOptimizer(Adam, sync_every=2, fragments=2, redundancy=2)` on the same model, a "
         "fragment synced after every inner step, the loss inside a sync, in backward or between "
-        'steps; `diloco-int8`: the same with `compression="int8"`), gloo on CPU, the group\'s '
+        'steps; `diloco-int8`: the same with `compression="int8"`; `diloco-ddp`: workers of '
+        "two ranks under DDP, a lost rank taking its worker), gloo on CPU, the group's "
         "default timeout (30 minutes) and `recover`'s default "
         f"roll call; one rank ends (`os._exit`) in step {AT} of {STEPS}. Seconds from the death "
         "to the survivors' next completed step (the step finished or redone), as the survivors' "
