@@ -50,10 +50,11 @@ def recover_diloco(
     raised the alarm; or a backward under DDP).
 
     The ranks of the whole job agree on who is alive and where each stood
-    in the syncs (:func:`roll_call`). A worker with a lost rank is lost
-    whole: its other ranks leave. The ranks of each surviving worker take
-    the state of its furthest rank (:func:`~zerofn.diloco.workers.after_loss`)
-    over the worker's new group, so every outer group decides the same
+    in the syncs (:func:`~zerofn_torch.roll_call.roll_call`). A worker with
+    a lost rank is lost whole: its other ranks leave. The ranks of each
+    surviving worker take the state of its furthest rank
+    (:func:`~zerofn.diloco.workers.after_loss`) over the worker's new group,
+    so every outer group decides the same
     (:func:`~zerofn.diloco.redundancy.sync_recovery`): finish the
     interrupted sync forward with a survivor's sum, or leave it to run
     again. Each outer group then cuts the outer state for its world from
@@ -64,13 +65,14 @@ def recover_diloco(
     steps get there.
 
     Returns:
-        As :func:`recover`, with ``inner_group`` for workers of several
-        ranks; ``finished_step``: the call that failed here is complete (its
-        inner step taken and its sync done): do not redo it.
+        As :func:`~zerofn_torch.elastic.recover`, with ``inner_group`` for
+        workers of several ranks; ``finished_step``: the call that failed
+        here is complete (the survivors stand past its step): do not redo it.
 
     Raises:
-        ValueError: ``diloco`` keeps no copies (``redundancy=1``), or a
-            worker and its carrier are both lost: restart from a checkpoint.
+        ValueError: ``diloco`` keeps no copies (``redundancy=1``), a
+            worker and its carrier are both lost, or fewer than 2 workers
+            are left whole: restart from a checkpoint.
         BaseException: ``error`` itself, when every rank answered and it is
             no failed collective.
         zerofn.errors.CollectiveError: this rank was left behind, or its

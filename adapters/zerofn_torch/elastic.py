@@ -18,8 +18,10 @@ step boundary, with no restart and no checkpoint read::
                 if survivors.finished_step:  # lost inside the step's exchange
                     break  # the step was finished from the carried copies
 
-Which decisions are made where: the roll call is this module's (the job's
-store, a deadline); who owns and carries what afterwards, what moves, and
+Which decisions are made where: the roll call is
+:mod:`zerofn_torch.roll_call`'s (the job's store, a deadline; its names are
+importable from here too); DiLoCo's recovery is
+:mod:`zerofn_torch.diloco_recovery`'s; who owns and carries what afterwards, what moves, and
 the rebuilt rank are the core's (:func:`zerofn.zero.elastic.redundancy.plan_after_loss`,
 :mod:`zerofn.zero.elastic.regroup`), the same functions the simulated world runs
 (:func:`zerofn.testing.elastic.survivors_of`).

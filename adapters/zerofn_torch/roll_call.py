@@ -82,7 +82,7 @@ class RollCall(Generic[P]):
 
 @attrs.frozen
 class Recovered:
-    """What :func:`recover` made of the job.
+    """What :func:`~zerofn_torch.elastic.recover` made of the job.
 
     Attributes:
         group: the survivors' process group (the optimizer's from now on;
