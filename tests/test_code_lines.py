@@ -61,24 +61,18 @@ def test_an_empty_file_and_a_docstring_alone_have_no_code_lines() -> None:
     assert code_lines.count_code_lines('"""Only a docstring."""\n# and a comment\n') == 0
 
 
-def test_top_level_spans_and_import_lines_of_a_source() -> None:
+def test_top_level_spans_of_a_source() -> None:
     tree = ast.parse(SOURCE)
     spans = code_lines.top_level_spans(tree)
     assert set(spans) == {"f", "C", "C.g"}
     assert spans["f"] == range(8, 19) and spans["C"] == range(21, 29)
     assert spans["C.g"] == range(27, 29)
-    assert code_lines.import_lines(tree) == {5}
-    exports = ast.parse('import a\n__all__ = [\n    "x",\n]\ny = 1\n')
-    assert code_lines.import_lines(exports) == {1, 2, 3, 4}
 
 
 def test_every_beyond_row_names_what_exists_and_claims_its_own_lines() -> None:
     rows = code_lines.beyond_counts()
     assert [name for name, _, _ in rows] == [row.name for row in code_lines.BEYOND]
     assert all(n > 0 for _, _, n in rows)
-    for feature in code_lines.FEATURES:
-        ours, theirs = code_lines.import_counts(feature)
-        assert ours > 0 and theirs >= 0, feature.name
 
 
 @pytest.mark.parametrize(
