@@ -57,14 +57,16 @@ VARIANTS = {
     "diloco-streaming": DiLoCoConfig(4, 2, delay=1, mixing=0.5),
     "diloco-int8": DiLoCoConfig(SYNC_EVERY, FRAGMENTS, compression="int8"),
     "diloco-ddp": DiLoCoConfig(SYNC_EVERY, FRAGMENTS),
+    "diloco-ddp-streaming": DiLoCoConfig(4, 2, delay=1, mixing=0.5),
+    "diloco-ddp-int8": DiLoCoConfig(SYNC_EVERY, FRAGMENTS, compression="int8"),
 }
 """The workers' schedules by ``--config``: blocking syncs; Streaming DiLoCo
 (a fragment's sync every 2 steps, each merged half and half one inner step
 after it starts, so a loss can land while a sync is in flight across an
 inner step); and blocking syncs whose pseudo-gradients and anchor updates
-travel as int8 codes with error feedback; and blocking syncs between
-workers of two ranks each."""
-RANKS_PER_WORKER = {"diloco-ddp": 2}
+travel as int8 codes with error feedback; then the same three between
+workers of two ranks each (``diloco-ddp``, ``-streaming``, ``-int8``)."""
+RANKS_PER_WORKER = {"diloco-ddp": 2, "diloco-ddp-streaming": 2, "diloco-ddp-int8": 2}
 """Ranks per worker by ``--config`` (1 where it is not named)."""
 TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 """PyTorch's default group timeout: nothing waits for it."""
@@ -375,19 +377,21 @@ def run_reference(
             size = job.ranks_per_worker
             workers = tuple(w for w in workers if w != kills[lost].rank // size)
             kept = [r for r in results if r["me"] // size in workers]
-            _owe_the_survivors_mean(start, kept)
+            _owe_the_survivors_mean(start, kept, size)
     return {**final, "segments": segments}
 
 
 def _owe_the_survivors_mean(
-    start: dict[int, dict[str, Any]], survivors: list[dict[str, Any]]
+    start: dict[int, dict[str, Any]], survivors: list[dict[str, Any]], size: int = 1
 ) -> None:
     """With compressed syncs, start every survivor from the mean of the
-    survivors' residuals, as a recovery does: a lost worker's error feedback
-    is gone with it (the consolidated state holds the mean over all workers)."""
+    surviving workers' residuals (one per worker: the ranks of a worker hold
+    the same), as a recovery does: a lost worker's error feedback is gone
+    with it (the consolidated state holds the mean over all workers)."""
     if survivors[0]["residual"] is None:
         return
-    mean = torch.stack([r["residual"] for r in survivors]).mean(dim=0)
+    each = [r["residual"] for r in survivors if r["me"] % size == 0]
+    mean = torch.stack(each).mean(dim=0)
     for r in survivors:
         start[r["me"]]["optimizer"]["diloco"]["residual"] = mean
 

@@ -91,7 +91,7 @@ from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
 
-BLOCKING_DILOCO = ("diloco", "diloco-int8", "diloco-ddp")
+BLOCKING_DILOCO = ("diloco", "diloco-int8", "diloco-ddp", "diloco-ddp-int8")
 """The DiLoCo workers this example runs (``diloco_survival.VARIANTS``): a
 kill's step places it in a sync without timing."""
 
@@ -483,7 +483,8 @@ def report(result: dict[str, Any], kills: tuple[Kill, ...]) -> list[str]:
 
 def run_diloco(args: argparse.Namespace, kills: tuple[Kill, ...]) -> None:
     """``--config diloco`` (or ``diloco-int8``): each rank a DiLoCo worker
-    (``diloco_survival.py``); ``diloco-ddp``: workers of two ranks under DDP."""
+    (``diloco_survival.py``); ``diloco-ddp`` (``-int8``): workers of two
+    ranks under DDP."""
     lost = tuple(WorkerKill(k.rank, k.step, k.phase) for k in kills)
     size = diloco_survival.RANKS_PER_WORKER.get(args.config, 1)
     workers = args.world_size // size
@@ -528,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=[*sorted(CONFIGS), *BLOCKING_DILOCO],
         default="plain",
         help=f"{legend()}; diloco: DiLoCo workers (diloco_survival.py), diloco-int8: their "
-        "syncs compressed, diloco-ddp: workers of two ranks under DDP",
+        "syncs compressed, diloco-ddp (-int8): workers of two ranks under DDP",
     )
     parser.add_argument("--out", required=True, help="directory for final.pt")
     parser.add_argument("--reference", action="store_true", help="the same, without dying")

@@ -239,24 +239,25 @@ def test_diloco_workers_end_with_the_references_bits(
 
 @pytest.mark.slow  # each case: 6 or 8 ranks, killed and reference
 @pytest.mark.parametrize(
-    "workers,steps,kills",
+    "variant,workers,steps,kills",
     [
-        (3, 8, ("1@4:exchange",)),
-        (3, 8, ("2@4:backward",)),
-        (3, 8, ("5@3:between",)),
-        (4, 10, ("0@2:backward", "6@6:exchange")),
+        ("diloco-ddp", 3, 8, ("1@4:exchange",)),
+        ("diloco-ddp", 3, 8, ("2@4:backward",)),
+        ("diloco-ddp", 3, 8, ("5@3:between",)),
+        ("diloco-ddp", 4, 10, ("0@2:backward", "6@6:exchange")),
+        ("diloco-ddp-int8", 3, 8, ("1@4:exchange",)),
     ],
     ids=lambda v: str(v) if not isinstance(v, tuple) else " then ".join(v),
 )
 def test_diloco_workers_of_two_ranks_end_with_the_references_bits(
-    tmp_path: Path, workers: int, steps: int, kills: tuple[str, ...]
+    tmp_path: Path, variant: str, workers: int, steps: int, kills: tuple[str, ...]
 ) -> None:
     """``--config diloco-ddp``: a kill ends one rank, its worker goes whole
     (its other rank leaves), the other workers take their furthest rank's
     state and rebuild DDP; bitwise equal to the reference that restarts the
     surviving workers' ranks from their saved states."""
     plan = tuple(diloco.WorkerKill(k.rank, k.step, k.phase) for k in map(example.parse_kill, kills))
-    killed = diloco.run_killed(workers, steps, plan, variant="diloco-ddp")
+    killed = diloco.run_killed(workers, steps, plan, variant=variant)
     assert killed["world_size"] == workers - len(plan)
     assert killed["inner_steps"] == [steps]
     for kill, r in zip(plan, killed["recoveries"], strict=True):
@@ -264,7 +265,7 @@ def test_diloco_workers_of_two_ranks_end_with_the_references_bits(
         assert r["steps_lost"] == 0 and r["seconds"] > 0
     gone = {k.rank // 2 for k in plan}
     assert set(killed["model"]) == {r for r in range(2 * workers) if r // 2 not in gone}
-    reference = diloco.run_reference(workers, steps, plan, "diloco-ddp")
+    reference = diloco.run_reference(workers, steps, plan, variant)
     assert_bitwise_equal(
         {"model": killed["model"], "optimizer": killed["optimizer"]},
         {"model": reference["model"], "optimizer": reference["optimizer"]},
@@ -273,30 +274,31 @@ def test_diloco_workers_of_two_ranks_end_with_the_references_bits(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world_size,steps,kills",
+    "variant,world_size,steps,kills",
     [
-        (3, 10, ("1@3:exchange",)),
-        (3, 10, ("2@4:between",)),
-        (4, 12, ("1@3:exchange", "3@7:backward")),
+        ("diloco-streaming", 3, 10, ("1@3:exchange",)),
+        ("diloco-streaming", 3, 10, ("2@4:between",)),
+        ("diloco-streaming", 4, 12, ("1@3:exchange", "3@7:backward")),
+        ("diloco-ddp-streaming", 3, 10, ("1@3:exchange",)),
     ],
     ids=lambda v: str(v) if not isinstance(v, tuple) else " then ".join(v),
 )
 def test_streaming_diloco_workers_end_with_the_references_bits(
-    tmp_path: Path, world_size: int, steps: int, kills: tuple[str, ...]
+    tmp_path: Path, variant: str, world_size: int, steps: int, kills: tuple[str, ...]
 ) -> None:
     """Streaming DiLoCo (a sync in flight across an inner step, merged half
     and half): where a loss lands among the syncs in flight depends on
     timing, so the reference takes over where the recoveries say the
     survivors went on from; bitwise equal."""
     plan = tuple(diloco.WorkerKill(k.rank, k.step, k.phase) for k in map(example.parse_kill, kills))
-    killed = diloco.run_killed(world_size, steps, plan, variant="diloco-streaming")
+    killed = diloco.run_killed(world_size, steps, plan, variant=variant)
     assert killed["inner_steps"] == [steps]
     assert all(r["steps_lost"] == 0 for r in killed["recoveries"])
     for kill, r in zip(plan, killed["recoveries"], strict=True):
         if kill.phase == "exchange":  # it died holding the sum of the sync it started
             assert r["forward"] and r["sync"] == kill.step + 1
     seen = diloco.as_seen(plan, killed["recoveries"])
-    reference = diloco.run_reference(world_size, steps, seen, "diloco-streaming")
+    reference = diloco.run_reference(world_size, steps, seen, variant)
     assert_bitwise_equal(
         {"model": killed["model"], "optimizer": killed["optimizer"]},
         {"model": reference["model"], "optimizer": reference["optimizer"]},
