@@ -22,6 +22,7 @@ from zerofn.diloco.schedule import fragment_synced_at
 from zerofn.diloco.workers import after_loss
 from zerofn.errors import CollectiveError
 from zerofn_torch.diloco import DiLoCoOptimizer
+from zerofn_torch.replicas import verify_replicas
 from zerofn_torch.roll_call import (
     DEADLINE_S,
     GENERATION,
@@ -79,7 +80,8 @@ def recover_diloco(
             worker lost another rank (it ends here and touches nothing);
             the survivors' positions admit no common outer state; or a
             collective on the new groups failed.
-        zerofn.replicas.ReplicaMismatch: a carried copy differs from its owner's.
+        zerofn.replicas.ReplicaMismatch: a carried copy differs from its
+            owner's, or a worker's ranks end with different parameters.
     """
     own = diloco.position()
     store = store if store is not None else dist.distributed_c10d._get_default_store()
@@ -131,6 +133,8 @@ def recover_diloco(
     diloco.verify_copies()
     if recovery.runs_again(position):
         diloco.run_again(position)
+    if inner is not None:  # every outer group decided alike: a worker's replicas agree
+        verify_replicas([p for g in diloco.param_groups for p in g["params"]], inner)
     # The failed call is done once the survivors stand past the step it was.
     finished = position.steps + int(position.taken) > own.steps
     return Recovered(group, new_rank, len(loss.kept), loss.lost, finished, recovery, inner)
