@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-import zerofn_torch.elastic as elastic
+import zerofn_torch.roll_call as survivors_roll_call
 from bench_soak_restart import BEGIN as SOAK_BEGIN
 from bench_soak_restart import END as SOAK_END
 from bench_soak_restart import FULL as SOAK
@@ -72,8 +72,8 @@ def _die_after_local_step(zero: ZeroRedundancyOptimizer, store: Any) -> None:
 
 def _instrument(spent: dict[str, float]) -> None:
     """Time ``recover``'s roll call (called by name, in this process's copy
-    of ``zerofn_torch.elastic``) and count the state it sends."""
-    roll_call = elastic.roll_call
+    of ``zerofn_torch.roll_call``) and count the state it sends."""
+    roll_call = survivors_roll_call.roll_call
 
     def timed_roll_call(*args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
@@ -85,7 +85,7 @@ def _instrument(spent: dict[str, float]) -> None:
     def counted(outbox: Any) -> None:
         spent["moved_bytes"] += _tensor_bytes(outbox)
 
-    setattr(elastic, "roll_call", timed_roll_call)  # noqa: B010
+    setattr(survivors_roll_call, "roll_call", timed_roll_call)  # noqa: B010
     _watch_outboxes(counted)
 
 
@@ -118,7 +118,7 @@ def _loss_rank(
             applied = min(int(s["step"]) for s in zero.optim.state.values())
             if not spent["roll_call_s"] or not spent["moved_bytes"]:
                 raise RuntimeError(
-                    "recover no longer calls zerofn_torch.elastic.roll_call and "
+                    "recover no longer calls zerofn_torch.roll_call.roll_call and "
                     "zerofn.zero.elastic.regroup.outgoing_states by name: elastic_loss._instrument "
                     "timed nothing"
                 ) from error

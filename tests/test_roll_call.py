@@ -1,4 +1,4 @@
-"""The survivors' roll call (``zerofn_torch.elastic.roll_call``), in one
+"""The survivors' roll call (``zerofn_torch.roll_call.roll_call``), in one
 process: ranks are threads sharing one in-memory store. Everyone who
 answers is alive; one that never answers is out, at once if its heartbeat
 went silent, at the deadline if it never beat, and only at the patience's
