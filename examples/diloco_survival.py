@@ -10,10 +10,12 @@ in), so a loss changes nobody's data.
 
 With ``--config diloco-ddp`` a worker is two ranks: the model under DDP over
 the worker's group (zerofn's ``allreduce_hook``), one DiLoCo outer group per
-local index, each rank on its own batches. ``--world-size`` counts workers
-(twice as many processes), and a kill names the rank (process) that dies:
-its worker is lost whole, its other rank leaving (left behind) while the
-other workers go on and rebuild DDP on the group ``recover`` returns.
+local index, each rank on its own batches (``-int8`` and ``-streaming`` as
+below). The functions here count workers (twice as many processes; the
+command lines' ``--world-size`` counts ranks), and a kill names the rank
+(process) that dies: its worker is lost whole, its other rank leaving (left
+behind) while the other workers go on and rebuild DDP on the group
+``recover`` returns.
 
 Where a kill lands, for DiLoCo:
 
