@@ -405,15 +405,27 @@ class CarryingWorker:
         self.optim.load_state_dict(handed["inner"])
         parameters_written(self.optim)
         self._state, self._taken = handed["state"]
-        self._anchors = [a.detach().clone() for a in handed["anchors"]]
-        self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
-        self.outer.load_state_dict(handed["outer"])
         result, replica, residual = handed["kept"]
+        self._hold_outer(handed["anchors"], handed["outer"], replica, residual)
         self._result = None if result is None else result.clone()
+        self._carrying().take(handed["carried"])
+
+    def _hold_outer(
+        self,
+        anchors: Sequence[torch.Tensor],
+        outer: dict[str, Any],
+        replica: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> None:
+        """Hold ``anchors`` (copies), a new outer optimizer over them loaded
+        from ``outer``, and (compressed syncs) ``replica`` and ``residual``."""
+        self._anchors = [a.detach().clone() for a in anchors]
+        self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
+        self.outer.load_state_dict(outer)
         if self._replica is not None and self._residual is not None:
+            assert replica is not None and residual is not None  # compressed: always held
             self._replica.copy_(replica)
             self._residual.copy_(residual)
-        self._carrying().take(handed["carried"])
 
     def regroup(self, group: Any, new_rank: int, regrouped: Regrouped) -> None:
         """Go on as rank ``new_rank`` of ``group`` with the regrouped outer
@@ -422,13 +434,9 @@ class CarryingWorker:
         carried = self._carrying()
         self.process_group = group
         self._rank, self._plan = new_rank, regrouped.plan
-        self._anchors = [a.detach().clone() for a in regrouped.own["anchor"]]
-        self.outer = check_outer_optimizer(self._factory(self._anchors), self._anchors)
-        self.outer.load_state_dict(regrouped.own["outer"])
+        own = regrouped.own
+        self._hold_outer(own["anchor"], own["outer"], own["replica"], own["residual"])
         carried.load(regrouped.carried)
-        if self._replica is not None and self._residual is not None:
-            self._replica.copy_(regrouped.own["replica"])
-            self._residual.copy_(regrouped.own["residual"])
         # The sync in flight, if any, was the old group's (left already): it
         # is finished or run again from here (resume, run_again).
         self._flight, self._result = None, None
