@@ -59,7 +59,7 @@ def _one_diloco(world_size: int, victim: int, phase: str, variant: str) -> tuple
     """One run of DiLoCo workers on ``world_size`` ranks losing rank
     ``victim``: its seconds and steps lost."""
     kill = diloco_survival.WorkerKill(victim, AT, phase)
-    workers = world_size // diloco_survival.RANKS_PER_WORKER.get(variant, 1)
+    workers = world_size // diloco_survival.ranks_per_worker(variant)
     result = diloco_survival.run_killed(workers, STEPS, (kill,), variant=variant)
     (recovery,) = result["recoveries"]
     return float(recovery["seconds"]), int(recovery["steps_lost"])

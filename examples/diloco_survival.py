@@ -70,6 +70,13 @@ travel as int8 codes with error feedback; then the same three between
 workers of two ranks each (``diloco-ddp``, ``-streaming``, ``-int8``)."""
 RANKS_PER_WORKER = {"diloco-ddp": 2, "diloco-ddp-streaming": 2, "diloco-ddp-int8": 2}
 """Ranks per worker by ``--config`` (1 where it is not named)."""
+
+
+def ranks_per_worker(variant: str) -> int:
+    """How many ranks each worker of ``variant`` has (:data:`RANKS_PER_WORKER`)."""
+    return RANKS_PER_WORKER.get(variant, 1)
+
+
 TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 """PyTorch's default group timeout: nothing waits for it."""
 
@@ -108,8 +115,8 @@ class Workers:
 
     @property
     def ranks_per_worker(self) -> int:
-        """Processes per worker (:data:`RANKS_PER_WORKER`)."""
-        return RANKS_PER_WORKER.get(self.variant, 1)
+        """Processes per worker (:func:`ranks_per_worker`)."""
+        return ranks_per_worker(self.variant)
 
     def worker_groups(self) -> tuple[Any, Any]:
         """This rank's groups (``zerofn_torch.elastic.worker_groups``): its

@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from diloco_survival import (
     FRAGMENTS,
-    RANKS_PER_WORKER,
     VARIANTS,
     WorkerKill,
     Workers,
     make_diloco,
+    ranks_per_worker,
     under_ddp,
 )
 from diloco_survival import run_reference as diloco_reference
@@ -103,6 +103,19 @@ def _arm(fault: Fault) -> threading.Timer:
     return timer
 
 
+def _left_behind(error: CollectiveError, done: int) -> dict[str, Any]:
+    """What a rank the others went on without returns: what it raised, and
+    the steps it completed.
+
+    Raises:
+        zerofn.errors.CollectiveError: ``error`` itself, unless it says the
+            rank was left behind.
+    """
+    if "left behind" not in str(error):
+        raise error
+    return {"fenced": str(error), "done": done}
+
+
 def train_with_fault(
     rank: int, world_size: int, fault: Fault, steps: int, config: Config = PLAIN
 ) -> dict[str, Any]:
@@ -126,9 +139,7 @@ def train_with_fault(
         try:
             ddp, recovered = step_surviving(ddp, model, zero, step)
         except CollectiveError as fenced:
-            if "left behind" not in str(fenced):
-                raise
-            return {"fenced": str(fenced), "done": done}
+            return _left_behind(fenced, done)
         points += [
             (r.recovered.lost, r.recovered.point, step, r.recovered.finished_step)
             for r in recovered
@@ -335,8 +346,7 @@ def train_diloco_with_fault(
         went on from and whether it finished that sync forward), ``fenced``,
         ``seconds``.
     """
-    size = RANKS_PER_WORKER.get(variant, 1)
-    workers = world_size // size
+    workers = world_size // ranks_per_worker(variant)
     job = Workers(0, steps, workers, tuple(range(workers)), variant=variant)
     inner, outer_group = job.worker_groups()
     model = make_model(PLAIN)
@@ -349,9 +359,7 @@ def train_diloco_with_fault(
         try:
             net, recovered = diloco_step_surviving(net, diloco, step, job, rank)
         except CollectiveError as fenced:
-            if "left behind" not in str(fenced):
-                raise
-            return {"fenced": str(fenced), "done": done}
+            return _left_behind(fenced, done)
         points += [(r.lost, r.sync, r.forward) for r in recovered]
         done += 1
     if timer is not None:
@@ -364,9 +372,7 @@ def train_diloco_with_fault(
             try:
                 survivors = recover(diloco, error, deadline_s=DEADLINE_S)
             except CollectiveError as fenced:
-                if "left behind" not in str(fenced):
-                    raise
-                return {"fenced": str(fenced), "done": done}
+                return _left_behind(fenced, done)
             point = survivors.point
             assert isinstance(point, SyncRecovery)
             points.append((survivors.lost, point.sync, point.forward))
@@ -429,7 +435,7 @@ def check_diloco_against_reference(
         AssertionError: they differ.
     """
     kill = WorkerKill(lost, kept, "backward")  # the survivors' world runs from step kept
-    workers = world_size // RANKS_PER_WORKER.get(variant, 1)
+    workers = world_size // ranks_per_worker(variant)
     reference = diloco_reference(workers, steps, (kill,), variant)
     for ours in (r for r in results if r is not None and r["fenced"] is None):
         theirs = reference["model"][ours["me"]]
@@ -460,7 +466,7 @@ def diloco_soak(
     of ``diloco_survival.VARIANTS``: ``diloco-streaming``, a sync in flight
     across an inner step; ``diloco-int8``, compressed syncs; ``diloco-ddp``,
     workers of two ranks under DDP, ``world_size`` counting ranks)."""
-    size = RANKS_PER_WORKER.get(variant, 1)
+    size = ranks_per_worker(variant)
     if world_size % size:
         raise ValueError(f"{variant}: workers of {size} ranks, so a world size divisible by it")
     return _soak(

@@ -486,8 +486,7 @@ def run_diloco(args: argparse.Namespace, kills: tuple[Kill, ...]) -> None:
     (``diloco_survival.py``); ``diloco-ddp`` (``-int8``): workers of two
     ranks under DDP."""
     lost = tuple(WorkerKill(k.rank, k.step, k.phase) for k in kills)
-    size = diloco_survival.RANKS_PER_WORKER.get(args.config, 1)
-    workers = args.world_size // size
+    workers = args.world_size // diloco_survival.ranks_per_worker(args.config)
     if args.reference:
         result = diloco_survival.run_reference(workers, args.steps, lost, args.config)
     else:
@@ -544,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.config in BLOCKING_DILOCO:
         if pauses:
             parser.error("--pause is for the ZeRO configurations; --config diloco takes --kill")
-        if args.world_size % diloco_survival.RANKS_PER_WORKER.get(args.config, 1):
+        if args.world_size % diloco_survival.ranks_per_worker(args.config):
             parser.error(f"--config {args.config}: --world-size counts ranks, two per worker")
         run_diloco(args, kills)
         return
