@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import Program, Request, answered_locally, recording_requests, split_like
+from zerofn.comm import Program, Request, recording_requests, split_like
 from zerofn.hooks.hook import (
     BucketInfo,
     CommHook,
@@ -52,14 +52,15 @@ from zerofn.overlap.orders import (
     Sent,
     StepChecks,
     StepGradients,
-    obey_order,
     write_updates,
 )
 from zerofn.testing.world import run_programs
-from zerofn.zero.forward_gather import check_gather_with_hook
+from zerofn.zero.forward_gather import ForwardGather, check_gather_with_hook
 from zerofn.zero.hook_driven import (
+    OverlapBinding,
     attach,
     build_hook_driven_rank,
+    obey_through,
     send_compressed,
     step_rank_with_gradients,
 )
@@ -121,10 +122,17 @@ class _OverlapRank:
         self.state = init_hook_state(hook)
         self.groups, self.zero = groups, zero
         self.params = flat_params(groups)
-        self.first_use = first_use
         self.handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         self.incoming: list[tuple[tuple[int, ...], _Sent, bool]] = []
         self.behind_forward: list[Program[None]] = []
+        # What the optimizer's bind_overlap_hook gives the adapter's hook.
+        self.binding = OverlapBinding(
+            self._step,
+            self._adopt_owners,
+            lambda: send_compressed(self.zero, self.params),
+            forward_order=lambda: first_use,
+            behind_forward=self._send_behind_forward,
+        )
 
     @property
     def held(self) -> tuple[int, ...] | None:
@@ -153,22 +161,15 @@ class _OverlapRank:
         return self.state.global_state.order
 
     def obeying(self, order: StepOrder) -> Program[OrderObeyed]:
-        """The core's :func:`zerofn.overlap.orders.obey_order` for ``order``, its
-        local step answered by :meth:`step` (the buckets it names are taken)."""
+        """The core's :func:`zerofn.zero.hook_driven.obey_through` for
+        ``order``, through this rank's binding (the buckets it names are taken)."""
         handed = {index: self.handed.pop(index) for index in order.buckets}
-        program = obey_order(
-            self.state.global_state,
-            self.config,
-            order,
-            handed,
-            self.params,
-            StepChecks(),
-            send_compressed(self.zero, self.params),
-            self.first_use,
+        state = self.state.global_state
+        return obey_through(
+            self.binding, state, self.config, order, handed, self.params, StepChecks()
         )
-        return answered_locally(program, StepGradients, self.step)
 
-    def step(self, request: StepGradients) -> None:
+    def _step(self, request: StepGradients) -> None:
         """Step as the optimizer does; the parameters not named sit out."""
         held = self.held
         if held is not None and not set(request.grads) <= set(held):
@@ -178,13 +179,15 @@ class _OverlapRank:
             )
         step_rank_with_gradients(self.zero, self.groups, request)
 
-    def after(self, done: OrderObeyed) -> list[Program[_Sent]]:
-        """Keep this rank's share once the order says the plan is fixed; the
-        sends, their results kept to write at the iteration's end."""
-        if done.reshard is not None:
-            self.zero = sharded_by_owners(self.zero, self.groups, done.reshard)
-        if done.behind_forward is not None:
-            self.behind_forward.append(done.behind_forward[1])
+    def _adopt_owners(self, owned: Sequence[Sequence[int]]) -> None:
+        self.zero = sharded_by_owners(self.zero, self.groups, owned)
+
+    def _send_behind_forward(self, gather: ForwardGather, program: Program[None]) -> None:
+        self.behind_forward.append(program)
+
+    def sends(self, done: OrderObeyed) -> list[Program[_Sent]]:
+        """The owners' sends of an obeyed order, their results kept to write
+        at the iteration's end."""
         return [
             self._sending(program, indices, done.differences) for indices, program in done.sends
         ]
@@ -235,7 +238,7 @@ def _hand_over(
             if order is not None
         ]
         done = run_programs(obeying, purpose=f"after DDP bucket {info.index}: the step")
-        sends = [rank.after(done_order) for rank, done_order in zip(ranks, done, strict=True)]
+        sends = [rank.sends(done_order) for rank, done_order in zip(ranks, done, strict=True)]
     elif any(order is not None for order in orders):
         raise AssertionError(f"after bucket {info.index} only some ranks were ordered to step")
     if any(sends):

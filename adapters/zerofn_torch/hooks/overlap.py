@@ -47,12 +47,13 @@ import torch
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default_hooks
 
-from zerofn.comm import answered_locally, split_like
+from zerofn.comm import split_like
 from zerofn.errors import CollectiveError
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
-from zerofn.overlap.orders import Sent, StepChecks, StepGradients, obey_order, write_updates
+from zerofn.overlap.orders import Sent, StepChecks, write_updates
 from zerofn.zero.forward_gather import check_gather_with_hook
+from zerofn.zero.hook_driven import obey_through
 from zerofn.zero.mixed_precision.precision import clip_coefficient
 from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
@@ -185,9 +186,9 @@ class _OverlapRunner:
         return for_ddp(interruptible(reduced))
 
     def _obey(self, state: OverlapHookState[Any], order: StepOrder) -> None:
-        """Run the core's :func:`zerofn.overlap.orders.obey_order` for ``order``:
-        its checks and step here, the owners' sends started without waiting,
-        and this rank's share kept once the plan is fixed.
+        """Run the core's :func:`zerofn.zero.hook_driven.obey_through` for
+        ``order``: its checks and step here (the rank's share kept once the
+        plan is fixed), the owners' sends started without waiting.
 
         Raises:
             zerofn.errors.CollectiveError: a reduction, or a check before the
@@ -206,26 +207,15 @@ class _OverlapRunner:
             max_norm=self.max_grad_norm,
             device=self.zero.join_device,
         )
-        compressed = self.binding.compressed()
-        first_use = None if order.everywhere else self.binding.forward_order()
-        program = obey_order(
-            state, self.config, order, handed, self.params, checks, compressed, first_use
-        )
+        program = obey_through(self.binding, state, self.config, order, handed, self.params, checks)
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
-        done = drive(
-            answered_locally(program, StepGradients, self.binding.step), group, purpose
-        ).wait()
+        done = drive(program, group, purpose).wait()
         if scaler is not None:
             scaler.record(self.zero, not done.stepped)
         for indices, send in done.sends:
             purpose = "the overlapped ZeRO step: sending updated parameters from their owners"
             self.sending.append((indices, drive(send, group, purpose), done.differences))
-        if done.behind_forward is not None:
-            assert self.binding.behind_forward is not None
-            self.binding.behind_forward(*done.behind_forward)
-        if done.reshard is not None:
-            self.binding.adopt_owners(done.reshard)
 
     def _step_whole(self, order: StepOrder) -> None:
         """Hand every bucket's averaged gradient to the optimizer's whole
