@@ -216,7 +216,6 @@ BEYOND: tuple[Beyond, ...] = (
                 "zerofn/zero/planning/partition.py",
                 "manual_partition",
                 "_largest_first",
-                "_lpt_owners",
                 "_improve",
                 "_best_swap",
                 "balanced_partition",
@@ -290,7 +289,7 @@ BEYOND: tuple[Beyond, ...] = (
         "memory accounting per rank",
         _ZERO,
         definitions=(
-            *_in("zerofn/zero/rank.py", "memory_bytes", "_nbytes", "_carried_bytes"),
+            *_in("zerofn/zero/rank.py", "memory_bytes", "_nbytes", "_state_bytes"),
             *_in(_OPTIMIZER, "ZeroRedundancyOptimizer.memory_bytes"),
         ),
     ),

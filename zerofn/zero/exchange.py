@@ -121,9 +121,5 @@ def group_slots(
     """Under a flat partition: ``rank``'s slots in the (single) buffer, per
     param group. Each group's slots are contiguous, so a local optimizer can
     step one view of the buffer per group."""
-    slots = layout.slots[rank]
-    per_group = []
-    for pieces in partition.group_pieces_of(rank):
-        wanted = set(pieces)
-        per_group.append(tuple(s for s in slots if s.piece in wanted))
-    return tuple(per_group)
+    groups = map(set, partition.group_pieces_of(rank))
+    return tuple(tuple(s for s in layout.slots[rank] if s.piece in wanted) for wanted in groups)

@@ -72,15 +72,10 @@ def check_optimizer_class(optimizer_class: object) -> None:
 
 def _optimizer_named(name: str) -> type[torch.optim.Optimizer] | None:
     wanted = name.lower().replace("_", "")
-    for attribute in dir(torch.optim):
-        candidate = getattr(torch.optim, attribute)
-        if (
-            isinstance(candidate, type)
-            and issubclass(candidate, torch.optim.Optimizer)
-            and attribute.lower() == wanted
-        ):
-            return candidate
-    return None
+    named = (getattr(torch.optim, a) for a in dir(torch.optim) if a.lower() == wanted)
+    return next(
+        (c for c in named if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)), None
+    )
 
 
 def check_elementwise(optimizer_class: type, declared_elementwise: bool = False) -> None:

@@ -158,7 +158,20 @@ def resolve_options(
             not compose with; a value ``optimizer_class`` refuses.
         RuntimeError: ``overlap_with_ddp`` with more than one param group.
     """
-    _check_arguments(groups, optimizer_class, overlap_with_ddp, partition, elementwise)
+    check_optimizer_class(optimizer_class)
+    check_same_dense_type([p for g in groups for p in g["params"]])
+    if overlap_with_ddp and len(groups) != 1:
+        raise RuntimeError(
+            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
+            f"group, got {len(groups)}"
+        )
+    if overlap_with_ddp and partition != "greedy":
+        raise ValueError(
+            "with overlap_with_ddp=True ownership follows DDP's buckets (with redundancy=2, "
+            "the default greedy partition); leave partition at its default"
+        )
+    if partition == "flat":
+        check_elementwise(optimizer_class, elementwise)
     check_redundancy(redundancy, world_size)
     if gather_during_forward:
         check_gather_during_forward(redundancy, overlap_with_ddp)
@@ -187,31 +200,6 @@ def resolve_options(
         redundancy=redundancy,
         gather_during_forward=gather_during_forward,
     )
-
-
-def _check_arguments(
-    groups: Sequence[Mapping[str, Any]],
-    optimizer_class: type[torch.optim.Optimizer],
-    overlap_with_ddp: bool,
-    partition: str | Sequence[Sequence[torch.Tensor]],
-    elementwise: bool,
-) -> None:
-    """The arguments' own checks, before any option is resolved (see
-    :func:`resolve_options`)."""
-    check_optimizer_class(optimizer_class)
-    check_same_dense_type([p for g in groups for p in g["params"]])
-    if overlap_with_ddp and len(groups) != 1:
-        raise RuntimeError(
-            "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single param "
-            f"group, got {len(groups)}"
-        )
-    if overlap_with_ddp and partition != "greedy":
-        raise ValueError(
-            "with overlap_with_ddp=True ownership follows DDP's buckets (with redundancy=2, "
-            "the default greedy partition); leave partition at its default"
-        )
-    if partition == "flat":
-        check_elementwise(optimizer_class, elementwise)
 
 
 def resolve_compression(
@@ -259,9 +247,7 @@ def compression_master_dtype(
         TypeError, ValueError: as
             :func:`zerofn.zero.mixed_precision.precision.resolve_master_dtype`.
     """
-    asked = resolve_master_dtype(param_dtype, master_dtype)
-    if asked is not None:
-        return asked
+    resolve_master_dtype(param_dtype, master_dtype)  # its checks
     if master_dtype is not None:
         return master_dtype
     return torch.float32 if torch.finfo(param_dtype).bits < 32 else param_dtype

@@ -191,17 +191,16 @@ def rank_for_plan(
         options=options.defaults,
         rebuilt=rebuilt,
     )
-    if optim is not None:
-        return ZeroRank(options, plan, shards, masters, exchange, overlap, optim, carried)
-    local = shards.local_groups(groups, params)
-    if options.master_dtype is not None:
-        local, masters = make_masters(local, options.master_dtype)
-    optim = options.optimizer_class(local, **options.defaults)
-    if options.redundancy == 2:
-        carried = carried_shard(
-            plan, options.rank, groups, options.optimizer_class, options.defaults,
-            options.master_dtype,
-        )  # fmt: skip
+    if optim is None:
+        local = shards.local_groups(groups, params)
+        if options.master_dtype is not None:
+            local, masters = make_masters(local, options.master_dtype)
+        optim = options.optimizer_class(local, **options.defaults)
+        if options.redundancy == 2:
+            carried = carried_shard(
+                plan, options.rank, groups, options.optimizer_class, options.defaults,
+                options.master_dtype,
+            )  # fmt: skip
     return ZeroRank(options, plan, shards, masters, exchange, overlap, optim, carried)
 
 
@@ -324,17 +323,12 @@ def owned_grads(rank: ZeroRank, params: Sequence[torch.Tensor]) -> list[torch.Te
             if source is not None and master.grad is not None
         ]
         return [grad for _, grad in sorted(placed_grads, key=lambda pair: pair[0][:2])]
-    views = []
-    pieces = sorted(rank.plan.partition.pieces_of(rank.options.rank), key=_position)
-    for piece in pieces:
-        grad = params[piece.param].grad
-        if grad is not None and piece.numel:
-            views.append(grad.reshape(-1)[piece.start : piece.stop])
-    return views
-
-
-def _position(piece: Any) -> tuple[int, int]:
-    return piece.param, piece.start
+    pieces = rank.plan.partition.pieces_of(rank.options.rank)
+    return [
+        grad.reshape(-1)[p.start : p.stop]
+        for p in sorted(pieces, key=lambda p: (p.param, p.start))
+        if (grad := params[p.param].grad) is not None and p.numel
+    ]
 
 
 def answer_local_step(
@@ -414,26 +408,17 @@ def memory_bytes(rank: ZeroRank, params: Sequence[torch.Tensor]) -> dict[str, in
         "parameters": sum(_nbytes(p) for p in params),
         "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None),
         "master_weights": rank.masters.nbytes() if rank.masters is not None else 0,
-        "optimizer_state": sum(
-            _nbytes(v)
-            for state in rank.optim.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor)
-        ),
+        "optimizer_state": _state_bytes(rank.optim),
         "exchange_buffers": sum(_nbytes(b) for b in rank.shards.buffers)
         - aliased
         + (rank.exchange.nbytes() if rank.exchange is not None else 0),
-        "carried": _carried_bytes(rank.carried),
+        "carried": 0
+        if rank.carried is None
+        else _state_bytes(rank.carried.optim) + sum(_nbytes(t) for t in rank.carried.tensors()),
     }
 
 
-def _carried_bytes(carried: CarriedShard | None) -> int:
-    if carried is None:
-        return 0
-    state = sum(
-        _nbytes(v)
-        for s in carried.optim.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
+def _state_bytes(optim: Optimizer) -> int:
+    return sum(
+        _nbytes(v) for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)
     )
-    return state + sum(_nbytes(t) for t in carried.tensors())

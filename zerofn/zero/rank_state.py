@@ -47,10 +47,8 @@ def held_pieces(rank: ZeroRank) -> tuple[Piece, ...]:
     """The parameter elements whose optimizer state ``rank`` holds: those it
     owns, then (``redundancy=2``) those of the shard it carries. A load
     restores all of them."""
-    owned = rank.plan.partition.pieces_of(rank.options.rank)
-    if rank.carried is None:
-        return owned
-    return owned + rank.carried.pieces
+    carried = rank.carried.pieces if rank.carried is not None else ()
+    return rank.plan.partition.pieces_of(rank.options.rank) + carried
 
 
 def local_state_dict(rank: ZeroRank) -> StateDict:
@@ -125,13 +123,11 @@ def load_global_state(
     local, masters = without_masters(local)
     optim.load_state_dict(local)
     _load_masters(rank, groups, masters)
-    if rank.carried is not None:  # the carried copy is the owner's state again
-        carried = rank.carried
+    if (carried := rank.carried) is not None:  # the carried copy is the owner's state again
         sizes = [p.numel() for p in flat_params(groups)]
         known = whole_pieces(state_dict["state"], sizes)
         load_states(carried.optim, carried.pieces, known, carried.masters)
-    for live, saved in zip(groups, state_dict["param_groups"], strict=True):
-        live.update(hyperparameters(saved))
+    copy_hyperparameters(state_dict["param_groups"], groups)
     copy_hyperparameters(groups, optim.param_groups)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from zerofn.zero.params import StateDict, global_groups, hyperparameters
+from zerofn.zero.params import StateDict, global_groups
 from zerofn.zero.planning.partition import FlatPartition, Partition, Piece
 
 __all__ = ["StateDict", "consolidate", "is_elementwise", "shard", "validate_global"]
@@ -145,21 +145,14 @@ def shard(partition: Partition | FlatPartition, state_dict: StateDict, rank: int
     validate_global(partition, state_dict)
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"rank {rank} is outside world_size={partition.world_size}")
-    hyper = [hyperparameters(g) for g in state_dict["param_groups"]]
     if isinstance(partition, FlatPartition):
-        return _shard_flat(partition, state_dict, rank, hyper)
-    state: dict[int, Any] = {}
-    groups = []
-    local_index = 0
-    for g, indices in enumerate(partition.assignment[rank]):
-        local_indices = []
-        for index in indices:
-            if index in state_dict["state"]:
-                state[local_index] = state_dict["state"][index]
-            local_indices.append(local_index)
-            local_index += 1
-        groups.append({**hyper[g], "params": local_indices})
-    return {"state": state, "param_groups": groups}
+        return _shard_flat(partition, state_dict, rank)
+    owned, known = partition.params_of(rank), state_dict["state"]
+    counts = [len(indices) for indices in partition.assignment[rank]]
+    return {
+        "state": {local: known[i] for local, i in enumerate(owned) if i in known},
+        "param_groups": global_groups(counts, state_dict["param_groups"]),
+    }
 
 
 # Per-parameter scalars that torch.optim's element-wise optimizers keep as 0-dim
@@ -172,9 +165,9 @@ def is_elementwise(value: Any, name: str = "", param_numel: int = -1) -> bool:
     """Whether ``value`` (state entry ``name`` of a parameter of
     ``param_numel`` elements) holds one value per element, rather than one
     per parameter (a step count)."""
-    if not isinstance(value, torch.Tensor):
-        return False
-    return value.dim() > 0 or (param_numel == 1 and name not in _SCALAR_STATE_NAMES)
+    return isinstance(value, torch.Tensor) and (
+        value.dim() > 0 or (param_numel == 1 and name not in _SCALAR_STATE_NAMES)
+    )
 
 
 def _consolidate_flat(
@@ -221,13 +214,10 @@ def _shard_flat(
     partition: FlatPartition,
     state_dict: StateDict,
     rank: int,
-    hyper: Sequence[dict[str, Any]],
 ) -> StateDict:
     state: dict[int, Any] = {}
-    groups = []
     global_state = state_dict["state"]
     for g, pieces in enumerate(partition.local_tensors(rank)):
-        groups.append({**hyper[g], "params": [g]})
         with_state = [p for p in pieces if p.param in global_state]
         if not with_state:
             continue
@@ -247,4 +237,6 @@ def _shard_flat(
                 [global_state[p.param][name].reshape(-1)[p.start : p.stop] for p in pieces]
             )
         state[g] = entry
+    # Each group's one tensor is its local index.
+    groups = global_groups([1] * len(partition.group_sizes), state_dict["param_groups"])
     return {"state": state, "param_groups": groups}

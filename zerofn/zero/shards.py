@@ -182,18 +182,14 @@ class WholeTensorShards:
         ``buffer`` into the parameters: the other ranks' pieces (this rank's
         own are its parameters already), nothing with bucket views."""
         if not self.bucket_view:
-            self._unpack(params, buffer, start, stop, others_only=True)
+            self._unpack(params, buffer, start, stop)
 
-    def _unpack(
-        self,
-        params: Sequence[torch.Tensor],
-        buffer: int,
-        start: int,
-        stop: int,
-        others_only: bool,
-    ) -> None:
+    def _unpack(self, params: Sequence[torch.Tensor], buffer: int, start: int, stop: int) -> None:
+        # Own pieces are in the parameters already when they are the local tensors.
         layout = self.plan.layouts[buffer]
-        ranks = [r for r in range(len(layout.slots)) if not (others_only and r == self.rank)]
+        ranks = [
+            r for r in range(len(layout.slots)) if not (self.grads_in_place and r == self.rank)
+        ]
         inside = [s for r in ranks for s in layout.slots[r] if s.offset < stop and start < s.stop]
         unpack(self.buffers[buffer], inside, params, start, stop)
 
@@ -218,21 +214,6 @@ class FlatShards(WholeTensorShards):
     sources: list[tuple[ChunkSource, ...]] = attrs.field(factory=list)
 
     grads_in_place: ClassVar[bool] = False
-
-    @classmethod
-    def build(
-        cls,
-        plan: ShardPlan,
-        rank: int,
-        bucket_view: bool,
-        buffers: list[torch.Tensor],
-        itemsize: int,
-        cache_sized: bool,
-    ) -> FlatShards:
-        """The flat mode's shards, its chunks cut for ``itemsize`` bytes per
-        element (``cache_sized``: for the per-tensor CPU loop)."""
-        sources = flat_sources(plan, rank, itemsize, cache_sized)
-        return cls(plan, rank, bucket_view, buffers, sources)
 
     def local_groups(
         self, param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor]
@@ -272,14 +253,6 @@ class FlatShards(WholeTensorShards):
     def pack_own(self, params: Sequence[torch.Tensor]) -> None:
         # The local step wrote this rank's segment in place: nothing to pack.
         pass
-
-    def unpack_range(
-        self, params: Sequence[torch.Tensor], buffer: int, start: int, stop: int
-    ) -> None:
-        # Every segment, this rank's too: its parameters are not the tensors
-        # the local optimizer stepped.
-        if not self.bucket_view:
-            self._unpack(params, buffer, start, stop, others_only=False)
 
     def saved_state(self, state: StateDict) -> StateDict:
         """One tensor per group (the chunks merged), whatever the chunking."""
@@ -382,5 +355,5 @@ def shards_for(
     buffers = build_buffers(plan, params, bucket_view, rebuilt)
     if not isinstance(plan.partition, FlatPartition):
         return WholeTensorShards(plan, rank, bucket_view, buffers)
-    itemsize, cache_sized = chunking(params, step_dtype, options)
-    return FlatShards.build(plan, rank, bucket_view, buffers, itemsize, cache_sized)
+    sources = flat_sources(plan, rank, *chunking(params, step_dtype, options))
+    return FlatShards(plan, rank, bucket_view, buffers, sources)

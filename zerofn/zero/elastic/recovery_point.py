@@ -140,6 +140,5 @@ def recovery_point(positions: Sequence[Position]) -> RecoveryPoint:
             f"survivors {done} completed (which needs every rank's shard): no consistent "
             "point to go on from; restart from a checkpoint"
         )
-    if not midway:
-        return RecoveryPoint(top, finish=False)
-    return RecoveryPoint(top, finish=True, behind=behind, source=midway[0] if behind else None)
+    # Nobody midway means everyone at the top exchanged: nobody is behind (see above).
+    return RecoveryPoint(top, bool(midway), behind, midway[0] if behind else None)

@@ -56,13 +56,8 @@ def _check_world_size(world_size: int) -> None:
 
 
 def _group_offsets(group_sizes: GroupSizes) -> tuple[int, ...]:
-    """Global index of the first parameter of each group."""
-    offsets = []
-    start = 0
-    for group in group_sizes:
-        offsets.append(start)
-        start += len(group)
-    return tuple(offsets)
+    """Global index of the first parameter of each group, then the parameter count."""
+    return tuple(itertools.accumulate((len(g) for g in group_sizes), initial=0))
 
 
 @attrs.frozen
@@ -99,8 +94,7 @@ class Partition:
                 f"expected world_size={self.world_size}"
             )
         offsets = _group_offsets(self.group_sizes)
-        num_params = sum(len(g) for g in self.group_sizes)
-        owners = [-1] * num_params
+        owners = [-1] * offsets[-1]
         for rank, groups in enumerate(self.assignment):
             if len(groups) != len(self.group_sizes):
                 raise ValueError(
@@ -108,7 +102,7 @@ class Partition:
                     f"expected {len(self.group_sizes)}"
                 )
             for g, indices in enumerate(groups):
-                lo, hi = offsets[g], offsets[g] + len(self.group_sizes[g])
+                lo, hi = offsets[g], offsets[g + 1]
                 for index in indices:
                     if not lo <= index < hi:
                         raise ValueError(
@@ -216,7 +210,7 @@ class FlatPartition:
 
     def group_pieces_of(self, rank: int) -> tuple[tuple[Piece, ...], ...]:
         """:meth:`pieces_of` split by param group (a group may get no piece)."""
-        offsets = (*_group_offsets(self.group_sizes), len(self.sizes))
+        offsets = _group_offsets(self.group_sizes)
         pieces = self.pieces_of(rank)
         return tuple(
             tuple(p for p in pieces if offsets[g] <= p.param < offsets[g + 1])
@@ -227,15 +221,6 @@ class FlatPartition:
         """What each tensor of ``rank``'s local state dict holds: one per param
         group, its pieces back to back (a group may hold none)."""
         return self.group_pieces_of(rank)
-
-
-def _first_min(values: Sequence[int]) -> int:
-    """Index of the smallest value; the lowest index wins ties."""
-    best = 0
-    for i in range(1, len(values)):
-        if values[i] < values[best]:
-            best = i
-    return best
 
 
 def greedy_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> Partition:
@@ -343,18 +328,7 @@ def _largest_first(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
     return indices, ordered
 
 
-def _lpt_owners(sizes: Sequence[int], world_size: int) -> list[int]:
-    """Owner of each parameter when taken largest first by the least-loaded rank."""
-    owners = [0] * len(sizes)
-    heap = [(0, rank) for rank in range(world_size)]
-    for i, size in zip(*_largest_first(sizes), strict=True):
-        load, rank = heap[0]
-        owners[i] = rank
-        heapq.heapreplace(heap, (load + size, rank))
-    return owners
-
-
-def _improve(sizes: Sequence[int], owners: list[int], world_size: int) -> list[int]:
+def _improve(sizes: Sequence[int], owners: Sequence[int], world_size: int) -> tuple[int, list[int]]:
     """Local search: move or swap one parameter off the heaviest rank while that
     strictly lowers the heaviest load. Never returns a worse assignment."""
     owners = list(owners)
@@ -367,7 +341,7 @@ def _improve(sizes: Sequence[int], owners: list[int], world_size: int) -> list[i
     # so the loop ends; the cap keeps the worst case cheap on huge models.
     for _ in range(4 * world_size + 16):
         heavy = max(range(world_size), key=lambda r: loads[r])
-        light = _first_min(loads)
+        light = min(range(world_size), key=lambda r: loads[r])
         gap = loads[heavy] - loads[light]
         if gap <= 1:
             break
@@ -392,7 +366,7 @@ def _improve(sizes: Sequence[int], owners: list[int], world_size: int) -> list[i
             delta -= sizes[b]
         loads[heavy] -= delta
         loads[light] += delta
-    return owners
+    return max(loads), owners
 
 
 def _best_swap(
@@ -438,27 +412,18 @@ def balanced_partition(group_sizes: Sequence[Sequence[int]], world_size: int) ->
     """
     greedy = greedy_partition(group_sizes, world_size)
     sizes = greedy.sizes
-    candidates = [list(greedy.owners), _lpt_owners(sizes, world_size)]
-    best_owners: list[int] | None = None
-    best_max = -1
-    for owners in candidates:
-        owners = _improve(sizes, owners, world_size)
-        loads = [0] * world_size
-        for i, r in enumerate(owners):
-            loads[r] += sizes[i]
-        if best_owners is None or max(loads) < best_max:
-            best_owners, best_max = owners, max(loads)
-    assert best_owners is not None
-    if best_max >= max(greedy.loads()):
+    # Greedy over all groups at once is greedy over one group of every size.
+    starts = (greedy.owners, greedy_partition([sizes], world_size).owners)
+    heaviest, best = min((_improve(sizes, s, world_size) for s in starts), key=lambda c: c[0])
+    if heaviest >= max(greedy.loads()):
         return greedy
     offsets = _group_offsets(greedy.group_sizes)
     assignment: list[list[list[int]]] = [
         [[] for _ in greedy.group_sizes] for _ in range(world_size)
     ]
-    for g, group in enumerate(greedy.group_sizes):
-        for local in range(len(group)):
-            index = offsets[g] + local
-            assignment[best_owners[index]][g].append(index)
+    for g in range(len(greedy.group_sizes)):
+        for index in range(offsets[g], offsets[g + 1]):
+            assignment[best[index]][g].append(index)
     return _to_partition(world_size, greedy.group_sizes, assignment)
 
 

@@ -69,19 +69,13 @@ class ShardPlan:
                 f"got {len(self.keys)} keys and {len(self.trainable)} flags"
             )
         # Frozen: the one assignment, at construction, of what the fields imply.
-        object.__setattr__(self, "layouts", _layouts(self.partition, self.keys, self.trainable))
+        pieces = [self.partition.pieces_of(r) for r in range(self.world_size)]
+        object.__setattr__(self, "layouts", buffer_layouts(pieces, self.keys, self.trainable))
 
     @property
     def world_size(self) -> int:
         """Number of ranks the plan shards across."""
         return self.partition.world_size
-
-
-def _layouts(
-    partition: Partition | FlatPartition, keys: Sequence[str], trainable: Sequence[bool]
-) -> tuple[BufferLayout, ...]:
-    pieces = [partition.pieces_of(r) for r in range(partition.world_size)]
-    return buffer_layouts(pieces, keys, trainable)
 
 
 def _check_trainable_owned(partition: Partition, trainable: Sequence[bool], changed: bool) -> None:
