@@ -239,8 +239,4 @@ def _back_to_back(
 def split_residual(residual: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
     """Cut a bucket's flat residual (compensated input minus what was
     decoded) into each parameter's new error (views of ``residual``)."""
-    out, offset = [], 0
-    for n in numels:
-        out.append(residual[offset : offset + n])
-        offset += n
-    return out
+    return list(torch.split(residual[: sum(numels)], list(numels)))

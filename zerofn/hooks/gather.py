@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from zerofn.comm import AllGather, Program
-from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.hooks.hook import BucketInfo, CommHook, stateless
 
 __all__ = [
     "GatherCodec",
@@ -77,13 +77,7 @@ def gather_hook(codec: GatherCodec, name: str) -> CommHook[None, None]:
     and the sum divided by the world size; the result has the gradient's dtype.
     One collective per bucket.
     """
-
-    def start(
-        grad: torch.Tensor, bucket: BucketInfo, g: None, b: None
-    ) -> tuple[None, Program[tuple[torch.Tensor, None]]]:
-        return None, _gather_program(codec, grad)
-
-    return CommHook(init=lambda: None, start=start, name=name)
+    return stateless(name, lambda grad, bucket: _gather_program(codec, grad))
 
 
 def _gather_program(codec: GatherCodec, grad: torch.Tensor) -> Program[tuple[torch.Tensor, None]]:
@@ -214,9 +208,7 @@ def _average(
     codec: GatherCodec, payloads: Sequence[torch.Tensor], grad: torch.Tensor
 ) -> torch.Tensor:
     contributions = [codec.decode(p, grad) for p in payloads]
-    total = torch.zeros_like(contributions[0])
-    for contribution in contributions:
-        total += contribution
+    total = sum(contributions, torch.zeros_like(contributions[0]))
     return (total / len(payloads)).to(grad.dtype)
 
 
@@ -238,10 +230,8 @@ def unpack_bytes(
         raise ValueError(
             f"payload holds {payload.numel()} bytes, layout {layout} needs {sum(sizes)}"
         )
-    out = []
-    offset = 0
-    for (dtype, _), size in zip(layout, sizes, strict=True):
-        # A copy starts at offset 0, so viewing it as a wider dtype is always aligned.
-        out.append(payload[offset : offset + size].clone().view(dtype))
-        offset += size
-    return out
+    # A copy starts at offset 0, so viewing it as a wider dtype is always aligned.
+    return [
+        part.clone().view(dtype)
+        for (dtype, _), part in zip(layout, torch.split(payload, sizes), strict=True)
+    ]

@@ -43,12 +43,14 @@ __all__ = [
     "HookState",
     "WrappedCall",
     "allreduce_mean",
+    "averaged",
     "begin_bucket",
     "cast",
     "finish_bucket",
     "finish_iteration",
     "init_hook_state",
     "noop",
+    "stateless",
     "wrap",
 ]
 
@@ -135,10 +137,7 @@ class HookState(Generic[G, B]):
 
     def bucket(self, index: int) -> B | None:
         """The state of bucket ``index``, or ``None`` if it never ran."""
-        for i, state in self.buckets:
-            if i == index:
-                return state
-        return None
+        return next((state for i, state in self.buckets if i == index), None)
 
 
 def init_hook_state(hook: CommHook[G, B]) -> HookState[G, B]:
@@ -168,36 +167,41 @@ def finish_iteration(hook: CommHook[G, B], state: HookState[G, B]) -> HookState[
 # ----- built-in hooks and combinators ---------------------------------------------
 
 
-def allreduce_mean() -> CommHook[None, None]:
-    """Average gradients: divide by the world size, then sum across ranks
-    (the order PyTorch's default hook uses, so the numbers match)."""
+def stateless(
+    name: str, program: Callable[[torch.Tensor, BucketInfo], Program[tuple[torch.Tensor, None]]]
+) -> CommHook[None, None]:
+    """A hook without state: bucket ``(grad, bucket)``'s program is ``program(grad, bucket)``."""
 
     def start(
         grad: torch.Tensor, bucket: BucketInfo, g: None, b: None
     ) -> tuple[None, Program[tuple[torch.Tensor, None]]]:
-        def program() -> Program[tuple[torch.Tensor, None]]:
-            (total,) = yield AllReduce((grad / bucket.world_size,), "sum", last=True)
-            return total, None
+        return None, program(grad, bucket)
 
-        return None, program()
+    return CommHook(init=lambda: None, start=start, name=name)
 
-    return CommHook(init=lambda: None, start=start, name="allreduce")
+
+def averaged(grad: torch.Tensor, world_size: int, state: B) -> Program[tuple[torch.Tensor, B]]:
+    """Divide by the world size, then sum across ranks (the order PyTorch's
+    default hook uses, so the numbers match); ``state`` passes through."""
+    (total,) = yield AllReduce((grad / world_size,), "sum", last=True)
+    return total, state
+
+
+def allreduce_mean() -> CommHook[None, None]:
+    """Average gradients: divide by the world size, then sum across ranks
+    (the order PyTorch's default hook uses, so the numbers match)."""
+    return stateless("allreduce", lambda grad, bucket: averaged(grad, bucket.world_size, None))
 
 
 def noop() -> CommHook[None, None]:
     """Skip communication: each rank keeps its local gradient (for measuring
     what communication costs, never for training)."""
 
-    def start(
-        grad: torch.Tensor, bucket: BucketInfo, g: None, b: None
-    ) -> tuple[None, Program[tuple[torch.Tensor, None]]]:
-        def program() -> Program[tuple[torch.Tensor, None]]:
-            return grad, None
-            yield  # a generator that makes no request
+    def program(grad: torch.Tensor, bucket: BucketInfo) -> Program[tuple[torch.Tensor, None]]:
+        return grad, None
+        yield  # a generator that makes no request
 
-        return None, program()
-
-    return CommHook(init=lambda: None, start=start, name="noop")
+    return stateless("noop", program)
 
 
 @attrs.frozen

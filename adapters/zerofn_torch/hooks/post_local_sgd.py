@@ -108,8 +108,7 @@ class PostLocalSGDState:
         """Advance the counter past ``bucket``; where to average the bucket."""
         before = self._progress
         self._progress, sync = take_bucket(self._schedule, before, bucket.is_last())
-        switched = before.iter < self.start_localSGD_iter == self._progress.iter
-        if switched:
+        if before.iter < self.start_localSGD_iter == self._progress.iter:  # switched
             logger.info("Start to apply local SGD after %s iterations.", self._progress.iter)
         return sync
 
@@ -136,11 +135,6 @@ class PostLocalSGDState:
         return self.subgroup
 
 
-def _average_in(group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    averaging = attrs.evolve(allreduce_mean(), name="post_localSGD")
-    return run_stateless(averaging, group, bucket)
-
-
 def post_localSGD_hook(
     state: PostLocalSGDState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -162,4 +156,5 @@ def post_localSGD_hook(
         kept: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         kept.set_result(bucket.buffer())
         return kept
-    return _average_in(state.group_for(sync), bucket)
+    averaging = attrs.evolve(allreduce_mean(), name="post_localSGD")
+    return run_stateless(averaging, state.group_for(sync), bucket)

@@ -69,12 +69,9 @@ class _View:
     """A read-only attribute under one of PyTorch's names, computed from
     zerofn's state records when read."""
 
-    def __init__(self, what: str, read: Callable[[Any], Any]) -> None:
+    def __init__(self, name: str, what: str, read: Callable[[Any], Any]) -> None:
         self.__doc__ = f"Read-only view: {what}."
         self._read = read
-        self._name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
@@ -317,10 +314,8 @@ _PYTORCH_NAMES: dict[str, tuple[str, Callable[[PowerSGDState], Any]]] = {
     ),
 }
 for _name, (_what, _read) in _PYTORCH_NAMES.items():
-    _view = _View(_what, _read)
-    _view.__set_name__(PowerSGDState, _name)
-    setattr(PowerSGDState, _name, _view)
-del _name, _what, _read, _view
+    setattr(PowerSGDState, _name, _View(_name, _what, _read))
+del _name, _what, _read
 PowerSGDState.__slots__ = _PYTORCH_SLOTS  # type: ignore[attr-defined,misc]
 
 

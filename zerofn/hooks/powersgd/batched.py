@@ -33,6 +33,7 @@ from zerofn.hooks.powersgd.common import (
     PowerSGDHook,
     draw,
     errors_of,
+    new_state,
     powersgd_hook,
 )
 from zerofn.hooks.powersgd.config import PowerSGDConfig
@@ -46,26 +47,6 @@ from zerofn.hooks.powersgd.state import (
 )
 
 __all__ = ["batched"]
-
-
-def _new_state(
-    keys: tuple[Key, ...],
-    bucket: BucketInfo,
-    residual: torch.Tensor | None,
-    q: torch.Tensor,
-    config: PowerSGDConfig,
-) -> PowerSGDBucketState | None:
-    if not (config.use_error_feedback or config.warm_start):
-        return None
-    numel = sum(bucket.numels)
-    errors = split_residual(residual, bucket.numels) if residual is not None else None
-    params = tuple(
-        ParamMemory(shape, errors[j] if errors is not None else None)
-        for j, shape in enumerate(bucket.shapes)
-    )
-    padding = residual[numel:] if residual is not None else None
-    square = SquareMemory(keys, padding, q if config.warm_start else None)
-    return PowerSGDBucketState(keys, bucket.shapes, params, square)
 
 
 def _program(
@@ -89,7 +70,9 @@ def _program(
     decoded = torch.bmm(p, q_mean.transpose(1, 2)).view(-1)
     # The error covers the padding too, as in PyTorch; the result drops it.
     residual = signal.sub_(decoded) if config.use_error_feedback else None
-    return decoded[:numel], _new_state(keys, bucket, residual, q_mean[0], config)
+    padding = residual[numel:] if residual is not None else None
+    square = SquareMemory(keys, padding, q_mean[0] if config.warm_start else None)
+    return decoded[:numel], new_state(keys, bucket, residual, {}, config, square)
 
 
 def _square_input(

@@ -267,15 +267,10 @@ def random_factors(
     generator = torch.Generator().manual_seed(seed)
     factors = []
     for group in layout.groups:
-        if batch_same_shape:
-            draws = [
-                torch.randn(group.size, group.cols, group.rank, generator=generator, dtype=dtype)
-            ]
-        else:
-            draws = [
-                torch.randn(1, group.cols, group.rank, generator=generator, dtype=dtype)
-                for _ in range(group.size)
-            ]
+        counts = [group.size] if batch_same_shape else [1] * group.size
+        draws = [
+            torch.randn(n, group.cols, group.rank, generator=generator, dtype=dtype) for n in counts
+        ]
         factors.append(torch.cat(draws).to(device))
     return factors
 
@@ -297,24 +292,17 @@ def project_transposed(matrices: torch.Tensor, factors: torch.Tensor) -> torch.T
     return torch.bmm(factors.transpose(1, 2), matrices).transpose(1, 2)
 
 
+def flat(batches: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([b.reshape(-1) for b in batches])
+
+
 def split_factors(
     flat: torch.Tensor, layout: BucketLayout, side: Literal["p", "q"]
 ) -> list[torch.Tensor]:
     """Cut a flat ``P`` (``side="p"``) or ``Q`` (``side="q"``) into per-group batches."""
-    out = []
-    offset = 0
-    for group in layout.groups:
-        length = group.rows if side == "p" else group.cols
-        numel = group.size * length * group.rank
-        out.append(flat[offset : offset + numel].view(group.size, length, group.rank))
-        offset += numel
-    return out
-
-
-def flat(batches: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    if not batches:
-        return like.new_empty(0)
-    return torch.cat([b.reshape(-1) for b in batches])
+    shapes = [(g.size, g.rows if side == "p" else g.cols, g.rank) for g in layout.groups]
+    parts = torch.split(flat, [math.prod(shape) for shape in shapes])
+    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
 def gather_group(flat: torch.Tensor, group: ShapeGroup) -> torch.Tensor:
@@ -340,22 +328,16 @@ def assemble(
     """The bucket's flat result: the averaged uncompressed gradients, and each
     compressed matrix decoded as ``P Q^T``."""
     out = torch.empty_like(like)
-    offset = 0
-    for matrix in layout.uncompressed:
-        out[matrix.offset : matrix.offset + matrix.numel] = uncompressed[
-            offset : offset + matrix.numel
-        ]
-        offset += matrix.numel
+    sizes = [m.numel for m in layout.uncompressed]
+    for matrix, part in zip(layout.uncompressed, torch.split(uncompressed, sizes), strict=True):
+        out[matrix.offset : matrix.offset + matrix.numel] = part
     for group, p, q in zip(layout.groups, ps, qs, strict=True):
-        numel = group.rows * group.cols
         if group.adjacent:
-            # Decode straight into the result: the products are the bucket's
-            # largest tensors, not worth a second copy.
-            start = group.offsets[0]
-            target = out[start : start + group.size * numel]
-            torch.bmm(p, q.transpose(1, 2), out=target.view(group.size, group.rows, group.cols))
+            # Decode straight into the result (gather_group's view of it): the
+            # products are the bucket's largest tensors, not worth a second copy.
+            torch.bmm(p, q.transpose(1, 2), out=gather_group(out, group))
         else:
-            decoded = torch.bmm(p, q.transpose(1, 2))
-            for offset_in_bucket, matrix in zip(group.offsets, decoded, strict=True):
-                out[offset_in_bucket : offset_in_bucket + numel] = matrix.reshape(-1)
+            numel = group.rows * group.cols
+            for offset, matrix in zip(group.offsets, torch.bmm(p, q.transpose(1, 2)), strict=True):
+                out[offset : offset + numel] = matrix.reshape(-1)
     return out

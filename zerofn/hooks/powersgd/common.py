@@ -4,20 +4,22 @@ starts, and drawing a random start."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeAlias
 
 import attrs
 import torch
 
-from zerofn.comm import AllReduce, Program
-from zerofn.hooks.hook import BucketInfo, CommHook
+from zerofn.comm import Program
+from zerofn.hooks.error_feedback import split_residual
+from zerofn.hooks.hook import BucketInfo, CommHook, averaged
 from zerofn.hooks.powersgd.config import PowerSGDConfig
 from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,
     PowerSGDBucketState,
     PowerSGDGlobalState,
+    SquareMemory,
     default_keys,
     draw_seed,
     end_iteration,
@@ -31,11 +33,10 @@ __all__ = [
     "BucketResult",
     "Compress",
     "PowerSGDHook",
-    "averaging",
-    "begin",
     "draw",
     "errors_of",
     "fresh_start_due",
+    "new_state",
     "powersgd_hook",
 ]
 
@@ -55,16 +56,22 @@ class BucketCall:
     Attributes:
         grad: the bucket's flat gradient.
         bucket: the bucket.
-        keys: its parameters' keys, as :func:`begin` read them.
-        params: its parameters' memories (``None`` where none yet).
+        keys: its parameters' keys: those a driver claimed
+            (:func:`zerofn.hooks.powersgd.claim`), else the bucket's positions
+            (:func:`zerofn.hooks.powersgd.state.default_keys`).
         bucket_state: the bucket's state before this call.
     """
 
     grad: torch.Tensor
     bucket: BucketInfo
     keys: tuple[Key, ...]
-    params: tuple[ParamMemory | None, ...]
     bucket_state: PowerSGDBucketState | None
+
+    @property
+    def params(self) -> tuple[ParamMemory | None, ...]:
+        """Its parameters' memories (``None`` where none yet)."""
+        held = self.bucket_state
+        return tuple(held.memory(j) if held is not None else None for j in range(len(self.keys)))
 
 
 Compress: TypeAlias = Callable[
@@ -76,8 +83,9 @@ program)``."""
 
 
 def powersgd_hook(config: PowerSGDConfig, name: str, compress: Compress) -> PowerSGDHook:
-    """A PowerSGD hook: each bucket read by :func:`begin`, averaged plainly
-    before ``config.start_powerSGD_iter``, then ``compress``-ed.
+    """A PowerSGD hook: each bucket's keys read and its layout noted (a
+    bucket state made for other shapes refused), averaged plainly before
+    ``config.start_powerSGD_iter``, then ``compress``-ed.
 
     Args:
         config: the hyperparameters.
@@ -95,10 +103,19 @@ def powersgd_hook(config: PowerSGDConfig, name: str, compress: Compress) -> Powe
         state: PowerSGDGlobalState,
         bucket_state: PowerSGDBucketState | None,
     ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
-        state, keys, params = begin(bucket, state, bucket_state)
+        if not fits_bucket(bucket_state, bucket):
+            assert bucket_state is not None
+            raise ValueError(
+                f"PowerSGD state for bucket {bucket.index} was made for gradients of shapes "
+                f"{list(bucket_state.shapes)}, but this bucket holds {list(bucket.shapes)}: is one "
+                "PowerSGDState shared by models with different buckets? Give each model its own "
+                "(or let the driver claim the bucket's parameters, see zerofn.hooks.powersgd.claim)"
+            )
+        keys = bucket_state.keys if bucket_state is not None else default_keys(bucket)
+        state = record_bucket(state, keys, bucket.shapes)
         if state.iteration < config.start_powerSGD_iter:
-            return state, averaging(grad, bucket.world_size, bucket_state)
-        return compress(config, BucketCall(grad, bucket, keys, params, bucket_state), state)
+            return state, averaged(grad, bucket.world_size, bucket_state)
+        return compress(config, BucketCall(grad, bucket, keys, bucket_state), state)
 
     return CommHook(
         init=lambda: init_global_state(config),
@@ -108,46 +125,30 @@ def powersgd_hook(config: PowerSGDConfig, name: str, compress: Compress) -> Powe
     )
 
 
-def begin(
-    bucket: BucketInfo, state: PowerSGDGlobalState, bucket_state: PowerSGDBucketState | None
-) -> tuple[PowerSGDGlobalState, tuple[Key, ...], tuple[ParamMemory | None, ...]]:
-    """The bucket's parameter keys and memories; the layout noted.
-
-    Without a driver's :func:`zerofn.hooks.powersgd.claim`, the keys are the
-    bucket's positions (:func:`zerofn.hooks.powersgd.state.default_keys`).
-
-    Raises:
-        ValueError: if ``bucket_state`` was made for other gradient shapes.
-    """
-    if not fits_bucket(bucket_state, bucket):
-        assert bucket_state is not None
-        raise ValueError(
-            f"PowerSGD state for bucket {bucket.index} was made for gradients of shapes "
-            f"{list(bucket_state.shapes)}, but this bucket holds {list(bucket.shapes)}: is one "
-            "PowerSGDState shared by models with different buckets? Give each model its own "
-            "(or let the driver claim the bucket's parameters, see zerofn.hooks.powersgd.claim)"
-        )
-    params: tuple[ParamMemory | None, ...]
-    if bucket_state is None:
-        keys, params = default_keys(bucket), tuple(None for _ in bucket.shapes)
-    else:
-        keys = bucket_state.keys
-        params = tuple(bucket_state.memory(j) for j in range(len(keys)))
-    return record_bucket(state, keys, bucket.shapes), keys, params
-
-
 def errors_of(params: tuple[ParamMemory | None, ...]) -> list[torch.Tensor | None]:
     """Each parameter's remembered error (``None`` where none)."""
     return [m.error if m is not None else None for m in params]
 
 
-def averaging(
-    grad: torch.Tensor, world_size: int, bucket_state: PowerSGDBucketState | None
-) -> Program[BucketResult]:
-    """Plain averaging (before compression starts), as PyTorch's default hook:
-    divide, then sum. The bucket's state passes through untouched."""
-    (total,) = yield AllReduce((grad / world_size,), "sum", last=True)
-    return total, bucket_state
+def new_state(
+    keys: tuple[Key, ...],
+    bucket: BucketInfo,
+    residual: torch.Tensor | None,
+    factors: Mapping[Key, torch.Tensor],
+    config: PowerSGDConfig,
+    square: SquareMemory | None = None,
+) -> PowerSGDBucketState | None:
+    """What each parameter keeps: its error (its part of ``residual``, the
+    compensated input less the averaged result, PyTorch's definition) and its
+    ``Q`` (from ``factors``); ``None`` when neither is kept."""
+    if not (config.use_error_feedback or config.warm_start):
+        return None
+    errors = split_residual(residual, bucket.numels) if residual is not None else None
+    params = tuple(
+        ParamMemory(shape, errors[j] if errors is not None else None, factors.get(key))
+        for j, (key, shape) in enumerate(zip(keys, bucket.shapes, strict=True))
+    )
+    return PowerSGDBucketState(keys, bucket.shapes, params, square)
 
 
 def draw(state: PowerSGDGlobalState) -> tuple[PowerSGDGlobalState, int]:

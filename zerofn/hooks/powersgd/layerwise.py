@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from zerofn.comm import AllReduce, Program
-from zerofn.hooks.error_feedback import compensate, split_residual
+from zerofn.hooks.error_feedback import compensate
 from zerofn.hooks.hook import BucketInfo
 from zerofn.hooks.powersgd import codec
 from zerofn.hooks.powersgd.codec import BucketLayout, bucket_layout
@@ -31,13 +31,13 @@ from zerofn.hooks.powersgd.common import (
     draw,
     errors_of,
     fresh_start_due,
+    new_state,
     powersgd_hook,
 )
 from zerofn.hooks.powersgd.config import PowerSGDConfig
 from zerofn.hooks.powersgd.state import (
     Key,
     ParamMemory,
-    PowerSGDBucketState,
     PowerSGDGlobalState,
     record_compression,
 )
@@ -116,43 +116,18 @@ def _starting_factors(
         kept = {
             k: m.q for k, m in zip(keys, params, strict=True) if m is not None and m.q is not None
         }
-    compressed = [keys[j] for j, m in enumerate(layout.matrices) if m.compressed]
-    missing = [k for k in compressed if k not in kept]
     if _differs_from_reference(state, bucket):
         state = _draw_ahead(state, bucket.index, like, config)
-    if state.ahead is not None:
-        ahead = dict(state.ahead)
-        kept.update({k: ahead[k] for k in missing if k in ahead})
-        missing = [k for k in missing if k not in kept]
-        if missing:
-            state, drawn = _draw_for(state, layout, keys, like, config)
-            kept.update({k: drawn[k] for k in missing})
-    elif missing or fresh_start_due(state, config):
-        # PyTorch draws a seed even for a bucket with nothing to compress.
+    if state.ahead is not None:  # drawn ahead: those of them not kept
+        kept = {**dict(state.ahead), **kept}
+    missing = [
+        keys[j] for j, m in enumerate(layout.matrices) if m.compressed and keys[j] not in kept
+    ]
+    # PyTorch draws a seed even for a bucket with nothing to compress.
+    if missing or (state.ahead is None and fresh_start_due(state, config)):
         state, drawn = _draw_for(state, layout, keys, like, config)
-        kept.update({k: drawn[k] for k in missing})
+        kept = {**drawn, **kept}
     return state, _grouped(layout, keys, kept)
-
-
-def _new_state(
-    keys: tuple[Key, ...],
-    bucket: BucketInfo,
-    layout: BucketLayout,
-    residual: torch.Tensor | None,
-    qs: Sequence[torch.Tensor],
-    config: PowerSGDConfig,
-) -> PowerSGDBucketState | None:
-    """What each parameter keeps: its error (measured against the averaged
-    result, PyTorch's definition) and its ``Q``."""
-    if not (config.use_error_feedback or config.warm_start):
-        return None
-    errors = split_residual(residual, bucket.numels) if residual is not None else None
-    factors = _keyed(layout, keys, qs) if config.warm_start else {}
-    params = tuple(
-        ParamMemory(shape, errors[j] if errors is not None else None, factors.get(key))
-        for j, (key, shape) in enumerate(zip(keys, bucket.shapes, strict=True))
-    )
-    return PowerSGDBucketState(keys, bucket.shapes, params)
 
 
 def _program(
@@ -178,16 +153,17 @@ def _program(
     else:
         # Round 1: the uncompressed gradients ride along with the P factors.
         # P is not averaged: orthogonalisation removes the scale anyway.
-        summed, p_sum = yield AllReduce((uncompressed, codec.flat(ps, signal)), "sum")
+        summed, p_sum = yield AllReduce((uncompressed, codec.flat(ps)), "sum")
         ps = [codec.orthogonalize(p, eps) for p in codec.split_factors(p_sum, layout, "p")]
         qs = [codec.project_transposed(m, p) for m, p in zip(matrices, ps, strict=True)]
         # Round 2: the Q factors.
-        (q_sum,) = yield AllReduce((codec.flat(qs, signal),), "sum", last=True)
+        (q_sum,) = yield AllReduce((codec.flat(qs),), "sum", last=True)
         qs = codec.split_factors(q_sum / world_size, layout, "q")
         out = codec.assemble(layout, summed / world_size, ps, qs, signal)
     # With error feedback the signal is the program's own: it becomes the error.
     residual = signal.sub_(out) if config.use_error_feedback else None
-    return out, _new_state(keys, bucket, layout, residual, qs, config)
+    factors = _keyed(layout, keys, qs) if config.warm_start else {}
+    return out, new_state(keys, bucket, residual, factors, config)
 
 
 def _compress(

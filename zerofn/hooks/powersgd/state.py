@@ -286,13 +286,7 @@ def claim(
         for i, b in state.buckets
         if i not in (index, UNCLAIMED)
     ]
-    held = {
-        k
-        for _, b in others
-        if b is not None
-        for k, m in zip(b.keys, b.params, strict=False)
-        if m is not None
-    }
+    held = memories(attrs.evolve(state, buckets=tuple(others)))
     leftover = {k: m for k, m in pool.items() if k not in held}
     if leftover:
         others.append((UNCLAIMED, _unclaimed(leftover)))
