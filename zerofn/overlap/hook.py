@@ -139,10 +139,9 @@ def _order_after(
 ) -> tuple[tuple[int, ...], StepOrder | None]:
     """The buckets still waiting, and what to step, after ``bucket``."""
     waiting = (*state.waiting, bucket.index)
-    if bucket.is_last and config.whole_step:
-        return (), StepOrder(waiting, whole=True)
     if bucket.is_last:
-        return (), StepOrder(waiting, everywhere=not overlapped)
+        whole = config.whole_step
+        return (), StepOrder(waiting, everywhere=not (overlapped or whole), whole=whole)
     if overlapped and config.interleaved and len(waiting) >= 2:
         return waiting[1:], StepOrder(waiting[:1])
     return waiting, None
@@ -181,19 +180,16 @@ def zero_step_hook(
         if overlapped and config.reduce_to_owner:
             assert overlap.plan is not None
             reduced = reduce_to_owners(overlap.plan, bucket.index, grad, config.world_size)
-            program = _with_state(reduced, b)
-            inner_state = g.inner
+            inner_state, program = g.inner, _with_state(reduced, b)
         else:
             inner_state, program = inner.start(grad, bucket, g.inner, b)  # type: ignore[assignment]
-        new = OverlapHookState(overlap, inner_state, waiting, order)
-        return new, program
+        return OverlapHookState(overlap, inner_state, waiting, order), program
 
     def end_iteration(g: OverlapHookState[G]) -> OverlapHookState[G]:
-        was_fixed = g.overlap.status == "initialized"
         overlap = finish_overlap_iteration(g.overlap, config.sizes, config.world_size)
         order = g.order
-        fixed_now = not was_fixed and overlap.status == "initialized"
-        if fixed_now and order is not None and not config.whole_step:
+        # The plan was fixed just now (finishing a collecting iteration fixes it).
+        if g.overlap.status == "collecting" and order is not None and not config.whole_step:
             owned = tuple(tuple(r) for r in owned_params_per_rank(overlap))
             order = attrs.evolve(order, reshard=owned)
         return OverlapHookState(overlap, inner.end_iteration(g.inner), g.waiting, order)

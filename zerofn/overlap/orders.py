@@ -180,26 +180,23 @@ def obey_order(
         device=checks.device,
         shared=order.everywhere,
     )
-    if skip:
-        return OrderObeyed(False, (), order.reshard)
-    if grads:
+    if grads and not skip:
         # While every rank steps everything, nothing is sent: the masters'
         # values go into the parameters, the same on every rank.
         yield StepGradients(grads, factor, write_back=compressed is None or order.everywhere)
-    if order.everywhere:
-        return OrderObeyed(True, (), order.reshard)
+    if skip or order.everywhere:
+        return OrderObeyed(not skip, (), order.reshard)
     plan = state.overlap.plan
     assert plan is not None  # gradients_to_step refused an order without one
     buckets = {index: handed[index][0] for index in order.buckets}
-    differences = compressed is not None
     if first_use is not None:
         behind = _sends_behind_forward(plan, config.rank, buckets, params, compressed, first_use)
-        return OrderObeyed(True, (), order.reshard, differences, behind)
+        return OrderObeyed(True, (), order.reshard, compressed is not None, behind)
     sends = tuple(
         (indices, _owners_send(plan, config.rank, index, indices, params, compressed))
         for index, indices in buckets.items()
     )
-    return OrderObeyed(True, sends, order.reshard, differences)
+    return OrderObeyed(True, sends, order.reshard, compressed is not None)
 
 
 def _sends_behind_forward(
@@ -307,8 +304,5 @@ def write_updates(
             :class:`OrderObeyed`), not values to copy.
     """
     for shard, flat in sent:
-        write_flat(
-            [params[i] for i in indices[shard.offset : shard.offset + shard.count]],
-            flat,
-            differences,
-        )
+        owned = indices[shard.offset : shard.offset + shard.count]
+        write_flat([params[i] for i in owned], flat, differences)

@@ -117,12 +117,9 @@ def build_hook_driven_rank(groups: Sequence[dict[str, Any]], options: ZeroOption
     With ``redundancy=2`` the hook runs the whole step instead, so the rank
     is partitioned as the plain step's is, carried copy included.
     The optimizer and the simulated overlapped world build their ranks here."""
-    if options.redundancy == 2:
-        plan = plan_for(groups, options.world_size, "greedy")
-        return build_rank(groups, options, plan, "unattached")
     owned: list[list[torch.Tensor]] = [[] for _ in range(options.world_size)]
     owned[options.rank] = flat_params(groups)
-    plan = plan_for(groups, options.world_size, owned)
+    plan = plan_for(groups, options.world_size, "greedy" if options.redundancy == 2 else owned)
     return build_rank(groups, options, plan, "unattached")
 
 
@@ -196,11 +193,8 @@ def send_compressed(rank: ZeroRank, params: Sequence[torch.Tensor]) -> SendCompr
     if rank.options.quantizer is None:
         return None
     assert rank.masters is not None
-    index_of = {id(p): i for i, p in enumerate(params)}
-    masters: list[torch.Tensor | None] = [None] * len(params)
-    for low, master in zip(rank.masters.low, rank.masters.master, strict=True):
-        masters[index_of[id(low)]] = master
-    return SendCompressed(rank.options.quantizer, masters)
+    master_of = {id(low): m for low, m in zip(rank.masters.low, rank.masters.master, strict=True)}
+    return SendCompressed(rank.options.quantizer, [master_of.get(id(p)) for p in params])
 
 
 def step_rank_with_gradients(

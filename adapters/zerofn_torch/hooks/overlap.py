@@ -109,6 +109,11 @@ def _check_scaler(loss_scaler: object) -> None:
         )
 
 
+_Handed = tuple[tuple[int, ...], list[torch.Tensor], torch.futures.Future[torch.Tensor]]
+"""A bucket handed over and not stepped yet: its parameters' global indices,
+the parameters, and the future of their averaged flat gradient."""
+
+
 class _OverlapRunner:
     """The stateful shell behind one overlapped hook registration: it runs
     the core's :func:`zerofn.overlap.hook.zero_step_hook` in a
@@ -152,10 +157,9 @@ class _OverlapRunner:
         self.loss_scaler = loss_scaler
         self.params = params
         self.index_of = {id(p): i for i, p in enumerate(params)}
-        # Buckets handed over and not stepped yet: their parameters, and the
-        # future of their averaged flat gradient (the core's state knows which
+        # Buckets handed over and not stepped yet (the core's state knows which
         # are waiting; only the driver holds their futures).
-        self.handed: dict[int, tuple[list[torch.Tensor], torch.futures.Future[torch.Tensor]]] = {}
+        self.handed: dict[int, _Handed] = {}
         self.sending: list[tuple[tuple[int, ...], torch.futures.Future[Sent], bool]] = []
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -168,7 +172,7 @@ class _OverlapRunner:
             handle=(state, bucket),
         )
         _, _, reduced = self.cell.start(self.hook, bucket, group, info)
-        self.handed[info.index] = (params, reduced)
+        self.handed[info.index] = (info.params, params, reduced)
         state = self.cell.state.global_state
         if state.order is not None and state.order.whole:
             try:
@@ -198,8 +202,7 @@ class _OverlapRunner:
         self.zero.wait()  # the last iteration's sends, if the forward left any
         handed: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         for index in order.buckets:
-            params, reduced = self.handed.pop(index)
-            indices = tuple(self.index_of[id(p)] for p in params)
+            indices, params, reduced = self.handed.pop(index)
             handed[index] = (indices, split_like(reduced.wait(), params))
         scaler = self.loss_scaler
         checks = StepChecks(
@@ -228,10 +231,9 @@ class _OverlapRunner:
         self.cell.pipeline.drain()
         grads: dict[int, torch.Tensor] = {}
         for index in order.buckets:
-            params, reduced = self.handed.pop(index)
+            indices, params, reduced = self.handed.pop(index)
             purpose = "the overlapped ZeRO step: a bucket's averaged gradients"
-            averaged = split_like(wait(reduced, purpose), params)
-            grads |= {self.index_of[id(p)]: g for p, g in zip(params, averaged, strict=True)}
+            grads |= zip(indices, split_like(wait(reduced, purpose), params), strict=True)
         assert self.binding.step_whole is not None
         self.binding.step_whole(grads)
 
@@ -252,23 +254,19 @@ def _check_whole_step(
     Raises:
         ValueError: naming the option and ``redundancy=2``.
     """
-    asked = [
-        name
-        for name, on in (
-            ("shard_buckets=True", shard_buckets),
-            ("hook_with_zero_step_interleaved", interleaved),
-            ("max_grad_norm", max_grad_norm is not None),
-            ("loss_scaler", loss_scaler is not None),
-        )
-        if on
-    ]
-    if asked:
-        raise ValueError(
-            f"{asked[0]} is not available with a ZeroRedundancyOptimizer built with "
-            "redundancy=2: its overlap hook averages every bucket on every rank (each carrier "
-            "needs its owner's gradients) and runs the optimizer's whole step after the last "
-            "one. Use hook_with_zero_step(hook, ddp, zero) alone, or redundancy=1"
-        )
+    for name, asked in (
+        ("shard_buckets=True", shard_buckets),
+        ("hook_with_zero_step_interleaved", interleaved),
+        ("max_grad_norm", max_grad_norm is not None),
+        ("loss_scaler", loss_scaler is not None),
+    ):
+        if asked:
+            raise ValueError(
+                f"{name} is not available with a ZeroRedundancyOptimizer built with "
+                "redundancy=2: its overlap hook averages every bucket on every rank (each "
+                "carrier needs its owner's gradients) and runs the optimizer's whole step after "
+                "the last one. Use hook_with_zero_step(hook, ddp, zero) alone, or redundancy=1"
+            )
 
 
 def _make_hook(runner: _OverlapRunner) -> DDPHook:

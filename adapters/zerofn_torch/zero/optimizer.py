@@ -206,11 +206,9 @@ class ZeroRedundancyOptimizer(
         # the others tell this one is alive by its heartbeat (zerofn_torch.elastic),
         # in a world of its own (no earlier optimizer's alarm or roll call).
         self._generation = next_generation() if redundancy == 2 else 0
-        self._heartbeat = (
-            start_heartbeat(self._generation, self.rank, self.world_size, group)
-            if redundancy == 2
-            else None
-        )
+        self._heartbeat = None
+        if redundancy == 2:
+            self._heartbeat = start_heartbeat(self._generation, self.rank, self.world_size, group)
 
     # ----- what the shell holds -----------------------------------------------
 
@@ -271,7 +269,13 @@ class ZeroRedundancyOptimizer(
         self.wait()
         if written_since(self._versions, self._all_params):
             rederive_from_parameters(self._zero, self._all_params, keep_consistent=True)
-        self._zero = zero = self._retrained(self._zero)
+        zero = with_current_trainable(self._zero, self.param_groups)
+        if zero is not self._zero:
+            logger.warning(
+                "ZeroRedundancyOptimizer: the set of parameters requiring grad changed; "
+                "rebuilding the exchange buffers"
+            )
+        self._zero = zero
         params = self._all_params
 
         losses: list[Any] = []
@@ -315,16 +319,6 @@ class ZeroRedundancyOptimizer(
         self.wait()
         rederive_from_parameters(self._zero, self._all_params)
         self._versions = self._read_versions()
-
-    def _retrained(self, zero: ZeroRank) -> ZeroRank:
-        """``zero`` re-placed if the parameters requiring grad changed."""
-        placed = with_current_trainable(zero, self.param_groups)
-        if placed is not zero:
-            logger.warning(
-                "ZeroRedundancyOptimizer: the set of parameters requiring grad changed; "
-                "rebuilding the exchange buffers"
-            )
-        return placed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients, and any the masters hold."""

@@ -125,6 +125,4 @@ def consolidate_on(
     """
     purpose = f"consolidating the optimizer state on rank {to}"
     gathered = gather_objects(local_state_cpu(rank, groups), to, group, purpose)
-    if gathered is None:
-        return None
-    return joined_state(rank, groups, gathered)
+    return None if gathered is None else joined_state(rank, groups, gathered)
