@@ -369,9 +369,5 @@ def average_program(
         return ()
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     (total,) = yield AllReduce((flat / world_size,), "sum", last=True)
-    averaged = []
-    offset = 0
-    for t in tensors:
-        averaged.append(total[offset : offset + t.numel()].view_as(t).to(t.dtype))
-        offset += t.numel()
-    return tuple(averaged)
+    parts = torch.split(total, [t.numel() for t in tensors])
+    return tuple(part.view_as(t).to(t.dtype) for part, t in zip(parts, tensors, strict=True))

@@ -142,25 +142,24 @@ def average_parameters_or_parameter_groups(params: ParamsOrGroups, process_group
 # ----- averagers ----------------------------------------------------------------
 
 
-def _warn_redundant_with_ddp() -> None:
-    warnings.warn(
-        "Averaging parameters at every step costs at least as much as DDP's gradient "
-        "all-reduce; use DistributedDataParallel alone instead.",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
 class _ScheduledAverager(ModelAverager, Generic[S]):
     """An averager driven by a pure schedule: the shared shell of both kinds.
 
-    Subclasses provide the schedule and one process group per level.
+    Subclasses give the schedule (one that averages at every step is warned
+    about, as PyTorch does) and set one process group per level.
     """
 
-    _schedule: S
     _groups: tuple[Any, ...]
 
-    def __init__(self, process_group: Any | None) -> None:
+    def __init__(self, process_group: Any | None, schedule: S) -> None:
+        if schedule.redundant_with_ddp:
+            warnings.warn(
+                "Averaging parameters at every step costs at least as much as DDP's gradient "
+                "all-reduce; use DistributedDataParallel alone instead.",
+                UserWarning,
+                stacklevel=3,
+            )
+        self._schedule: S = schedule
         self._state = AveragerState()
         super().__init__(process_group)
 
@@ -224,11 +223,7 @@ class PeriodicModelAverager(_ScheduledAverager[PeriodicSchedule]):
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, process_group: Any | None = None):
-        schedule = PeriodicSchedule(period, warmup_steps)
-        if schedule.redundant_with_ddp:
-            _warn_redundant_with_ddp()
-        super().__init__(process_group)
-        self._schedule = schedule
+        super().__init__(process_group, PeriodicSchedule(period, warmup_steps))
         self._groups = (self.process_group,)
 
     @property
@@ -271,15 +266,12 @@ class HierarchicalModelAverager(_ScheduledAverager[HierarchicalSchedule]):
         warmup_steps: int = 0,
         process_group: Any | None = None,
     ) -> None:
-        super().__init__(process_group)
         schedule = HierarchicalSchedule(
             period_group_size_dict,
-            world_size=dist.get_world_size(self.process_group),
+            world_size=dist.get_world_size(process_group),
             warmup_steps=warmup_steps,
         )
-        if schedule.redundant_with_ddp:
-            _warn_redundant_with_ddp()
-        self._schedule = schedule
+        super().__init__(process_group, schedule)
         self._groups = tuple(
             self._level_group(level.group_size, schedule.world_size) for level in schedule.levels
         )
@@ -356,9 +348,7 @@ class PostLocalSGDOptimizer(WrappedOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The local optimizer's state dict with the averager's ``"step"`` added."""
-        state_dict = self.optim.state_dict()
-        state_dict["step"] = self.averager.step
-        return state_dict
+        return {**self.optim.state_dict(), **self.wrapper_state_dict()}
 
     def wrapper_state_dict(self) -> dict[str, Any]:
         """The averager's ``"step"`` alone (the local optimizer's state aside)."""
@@ -382,16 +372,14 @@ class PostLocalSGDOptimizer(WrappedOptimizer):
             ValueError: the step is negative (checked before anything loads).
             TypeError: the step is not an int.
         """
-        if "step" in state_dict:
-            step = AveragerState(state_dict["step"]).step
-        else:
+        if "step" not in state_dict:
             warnings.warn(
                 "The state dict has no averager 'step' (it may come from a plain optimizer); "
                 "the averager restarts at step 0.",
                 UserWarning,
                 stacklevel=2,
             )
-            step = 0
+        step = AveragerState(state_dict.get("step", 0)).step
         self.optim.load_state_dict(state_dict)
         self.averager.step = step
 

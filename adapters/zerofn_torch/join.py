@@ -203,9 +203,12 @@ class Join:
         _settle_announcement(self._joinables[0])
         progress = JoinProgress()
         while not progress.all_joined:
-            progress, action = next_join_step(progress, self._count_running(), self._throw)
+            # Running ranks add 1 in notify_join_context; a joined rank adds 0.
+            running = self._all_reduce(0.0, "counting the ranks still running")
+            progress, action = next_join_step(progress, running, self._throw)
             if action == "terminate":
-                self._tell_others_to_stop()
+                self._all_reduce(1.0, "telling the others it ran out of inputs")
+                raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
             if action == "shadow":
                 self._warn_if_skewed(progress)
                 self._run_hooks("main_hook", f"shadowing round {progress.rounds}")
@@ -246,18 +249,12 @@ class Join:
                 else:
                     hook.post_hook(is_last_joiner)
 
-    def _count_running(self) -> int:
-        # Running ranks add 1 in notify_join_context; a joined rank adds 0.
-        request = AllReduce((torch.zeros(1, device=self._device),))
-        purpose = f"Join: rank {self._rank} counting the ranks still running"
-        (count,) = issue(request, self._process_group, purpose).wait()
-        return int(count.item())
-
-    def _tell_others_to_stop(self) -> None:
-        request = AllReduce((torch.ones(1, device=self._device),))
-        purpose = f"Join: rank {self._rank} telling the others it ran out of inputs"
-        issue(request, self._process_group, purpose).wait()
-        raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
+    def _all_reduce(self, value: float, doing: str) -> int:
+        """Sum this rank's ``value`` over the context's group (what this rank is
+        ``doing``, for error messages)."""
+        request = AllReduce((torch.full((1,), value, device=self._device),))
+        (total,) = issue(request, self._process_group, f"Join: rank {self._rank} {doing}").wait()
+        return int(total.item())
 
     @staticmethod
     def notify_join_context(joinable: Any) -> Any:

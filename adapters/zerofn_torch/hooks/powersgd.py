@@ -288,7 +288,7 @@ _PYTORCH_NAMES: dict[str, tuple[str, Callable[[PowerSGDState], Any]]] = {
     "error_dict": (
         "bucket index -> the bucket's error feedback, flat over the whole bucket "
         "(zeros for parameters sent uncompressed; padding last for the batched hook)",
-        lambda self: _by_bucket(self.hook_state, lambda b: b.whole_error),
+        lambda self: _by_bucket(self.hook_state, lambda b: b.error),
     ),
     "q_memory_dict": (
         "bucket index -> the bucket's Q factors laid out as PyTorch's (flat layer-wise, "

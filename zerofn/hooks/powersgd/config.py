@@ -2,34 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 __all__ = ["PowerSGDConfig"]
 
-
-def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be at least 1, got {value}")
+_COSTLIER = ": below 1 a compressed matrix may cost more bytes than the matrix itself"
 
 
-def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be non-negative, got {value}")
+def _at_least(
+    low: int, kind: type[float] = int, why: str = ""
+) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    """A validator: an int (``kind=int``) or a number (``kind=float``), not
+    below ``low`` (``why``: the reason, added to the message)."""
 
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, kind)):
+            noun = "an int" if kind is int else "a number"
+            raise TypeError(f"{attribute.name} must be {noun}, got {value!r}")
+        if value < low:
+            raise ValueError(f"{attribute.name} must be at least {low}, got {value}{why}")
 
-def _real(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{attribute.name} must be a number, got {value!r}")
+    return check
 
 
 def _seed(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    _non_negative_int(instance, attribute, value)
+    _at_least(0)(instance, attribute, value)
     if value >= 2**32:  # numpy's RandomState takes 32-bit seeds
         raise ValueError(f"{attribute.name} must be below 2**32, got {value}")
 
@@ -74,27 +74,17 @@ class PowerSGDConfig:
         TypeError: for a value of the wrong type.
     """
 
-    matrix_approximation_rank: int = attrs.field(default=1, validator=_positive_int)
-    start_powerSGD_iter: int = attrs.field(default=1_000, validator=_non_negative_int)
-    min_compression_rate: float = attrs.field(default=2, validator=_real)
+    matrix_approximation_rank: int = attrs.field(default=1, validator=_at_least(1))
+    start_powerSGD_iter: int = attrs.field(default=1_000, validator=_at_least(0))
+    min_compression_rate: float = attrs.field(default=2, validator=_at_least(1, float, _COSTLIER))
     use_error_feedback: bool = True
     warm_start: bool = True
-    orthogonalization_epsilon: float = attrs.field(default=0, validator=_real)
+    orthogonalization_epsilon: float = attrs.field(default=0, validator=_at_least(0, float))
     random_seed: int = attrs.field(default=0, validator=_seed)
     compression_stats_logging_frequency: int = attrs.field(default=10_000, converter=_at_least_one)
     batch_tensors_with_same_shape: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.min_compression_rate < 1:
-            raise ValueError(
-                f"min_compression_rate must be at least 1, got {self.min_compression_rate}: "
-                "below 1 a compressed matrix may cost more bytes than the matrix itself"
-            )
-        if self.orthogonalization_epsilon < 0:
-            raise ValueError(
-                "orthogonalization_epsilon must be non-negative, "
-                f"got {self.orthogonalization_epsilon}"
-            )
         if (self.use_error_feedback or self.warm_start) and self.start_powerSGD_iter <= 1:
             raise ValueError(
                 "start_powerSGD_iter must be > 1 when use_error_feedback or warm_start is on "

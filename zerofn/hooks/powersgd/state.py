@@ -127,30 +127,20 @@ class PowerSGDBucketState:
 
     @property
     def error(self) -> torch.Tensor | None:
-        """The bucket's error, flat as its gradient (padding included for the
-        batched hook), or ``None`` when no parameter remembers one."""
-        errors = [m.error for m in self.params if m is not None and m.error is not None]
-        if not errors:
+        """The bucket's error as PyTorch keeps it (its ``error_dict`` entry):
+        flat over the whole bucket, zeros for parameters without one,
+        padding last for the batched hook; ``None`` when no parameter
+        remembers one."""
+        errors = [
+            m.error if m is not None else None for m in map(self.memory, range(len(self.shapes)))
+        ]
+        held = next((e for e in errors if e is not None), None)
+        if held is None:
             return None
-        padding = self.square.padding if self.square is not None else None
-        return torch.cat(
-            [e.reshape(-1) for e in errors] + ([padding] if padding is not None else [])
-        )
-
-    @property
-    def whole_error(self) -> torch.Tensor | None:
-        """The bucket's error as PyTorch keeps it: flat over the whole bucket,
-        zeros for parameters without one (sent uncompressed), padding last for
-        the batched hook; ``None`` when no parameter remembers one."""
-        if all(m is None or m.error is None for m in self.params):
-            return None
-        parts = []
-        for j, shape in enumerate(self.shapes):
-            memory = self.memory(j)
-            if memory is not None and memory.error is not None:
-                parts.append(memory.error.reshape(-1))
-            else:
-                parts.append(torch.zeros(math.prod(shape)))
+        parts = [
+            e.reshape(-1) if e is not None else held.new_zeros(math.prod(shape))
+            for e, shape in zip(errors, self.shapes, strict=True)
+        ]
         padding = self.square.padding if self.square is not None else None
         return torch.cat(parts + ([padding] if padding is not None else []))
 
