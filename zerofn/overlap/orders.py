@@ -6,10 +6,11 @@ does for it, written once: pick the averaged gradients the order names (all
 of them before the plan is fixed, the owned shards after), ask the step's
 global questions (a loss scaler's inf/nan check, clipping's norm:
 :func:`zerofn.zero.mixed_precision.precision.step_factor_program`), step the local optimizer
-(a :class:`StepGradients` request the runner answers with its own
-optimizer), and hand back the programs that send the owners' updates. The
-adapter's runner (``zerofn_torch.hooks.overlap``) and the simulated world
-(:func:`zerofn.testing.overlap.simulate_overlapped_step`) both run it; they
+(a :class:`StepGradients` handed to the :class:`OverlapBinding` of the
+optimizer it drives), and hand back the programs that send the owners'
+updates. The adapter's runner (``zerofn_torch.hooks.overlap``) and the
+simulated world (:func:`zerofn.testing.overlap.simulate_overlapped_step`)
+both run it; they
 start the sends as they like (the adapter without waiting, so backward goes
 on) and write what arrived with :func:`write_updates` after the last bucket;
 or, given the forward's order (``gather_during_forward=True``), run the one
@@ -18,14 +19,14 @@ program that sends and writes every piece behind the next forward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from zerofn.blockquant import BlockQuantizer
-from zerofn.comm import Program, ProgramStep
+from zerofn.comm import Program
 from zerofn.overlap.ddp_buckets import BucketPlan, BucketShard
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, gradients_to_step
 from zerofn.overlap.step import (
@@ -42,6 +43,7 @@ from zerofn.zero.mixed_precision.precision import step_factor_program
 __all__ = [
     "Handed",
     "OrderObeyed",
+    "OverlapBinding",
     "SendCompressed",
     "Sent",
     "StepChecks",
@@ -116,36 +118,65 @@ class OrderObeyed:
         stepped: whether the step was taken (``False`` on every rank alike
             when a loss scaler found inf or nan on some rank).
         sends: per bucket whose owned shards were stepped: its parameters'
-            global indices and the program sending its owners' updates.
-        reshard: the parameters each rank keeps from now on (the order's),
-            or ``None``.
+            global indices and the program sending its owners' updates
+            (none when the binding took them behind the next forward).
         differences: the sends return every shard's decoded difference, to
             add (the rank's own shard too), not the others' values.
-        behind_forward: with the forward's order given, the sends instead:
-            their pieces in that order and the program that posts them all
-            and writes each as it arrives (run it behind the next forward).
     """
 
     stepped: bool
     sends: tuple[tuple[tuple[int, ...], Program[Sent]], ...] = ()
-    reshard: tuple[tuple[int, ...], ...] | None = None
     differences: bool = False
-    behind_forward: tuple[ForwardGather, Program[None]] | None = None
+
+
+@attrs.frozen
+class OverlapBinding:
+    """What the overlap hook may do to the optimizer it drives
+    (``zerofn_torch.ZeroRedundancyOptimizer.bind_overlap_hook``; also
+    importable from :mod:`zerofn.zero.hook_driven`).
+
+    Attributes:
+        step: answer a :class:`StepGradients`: step the local optimizer with
+            its gradients; the parameters not named sit out.
+        adopt_owners: keep only this rank's parameters (global indices per
+            rank) and their state from now on.
+        compressed: what compressed sends read (``None``: no compression).
+        step_whole: take the optimizer's whole step (its exchange included)
+            with these averaged gradients, by global parameter index
+            (``None`` with no whole step: ``redundancy=1``).
+        forward_order: the forward's first use of each parameter when the
+            owners' sends are to travel behind the next forward
+            (``gather_during_forward=True``; agreed across ranks, a
+            collective the first time), else ``None``.
+        behind_forward: hand over those sends' pieces and the program that
+            runs them, for the next forward (and every reader of
+            parameters) to finish.
+    """
+
+    step: Callable[[StepGradients], None]
+    adopt_owners: Callable[[Sequence[Sequence[int]]], None]
+    compressed: Callable[[], SendCompressed | None]
+    step_whole: Callable[[Mapping[int, torch.Tensor]], None] | None = None
+    forward_order: Callable[[], Sequence[int | None] | None] = lambda: None
+    behind_forward: Callable[[ForwardGather, Program[None]], None] | None = None
 
 
 def obey_order(
+    binding: OverlapBinding,
     state: OverlapHookState[Any],
     config: OverlapConfig,
     order: StepOrder,
     handed: Handed,
     params: Sequence[torch.Tensor],
     checks: StepChecks,
-    compressed: SendCompressed | None = None,
-    first_use: Sequence[int | None] | None = None,
-) -> Generator[ProgramStep | StepGradients, Any, OrderObeyed]:
-    """Everything rank ``config.rank`` does for ``order``.
+) -> Program[OrderObeyed]:
+    """Everything rank ``config.rank`` does for ``order``, through the rank
+    ``binding`` drives (the adapter's runner and each simulated rank alike).
 
     Args:
+        binding: the optimizer's handles: its step answers the order's
+            :class:`StepGradients`, its sends are compressed and ordered as
+            it says, and once the plan is fixed it keeps the rank's share.
         state: the hook's global state when the order was given.
         config: the hook's config.
         order: the order.
@@ -153,22 +184,24 @@ def obey_order(
         params: every parameter, in the optimizer's order (read by the sends
             when they run: the updated values).
         checks: the loss scaler's and clipping's questions, if any.
-        compressed: send quantized differences of the masters (``None``:
-            the updated values).
-        first_use: the forward's first use of each parameter
-            (:func:`zerofn.zero.forward_gather.first_uses`), when the sends
-            are to travel behind the next forward (``gather_during_forward``):
-            the order's sends come back as one program, in that order.
 
     Returns:
         A program: the checks' collectives (none without checks, or while
-        every rank holds every gradient), one :class:`StepGradients` unless
-        the step is skipped or empty; it returns an :class:`OrderObeyed`.
+        every rank holds every gradient; the forward's first uses agreed the
+        first time owners send behind it), the local step taken through
+        ``binding.step`` unless it is skipped or empty; it returns an
+        :class:`OrderObeyed` whose sends are the caller's to run (in the
+        order given, on every rank alike). Sends that travel behind the next
+        forward are handed to ``binding.behind_forward`` instead, and an
+        order's ``reshard`` to ``binding.adopt_owners``, when it ends.
 
     Raises:
         KeyError: the order names a bucket not in ``handed``.
         ValueError: an order to step owned shards before the plan is fixed.
     """
+    # Asked only when owners send: the first time it is a collective.
+    first_use = None if order.everywhere else binding.forward_order()
+    compressed = binding.compressed()
     grads: dict[int, torch.Tensor] = {}
     for index in order.buckets:
         indices, averaged = handed[index]
@@ -183,20 +216,29 @@ def obey_order(
     if grads and not skip:
         # While every rank steps everything, nothing is sent: the masters'
         # values go into the parameters, the same on every rank.
-        yield StepGradients(grads, factor, write_back=compressed is None or order.everywhere)
-    if skip or order.everywhere:
-        return OrderObeyed(not skip, (), order.reshard)
-    plan = state.overlap.plan
-    assert plan is not None  # gradients_to_step refused an order without one
-    buckets = {index: handed[index][0] for index in order.buckets}
-    if first_use is not None:
-        behind = _sends_behind_forward(plan, config.rank, buckets, params, compressed, first_use)
-        return OrderObeyed(True, (), order.reshard, compressed is not None, behind)
-    sends = tuple(
-        (indices, _owners_send(plan, config.rank, index, indices, params, compressed))
-        for index, indices in buckets.items()
-    )
-    return OrderObeyed(True, sends, order.reshard, compressed is not None)
+        write_back = compressed is None or order.everywhere
+        binding.step(StepGradients(grads, factor, write_back))
+    done = OrderObeyed(not skip)
+    if not (skip or order.everywhere):
+        plan = state.overlap.plan
+        assert plan is not None  # gradients_to_step refused an order without one
+        buckets = {index: handed[index][0] for index in order.buckets}
+        done = OrderObeyed(True, (), compressed is not None)
+        if first_use is not None:
+            assert binding.behind_forward is not None
+            behind = _sends_behind_forward(
+                plan, config.rank, buckets, params, compressed, first_use
+            )
+            binding.behind_forward(*behind)
+        else:
+            sends = tuple(
+                (indices, _owners_send(plan, config.rank, index, indices, params, compressed))
+                for index, indices in buckets.items()
+            )
+            done = OrderObeyed(True, sends, compressed is not None)
+    if order.reshard is not None:
+        binding.adopt_owners(order.reshard)
+    return done
 
 
 def _sends_behind_forward(

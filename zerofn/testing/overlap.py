@@ -49,18 +49,18 @@ from zerofn.overlap.hook import (
 )
 from zerofn.overlap.orders import (
     OrderObeyed,
+    OverlapBinding,
     Sent,
     StepChecks,
     StepGradients,
+    obey_order,
     write_updates,
 )
 from zerofn.testing.world import run_programs
 from zerofn.zero.forward_gather import ForwardGather, check_gather_with_hook
 from zerofn.zero.hook_driven import (
-    OverlapBinding,
     attach,
     build_hook_driven_rank,
-    obey_through,
     send_compressed,
     step_rank_with_gradients,
 )
@@ -161,11 +161,11 @@ class _OverlapRank:
         return self.state.global_state.order
 
     def obeying(self, order: StepOrder) -> Program[OrderObeyed]:
-        """The core's :func:`zerofn.zero.hook_driven.obey_through` for
+        """The core's :func:`zerofn.overlap.orders.obey_order` for
         ``order``, through this rank's binding (the buckets it names are taken)."""
         handed = {index: self.handed.pop(index) for index in order.buckets}
         state = self.state.global_state
-        return obey_through(
+        return obey_order(
             self.binding, state, self.config, order, handed, self.params, StepChecks()
         )
 

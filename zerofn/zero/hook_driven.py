@@ -1,33 +1,22 @@
 """A ZeRO rank stepped by DDP's overlap hook (``overlap_with_ddp=True``):
-what the hook may do to the optimizer it drives (:class:`OverlapBinding`),
 attaching one, answering its step with given gradients, what compressed
-sends read, one order obeyed through the binding (:func:`obey_through`,
-the adapter's hook and the simulated overlapped world alike), and the checks
-that refuse to train, or to save, before a hook made that possible.
+sends read, and the checks that refuse to train, or to save, before a hook
+made that possible. What the hook may do to the optimizer it drives is
+:class:`zerofn.overlap.orders.OverlapBinding` (importable from here too),
+and the order obeyed through it :func:`zerofn.overlap.orders.obey_order`.
 Sharding by the owners DDP's buckets fix is
 :func:`zerofn.zero.replan.sharded_by_owners`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from zerofn.comm import Program, answered_locally
-from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder
-from zerofn.overlap.orders import (
-    Handed,
-    OrderObeyed,
-    SendCompressed,
-    StepChecks,
-    StepGradients,
-    obey_order,
-    step_with_gradients,
-)
+from zerofn.overlap.orders import OverlapBinding, SendCompressed, StepGradients, step_with_gradients
 from zerofn.zero.arguments import plan_for
-from zerofn.zero.forward_gather import ForwardGather
 from zerofn.zero.options import ZeroOptions
 from zerofn.zero.rank import (
     OverlapMode,
@@ -44,70 +33,9 @@ __all__ = [
     "check_overlap_attached",
     "check_overlap_initialized",
     "check_stepped_here",
-    "obey_through",
     "send_compressed",
     "step_rank_with_gradients",
 ]
-
-
-@attrs.frozen
-class OverlapBinding:
-    """What the overlap hook may do to the optimizer it drives
-    (``zerofn_torch.ZeroRedundancyOptimizer.bind_overlap_hook``).
-
-    Attributes:
-        step: answer a :class:`~zerofn.overlap.orders.StepGradients`: step the
-            local optimizer with its gradients; the parameters not named sit out.
-        adopt_owners: keep only this rank's parameters (global indices per
-            rank) and their state from now on.
-        compressed: what compressed sends read (``None``: no compression).
-        step_whole: take the optimizer's whole step (its exchange included)
-            with these averaged gradients, by global parameter index
-            (``None`` with no whole step: ``redundancy=1``).
-        forward_order: the forward's first use of each parameter when the
-            owners' sends are to travel behind the next forward
-            (``gather_during_forward=True``; agreed across ranks, a
-            collective the first time), else ``None``.
-        behind_forward: hand over those sends' pieces and the program that
-            runs them, for the next forward (and every reader of
-            parameters) to finish.
-    """
-
-    step: Callable[[StepGradients], None]
-    adopt_owners: Callable[[Sequence[Sequence[int]]], None]
-    compressed: Callable[[], SendCompressed | None]
-    step_whole: Callable[[Mapping[int, torch.Tensor]], None] | None = None
-    forward_order: Callable[[], Sequence[int | None] | None] = lambda: None
-    behind_forward: Callable[[ForwardGather, Program[None]], None] | None = None
-
-
-def obey_through(
-    binding: OverlapBinding,
-    state: OverlapHookState[Any],
-    config: OverlapConfig,
-    order: StepOrder,
-    handed: Handed,
-    params: Sequence[torch.Tensor],
-    checks: StepChecks,
-) -> Program[OrderObeyed]:
-    """The core's :func:`~zerofn.overlap.orders.obey_order` for ``order``,
-    obeyed by the rank ``binding`` drives: its step answered by
-    ``binding.step``, its sends compressed and ordered as the binding says;
-    when the program ends, the sends behind the next forward handed over and
-    the rank's share kept once the plan is fixed. The sends it returns are
-    the caller's to run (in the order given, on every rank alike)."""
-    # Asked only when owners send: the first time it is a collective.
-    first_use = None if order.everywhere else binding.forward_order()
-    program = obey_order(
-        state, config, order, handed, params, checks, binding.compressed(), first_use
-    )
-    done = yield from answered_locally(program, StepGradients, binding.step)
-    if done.behind_forward is not None:
-        assert binding.behind_forward is not None
-        binding.behind_forward(*done.behind_forward)
-    if done.reshard is not None:
-        binding.adopt_owners(done.reshard)
-    return done
 
 
 def build_hook_driven_rank(groups: Sequence[dict[str, Any]], options: ZeroOptions) -> ZeroRank:

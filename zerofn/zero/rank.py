@@ -151,27 +151,25 @@ def rank_for_plan(
     plan: ShardPlan,
     overlap: OverlapMode,
     *,
-    masters: Masters | None,
-    optim: Optimizer | None,
     rebuilt: bool,
-    carried: CarriedShard | None = None,
+    kept: ZeroRank | None = None,
 ) -> ZeroRank:
     """A rank placed by ``plan``: this rank's shards and, with compression,
     the payload buffers (built here; with ``options.bucket_view`` the
     parameters become views of the new exchange buffers). The local
-    optimizer is ``optim`` (and the carried copy ``carried``) if given, else
-    new ones over the new shard (and, with ``redundancy=2``, the carried one).
+    optimizer, its masters and the carried copy are ``kept``'s if given,
+    else new ones over the new shard (and, with ``redundancy=2``, the
+    carried one).
 
     Args:
         groups: the param groups, in the optimizer's order.
         options: what the constructor fixed.
         plan: who owns what.
         overlap: who steps the optimizer.
-        masters: the master copies to keep (a new local optimizer makes its own).
-        optim: the local optimizer to keep (``None``: build one).
         rebuilt: exchange buffers existed before (see
             :func:`zerofn.zero.shards.build_buffers`).
-        carried: the carried copy to keep with ``optim``.
+        kept: the rank whose local optimizer, masters and carried copy to
+            keep (``None``: build them).
     """
     params = flat_params(groups)
     hook = overlap != "off" and not _whole_in_hook(overlap, options)
@@ -191,6 +189,7 @@ def rank_for_plan(
         options=options.defaults,
         rebuilt=rebuilt,
     )
+    masters, optim, carried = (kept.masters, kept.optim, kept.carried) if kept else (None,) * 3
     if optim is None:
         local = shards.local_groups(groups, params)
         if options.master_dtype is not None:
@@ -213,7 +212,7 @@ def build_rank(
     """A new rank: its shards, exchange buffers, masters and a fresh local
     optimizer over its shard of ``groups`` under ``plan`` (the constructor's,
     and each simulated rank's)."""
-    return rank_for_plan(groups, options, plan, overlap, masters=None, optim=None, rebuilt=False)
+    return rank_for_plan(groups, options, plan, overlap, rebuilt=False)
 
 
 def extend_local_optimizer(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> ZeroRank:
@@ -244,10 +243,7 @@ def with_current_trainable(rank: ZeroRank, groups: Sequence[dict[str, Any]]) -> 
     if trainable == rank.plan.trainable:
         return rank
     plan = with_trainable(rank.plan, trainable)  # may refuse: then nothing changed
-    return rank_for_plan(
-        groups, rank.options, plan, rank.overlap,
-        masters=rank.masters, optim=rank.optim, rebuilt=True, carried=rank.carried,
-    )  # fmt: skip
+    return rank_for_plan(groups, rank.options, plan, rank.overlap, rebuilt=True, kept=rank)
 
 
 def copy_hyperparameters(

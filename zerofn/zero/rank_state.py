@@ -13,7 +13,7 @@ import torch
 
 from zerofn.zero.elastic.piece_state import load_states, whole_pieces
 from zerofn.zero.mixed_precision.masters import with_masters, without_masters
-from zerofn.zero.params import StateDict, global_groups, hyperparameters
+from zerofn.zero.params import StateDict, global_groups
 from zerofn.zero.planning.partition import Piece
 from zerofn.zero.rank import ZeroRank, copy_hyperparameters, flat_params
 from zerofn.zero.shard_state import consolidate, shard
@@ -82,7 +82,8 @@ def full_state_dict(
     consolidated: StateDict | None, groups: Sequence[Mapping[str, Any]], rank: int
 ) -> StateDict:
     """The consolidated state in ``torch.optim``'s format, with the live
-    groups' options.
+    groups' options (its groups numbered as :func:`state_before_any_step`'s,
+    as consolidation numbers them).
 
     Raises:
         RuntimeError: nothing was consolidated on this rank.
@@ -92,13 +93,7 @@ def full_state_dict(
             "Optimizer state has not been consolidated on this rank. Call "
             f"consolidate_state_dict(to={rank}) on all ranks first."
         )
-    return {
-        "state": dict(consolidated["state"]),
-        "param_groups": [
-            {**hyperparameters(live), "params": list(saved["params"])}
-            for live, saved in zip(groups, consolidated["param_groups"], strict=True)
-        ],
-    }
+    return {**state_before_any_step(groups), "state": dict(consolidated["state"])}
 
 
 def state_before_any_step(groups: Sequence[Mapping[str, Any]]) -> StateDict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from zerofn.zero.arguments import plan_for
 from zerofn.zero.elastic.carried import CarriedShard, carried_shard
 from zerofn.zero.elastic.piece_state import load_states
@@ -47,16 +49,12 @@ def with_added_group(
         groups[-1].setdefault(name, default)
     plan = plan_for(groups, rank.options.world_size, rank.plan.mode)
     if old_state is None:
-        carried = None if rank.carried is None else _grown_carried(rank, groups, plan)
-        rank = rank_for_plan(
-            groups, rank.options, plan, rank.overlap,
-            masters=rank.masters, optim=rank.optim, rebuilt=True, carried=carried,
-        )  # fmt: skip
+        if rank.carried is not None:
+            rank = attrs.evolve(rank, carried=_grown_carried(rank, groups, plan))
+        rank = rank_for_plan(groups, rank.options, plan, rank.overlap, rebuilt=True, kept=rank)
         rank = extend_local_optimizer(rank, groups)
     else:
-        rank = rank_for_plan(
-            groups, rank.options, plan, rank.overlap, masters=None, optim=None, rebuilt=True
-        )
+        rank = rank_for_plan(groups, rank.options, plan, rank.overlap, rebuilt=True)
         old_state["param_groups"].append({**hyperparameters(groups[-1]), "params": []})
         load_global_state(rank, groups, regroup(groups, old_state))
     copy_hyperparameters(rank.optim.param_groups, groups)
@@ -98,8 +96,6 @@ def sharded_by_owners(
     trainable = tuple(i in synced for i in range(len(params)))
     partition = [[params[i] for i in ranks] for ranks in owned]
     plan = plan_for(groups, rank.options.world_size, partition, trainable)
-    sharded = rank_for_plan(
-        groups, rank.options, plan, "sharded", masters=rank.masters, optim=None, rebuilt=False
-    )
+    sharded = rank_for_plan(groups, rank.options, plan, "sharded", rebuilt=False)
     load_global_state(sharded, groups, full_state)
     return sharded

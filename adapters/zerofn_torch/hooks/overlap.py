@@ -51,9 +51,8 @@ from zerofn.comm import split_like
 from zerofn.errors import CollectiveError
 from zerofn.hooks.hook import init_hook_state
 from zerofn.overlap.hook import OverlapConfig, OverlapHookState, StepOrder, zero_step_hook
-from zerofn.overlap.orders import Sent, StepChecks, write_updates
+from zerofn.overlap.orders import Sent, StepChecks, obey_order, write_updates
 from zerofn.zero.forward_gather import check_gather_with_hook
-from zerofn.zero.hook_driven import obey_through
 from zerofn.zero.mixed_precision.precision import clip_coefficient
 from zerofn_torch.hooks.default import allreduce_hook
 from zerofn_torch.runtime.driver import drive
@@ -190,7 +189,7 @@ class _OverlapRunner:
         return for_ddp(interruptible(reduced))
 
     def _obey(self, state: OverlapHookState[Any], order: StepOrder) -> None:
-        """Run the core's :func:`zerofn.zero.hook_driven.obey_through` for
+        """Run the core's :func:`zerofn.overlap.orders.obey_order` for
         ``order``: its checks and step here (the rank's share kept once the
         plan is fixed), the owners' sends started without waiting.
 
@@ -210,7 +209,7 @@ class _OverlapRunner:
             max_norm=self.max_grad_norm,
             device=self.zero.join_device,
         )
-        program = obey_through(self.binding, state, self.config, order, handed, self.params, checks)
+        program = obey_order(self.binding, state, self.config, order, handed, self.params, checks)
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
         done = drive(program, group, purpose).wait()

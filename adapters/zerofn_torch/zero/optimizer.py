@@ -20,10 +20,10 @@ from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from zerofn.blockquant import BlockQuantizer
+from zerofn.overlap.orders import OverlapBinding
 from zerofn.zero import hook_driven
 from zerofn.zero.arguments import check_added_group, plan_for
 from zerofn.zero.elastic.recovery_point import Position
-from zerofn.zero.hook_driven import OverlapBinding
 from zerofn.zero.options import collective_for_backend, resolve_options
 from zerofn.zero.outside_writes import (
     rederive_from_parameters,

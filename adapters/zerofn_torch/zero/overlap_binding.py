@@ -10,10 +10,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from zerofn.comm import Program
-from zerofn.overlap.orders import SendCompressed, StepGradients
+from zerofn.overlap.orders import OverlapBinding, SendCompressed, StepGradients
 from zerofn.zero import hook_driven
 from zerofn.zero.forward_gather import ForwardGather
-from zerofn.zero.hook_driven import OverlapBinding
 from zerofn.zero.replan import sharded_by_owners
 from zerofn_torch.zero.forward_gather import ForwardGathering
 

@@ -137,9 +137,7 @@ def regrouped(
     options = attrs.evolve(rank.options, rank=new, world_size=world)
     # A rank DDP's hook stepped waits for a hook on the new world's DDP.
     overlap: OverlapMode = "unattached" if rank.stepped_by_hook else "off"
-    fresh = rank_for_plan(
-        groups, options, regrouping.plan, overlap, masters=None, optim=None, rebuilt=True
-    )
+    fresh = rank_for_plan(groups, options, regrouping.plan, overlap, rebuilt=True)
     load_states(fresh.optim, fresh.shards.local_pieces(flat_params(groups)), known, fresh.masters)
     if fresh.carried is not None:
         load_states(fresh.carried.optim, fresh.carried.pieces, known, fresh.carried.masters)

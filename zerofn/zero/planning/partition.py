@@ -39,6 +39,7 @@ __all__ = [
 PartitionMode = Literal["greedy", "balanced", "flat"]
 
 GroupSizes = tuple[tuple[int, ...], ...]
+Assignment = tuple[tuple[tuple[int, ...], ...], ...]
 
 
 def _freeze_group_sizes(group_sizes: Sequence[Sequence[int]]) -> GroupSizes:
@@ -48,6 +49,10 @@ def _freeze_group_sizes(group_sizes: Sequence[Sequence[int]]) -> GroupSizes:
             if n < 0:
                 raise ValueError(f"param group {g}, parameter {i}: size {n} is negative")
     return frozen
+
+
+def _assignment(ranks: Iterable[Iterable[Iterable[int]]]) -> Assignment:
+    return tuple(tuple(tuple(group) for group in rank) for rank in ranks)
 
 
 def _check_world_size(world_size: int) -> None:
@@ -82,7 +87,7 @@ class Partition:
 
     world_size: int
     group_sizes: GroupSizes
-    assignment: tuple[tuple[tuple[int, ...], ...], ...]
+    assignment: Assignment = attrs.field(converter=_assignment)
     owners: tuple[int, ...] = attrs.field(init=False)
 
     @owners.default
@@ -251,17 +256,7 @@ def greedy_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> P
             load, rank = heap[0]
             assignment[rank][g].append(offsets[g] + local)
             heapq.heapreplace(heap, (load + size, rank))
-    return _to_partition(world_size, frozen, assignment)
-
-
-def _to_partition(
-    world_size: int, group_sizes: GroupSizes, assignment: Sequence[Sequence[Sequence[int]]]
-) -> Partition:
-    return Partition(
-        world_size=world_size,
-        group_sizes=group_sizes,
-        assignment=tuple(tuple(tuple(g) for g in rank) for rank in assignment),
-    )
+    return Partition(world_size, frozen, assignment)
 
 
 def manual_partition(
@@ -308,7 +303,7 @@ def manual_partition(
                     f"params_per_rank[{rank}] names parameter {index}, which was not "
                     "passed to the optimizer"
                 )
-    return _to_partition(world_size, frozen, [[list(ix)] for ix in params_per_rank])
+    return Partition(world_size, frozen, [[ix] for ix in params_per_rank])
 
 
 def _largest_first(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -424,7 +419,7 @@ def balanced_partition(group_sizes: Sequence[Sequence[int]], world_size: int) ->
     for g in range(len(greedy.group_sizes)):
         for index in range(offsets[g], offsets[g + 1]):
             assignment[best[index]][g].append(index)
-    return _to_partition(world_size, greedy.group_sizes, assignment)
+    return Partition(world_size, greedy.group_sizes, assignment)
 
 
 def flat_partition(group_sizes: Sequence[Sequence[int]], world_size: int) -> FlatPartition:
