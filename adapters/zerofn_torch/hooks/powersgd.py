@@ -37,11 +37,10 @@ import torch.distributed as dist
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from zerofn.hooks import powersgd
-from zerofn.hooks.hook import HookState
+from zerofn.hooks.hook import init_hook_state
 from zerofn.hooks.powersgd import (
     PowerSGDBucketState,
     PowerSGDConfig,
-    PowerSGDGlobalState,
     PowerSGDHook,
     PowerSGDHookState,
 )
@@ -144,11 +143,10 @@ class PowerSGDState:
         )
         logger.info("PowerSGD config: %s", config)
         self.process_group = process_group
-        initial: PowerSGDHookState = HookState(powersgd.init_global_state(config))
+        self.config = config
         # Not state to checkpoint: the cell's lock and pipeline belong to this
         # process; its state is replaced by load_state_dict.
-        self._cell = HookCell(initial)
-        self._adopt(config, initial)
+        self._cell = HookCell(init_hook_state(powersgd.layerwise(config)))
 
     def track_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
         """Key the state by these parameters' positions (e.g. ``model.parameters()``).
@@ -164,12 +162,6 @@ class PowerSGDState:
         finder = tracked([id(p) for p in parameters])
         with self._cell.lock:
             self._cell.state = powersgd.with_parameter_keys(self._cell.state, finder)
-
-    def _adopt(self, config: PowerSGDConfig, state: PowerSGDHookState) -> None:
-        self.config = config
-        self._cell.state = state
-        self.layerwise_hook: PowerSGDHook = powersgd.layerwise(config)
-        self.batched_hook: PowerSGDHook = powersgd.batched(config)
 
     @property
     def hook_state(self) -> PowerSGDHookState:
@@ -224,7 +216,8 @@ class PowerSGDState:
         config, state = powersgd.from_state_dict(state_dict)
         with self._cell.lock:
             finder = self._cell.state.global_state.parameter_keys
-            self._adopt(config, powersgd.with_parameter_keys(state, finder))
+            self.config = config
+            self._cell.state = powersgd.with_parameter_keys(state, finder)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickling keeps working as with PyTorch's state: everything but the
@@ -243,8 +236,8 @@ class PowerSGDState:
             "assign its process_group attribute for another one."
         )
         config, restored = powersgd.from_state_dict(state)
+        self.config = config
         self._cell = HookCell(restored)
-        self._adopt(config, restored)
 
     def __repr__(self) -> str:
         return f"PowerSGDState(iter={self.iter}, config={self.config})"
@@ -319,22 +312,8 @@ del _name, _what, _read
 PowerSGDState.__slots__ = _PYTORCH_SLOTS  # type: ignore[attr-defined,misc]
 
 
-def _log_stats_if_due(state: PowerSGDState, before: PowerSGDGlobalState) -> None:
-    after = state.hook_state.global_state
-    if after.next_stats_report != before.next_stats_report:
-        rate, numel_before, numel_after = powersgd.compression_stats(after)
-        logger.info(
-            "PowerSGD compression stats: iter %s, %s elements before compression, "
-            "%s after, rate %s",
-            before.iteration,
-            numel_before,
-            numel_after,
-            rate,
-        )
-
-
 def _run(
-    state: PowerSGDState, hook: PowerSGDHook, bucket: GradBucket
+    state: PowerSGDState, make: Callable[[PowerSGDConfig], PowerSGDHook], bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     cell = state._cell
@@ -343,8 +322,18 @@ def _run(
         shapes = [tuple(g.shape) for g in bucket.gradients()]
         with cell.lock:
             cell.state = powersgd.claim_parameters(cell.state, bucket.index(), identities, shapes)
-    before, _, result = cell.run(hook, bucket, group)
-    _log_stats_if_due(state, before.global_state)
+    before, _, result = cell.run(make(state.config), bucket, group)
+    after = state.hook_state.global_state
+    if after.next_stats_report != before.global_state.next_stats_report:
+        rate, numel_before, numel_after = powersgd.compression_stats(after)
+        logger.info(
+            "PowerSGD compression stats: iter %s, %s elements before compression, "
+            "%s after, rate %s",
+            before.global_state.iteration,
+            numel_before,
+            numel_after,
+            rate,
+        )
     return result
 
 
@@ -371,7 +360,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         ValueError: if ``state`` holds state for this bucket index made for
             other gradient shapes (a state shared by two models).
     """
-    return _run(state, state.layerwise_hook, bucket)
+    return _run(state, powersgd.layerwise, bucket)
 
 
 def batched_powerSGD_hook(
@@ -385,4 +374,4 @@ def batched_powerSGD_hook(
     result and errors are :func:`powerSGD_hook`'s; the state it refuses may
     also be one that :func:`powerSGD_hook` made.
     """
-    return _run(state, state.batched_hook, bucket)
+    return _run(state, powersgd.batched, bucket)

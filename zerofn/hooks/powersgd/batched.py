@@ -39,7 +39,6 @@ from zerofn.hooks.powersgd.common import (
 from zerofn.hooks.powersgd.config import PowerSGDConfig
 from zerofn.hooks.powersgd.state import (
     Key,
-    ParamMemory,
     PowerSGDBucketState,
     PowerSGDGlobalState,
     SquareMemory,
@@ -50,15 +49,17 @@ __all__ = ["batched"]
 
 
 def _program(
-    signal: torch.Tensor,
-    numel: int,
-    initial_q: torch.Tensor,
-    keys: tuple[Key, ...],
-    bucket: BucketInfo,
-    config: PowerSGDConfig,
+    call: BucketCall, initial_q: torch.Tensor, config: PowerSGDConfig
 ) -> Program[BucketResult]:
-    eps = config.orthogonalization_epsilon
-    side = initial_q.shape[0]
+    eps, grad, held = config.orthogonalization_epsilon, call.grad, call.bucket_state
+    numel, side = grad.numel(), initial_q.shape[0]
+    # The bucket, padded to side * side, plus the remembered errors.
+    signal = torch.zeros(side * side, dtype=grad.dtype, device=grad.device)
+    signal[:numel] = grad
+    if config.use_error_feedback:
+        signal = compensate(signal, errors_of(call.params), call.bucket.numels, owned=True)
+        if held is not None and held.square is not None and held.square.padding is not None:
+            signal[numel:] += held.square.padding
     matrix = signal.view(1, side, side)
     q = codec.orthogonalize(initial_q.unsqueeze(0), eps)
     (p_sum,) = yield AllReduce((codec.project(matrix, q).contiguous(),), "sum")
@@ -66,32 +67,13 @@ def _program(
     (q_sum,) = yield AllReduce(
         (codec.project_transposed(matrix, p).contiguous(),), "sum", last=True
     )
-    q_mean = q_sum / bucket.world_size
+    q_mean = q_sum / call.bucket.world_size
     decoded = torch.bmm(p, q_mean.transpose(1, 2)).view(-1)
     # The error covers the padding too, as in PyTorch; the result drops it.
     residual = signal.sub_(decoded) if config.use_error_feedback else None
     padding = residual[numel:] if residual is not None else None
-    square = SquareMemory(keys, padding, q_mean[0] if config.warm_start else None)
-    return decoded[:numel], new_state(keys, bucket, residual, {}, config, square)
-
-
-def _square_input(
-    grad: torch.Tensor,
-    side: int,
-    params: tuple[ParamMemory | None, ...],
-    square: SquareMemory | None,
-    bucket: BucketInfo,
-    config: PowerSGDConfig,
-) -> torch.Tensor:
-    """The bucket, padded to ``side * side``, plus the remembered errors."""
-    padded = torch.zeros(side * side, dtype=grad.dtype, device=grad.device)
-    padded[: grad.numel()] = grad
-    if not config.use_error_feedback:
-        return padded
-    padded = compensate(padded, errors_of(params), bucket.numels, owned=True)
-    if square is not None and square.padding is not None:
-        padded[grad.numel() :] += square.padding
-    return padded
+    square = SquareMemory(call.keys, padding, q_mean[0] if config.warm_start else None)
+    return decoded[:numel], new_state(call.keys, call.bucket, residual, {}, config, square)
 
 
 def _square_order(keys: tuple[Key, ...], square: SquareMemory | None) -> tuple[int, ...] | None:
@@ -126,45 +108,33 @@ def _restored_order(
     return out, state
 
 
-def _starting_q(
-    state: PowerSGDGlobalState,
-    square: SquareMemory | None,
-    side: int,
-    rank: int,
-    like: torch.Tensor,
-    config: PowerSGDConfig,
-) -> tuple[PowerSGDGlobalState, torch.Tensor]:
-    """The square's last ``Q`` (warm start), else a random one from a fresh seed."""
-    if config.warm_start and square is not None and square.q is not None:
-        return state, square.q
-    state, seed = draw(state)
-    generator = torch.Generator().manual_seed(seed)
-    return state, torch.randn(side, rank, generator=generator, dtype=like.dtype).to(like.device)
-
-
 def _compress(
     config: PowerSGDConfig, call: BucketCall, state: PowerSGDGlobalState
 ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
     """The compressing iteration's program for one bucket (see :func:`batched`)."""
-    grad, bucket, keys, params = call.grad, call.bucket, call.keys, call.params
+    grad, bucket, params = call.grad, call.bucket, call.params
     square = call.bucket_state.square if call.bucket_state is not None else None
     numel = grad.numel()
     side = square_side(numel)
     rank = min(side, config.matrix_approximation_rank)
     state = record_compression(state, numel, 2 * side * rank, bucket.is_last, config)
-    state, q = _starting_q(state, square, side, rank, grad, config)
-    order = _square_order(keys, square)
+    # The square's last Q (warm start), else a random one from a fresh seed.
+    if config.warm_start and square is not None and square.q is not None:
+        q = square.q
+    else:
+        state, seed = draw(state)
+        generator = torch.Generator().manual_seed(seed)
+        q = torch.randn(side, rank, generator=generator, dtype=grad.dtype).to(grad.device)
+    order = _square_order(call.keys, square)
     if order is None:
-        signal = _square_input(grad, side, params, square, bucket, config)
-        return state, _program(signal, numel, q, keys, bucket, config)
+        return state, _program(call, q, config)
     # The square's parameters in another order: compress in the square's.
     assert square is not None
-    square_bucket = attrs.evolve(bucket, shapes=tuple(bucket.shapes[j] for j in order))
-    square_params = tuple(params[j] for j in order)
+    shapes = tuple(bucket.shapes[j] for j in order)
+    held = PowerSGDBucketState(square.keys, shapes, tuple(params[j] for j in order), square)
     grad = _permuted(grad, bucket.numels, order)
-    signal = _square_input(grad, side, square_params, square, square_bucket, config)
-    program = _program(signal, numel, q, square.keys, square_bucket, config)
-    return state, _restored_order(program, order, keys, bucket)
+    square_call = BucketCall(grad, attrs.evolve(bucket, shapes=shapes), square.keys, held)
+    return state, _restored_order(_program(square_call, q, config), order, call.keys, bucket)
 
 
 def batched(config: PowerSGDConfig) -> PowerSGDHook:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import attrs
 import torch
@@ -35,7 +34,6 @@ __all__ = [
     "project_transposed",
     "random_factors",
     "should_compress",
-    "split_factors",
     "square_side",
 ]
 
@@ -294,15 +292,6 @@ def project_transposed(matrices: torch.Tensor, factors: torch.Tensor) -> torch.T
 
 def flat(batches: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([b.reshape(-1) for b in batches])
-
-
-def split_factors(
-    flat: torch.Tensor, layout: BucketLayout, side: Literal["p", "q"]
-) -> list[torch.Tensor]:
-    """Cut a flat ``P`` (``side="p"``) or ``Q`` (``side="q"``) into per-group batches."""
-    shapes = [(g.size, g.rows if side == "p" else g.cols, g.rank) for g in layout.groups]
-    parts = torch.split(flat, [math.prod(shape) for shape in shapes])
-    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
 def gather_group(flat: torch.Tensor, group: ShapeGroup) -> torch.Tensor:

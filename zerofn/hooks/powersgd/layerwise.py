@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from zerofn.comm import AllReduce, Program
+from zerofn.comm import AllReduce, Program, split_like
 from zerofn.hooks.error_feedback import compensate
 from zerofn.hooks.hook import BucketInfo
 from zerofn.hooks.powersgd import codec
@@ -37,7 +37,6 @@ from zerofn.hooks.powersgd.common import (
 from zerofn.hooks.powersgd.config import PowerSGDConfig
 from zerofn.hooks.powersgd.state import (
     Key,
-    ParamMemory,
     PowerSGDGlobalState,
     record_compression,
 )
@@ -101,44 +100,35 @@ def _differs_from_reference(state: PowerSGDGlobalState, bucket: BucketInfo) -> b
 
 
 def _starting_factors(
-    state: PowerSGDGlobalState,
-    bucket: BucketInfo,
-    layout: BucketLayout,
-    keys: Sequence[Key],
-    params: Sequence[ParamMemory | None],
-    like: torch.Tensor,
-    config: PowerSGDConfig,
+    state: PowerSGDGlobalState, call: BucketCall, layout: BucketLayout, config: PowerSGDConfig
 ) -> tuple[PowerSGDGlobalState, list[torch.Tensor]]:
     """Each compressed matrix's starting ``Q``: its own last one (warm start),
     else a random one, drawn as PyTorch draws them for the layout in force."""
+    keys, params = call.keys, call.params
     kept: Factors = {}
     if config.warm_start:
         kept = {
             k: m.q for k, m in zip(keys, params, strict=True) if m is not None and m.q is not None
         }
-    if _differs_from_reference(state, bucket):
-        state = _draw_ahead(state, bucket.index, like, config)
+    if _differs_from_reference(state, call.bucket):
+        state = _draw_ahead(state, call.bucket.index, call.grad, config)
     if state.ahead is not None:  # drawn ahead: those of them not kept
         kept = {**dict(state.ahead), **kept}
-    missing = [
-        keys[j] for j, m in enumerate(layout.matrices) if m.compressed and keys[j] not in kept
-    ]
+    missing = any(m.compressed and keys[j] not in kept for j, m in enumerate(layout.matrices))
     # PyTorch draws a seed even for a bucket with nothing to compress.
     if missing or (state.ahead is None and fresh_start_due(state, config)):
-        state, drawn = _draw_for(state, layout, keys, like, config)
+        state, drawn = _draw_for(state, layout, keys, call.grad, config)
         kept = {**drawn, **kept}
     return state, _grouped(layout, keys, kept)
 
 
 def _program(
-    signal: torch.Tensor,
-    layout: BucketLayout,
-    initial_qs: list[torch.Tensor],
-    keys: tuple[Key, ...],
-    bucket: BucketInfo,
-    config: PowerSGDConfig,
+    call: BucketCall, layout: BucketLayout, initial_qs: list[torch.Tensor], config: PowerSGDConfig
 ) -> Program[BucketResult]:
-    eps, world_size = config.orthogonalization_epsilon, bucket.world_size
+    eps, bucket = config.orthogonalization_epsilon, call.bucket
+    signal = call.grad
+    if config.use_error_feedback:
+        signal = compensate(signal, errors_of(call.params), bucket.numels, owned=False)
     matrices = [codec.gather_group(signal, group) for group in layout.groups]
     ps = [
         codec.project(m, codec.orthogonalize(q, eps))
@@ -148,37 +138,32 @@ def _program(
     if not layout.groups:
         # Nothing worth compressing: one round trip is enough.
         (summed,) = yield AllReduce((uncompressed,), "sum", last=True)
-        out = codec.assemble(layout, summed / world_size, [], [], signal)
-        qs: list[torch.Tensor] = []
+        qs: Sequence[torch.Tensor] = []
     else:
         # Round 1: the uncompressed gradients ride along with the P factors.
         # P is not averaged: orthogonalisation removes the scale anyway.
         summed, p_sum = yield AllReduce((uncompressed, codec.flat(ps)), "sum")
-        ps = [codec.orthogonalize(p, eps) for p in codec.split_factors(p_sum, layout, "p")]
+        ps = [codec.orthogonalize(p, eps) for p in split_like(p_sum, ps)]
         qs = [codec.project_transposed(m, p) for m, p in zip(matrices, ps, strict=True)]
         # Round 2: the Q factors.
         (q_sum,) = yield AllReduce((codec.flat(qs),), "sum", last=True)
-        qs = codec.split_factors(q_sum / world_size, layout, "q")
-        out = codec.assemble(layout, summed / world_size, ps, qs, signal)
+        qs = split_like(q_sum / bucket.world_size, qs)
+    out = codec.assemble(layout, summed / bucket.world_size, ps, qs, signal)
     # With error feedback the signal is the program's own: it becomes the error.
     residual = signal.sub_(out) if config.use_error_feedback else None
-    factors = _keyed(layout, keys, qs) if config.warm_start else {}
-    return out, new_state(keys, bucket, residual, factors, config)
+    factors = _keyed(layout, call.keys, qs) if config.warm_start else {}
+    return out, new_state(call.keys, bucket, residual, factors, config)
 
 
 def _compress(
     config: PowerSGDConfig, call: BucketCall, state: PowerSGDGlobalState
 ) -> tuple[PowerSGDGlobalState, Program[BucketResult]]:
     """The compressing iteration's program for one bucket (see :func:`layerwise`)."""
-    grad, bucket, keys, params = call.grad, call.bucket, call.keys, call.params
     rank, rate = config.matrix_approximation_rank, config.min_compression_rate
-    layout = bucket_layout(bucket.shapes, rank, rate)
-    state = record_compression(state, layout.numel, layout.sent_numel, bucket.is_last, config)
-    state, qs = _starting_factors(state, bucket, layout, keys, params, grad, config)
-    signal = grad
-    if config.use_error_feedback:
-        signal = compensate(grad, errors_of(params), bucket.numels, owned=False)
-    return state, _program(signal, layout, qs, keys, bucket, config)
+    layout = bucket_layout(call.bucket.shapes, rank, rate)
+    state = record_compression(state, layout.numel, layout.sent_numel, call.bucket.is_last, config)
+    state, qs = _starting_factors(state, call, layout, config)
+    return state, _program(call, layout, qs, config)
 
 
 def layerwise(config: PowerSGDConfig) -> PowerSGDHook:
