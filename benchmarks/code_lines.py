@@ -220,7 +220,7 @@ BEYOND: tuple[Beyond, ...] = (
                 "_best_swap",
                 "balanced_partition",
             ),
-            *_in("zerofn/zero/arguments.py", "manual_indices"),
+            *_in("zerofn/zero/params.py", "manual_indices"),
         ),
     ),
     Beyond(

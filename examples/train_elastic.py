@@ -51,8 +51,8 @@ from zerofn_torch.runtime.heartbeat import destroy_process_groups
 from zerofn_torch.runtime.launch import run_local_world
 
 from zerofn.errors import CollectiveError
-from zerofn.zero.arguments import plan_for
 from zerofn.zero.elastic.redundancy import plan_after_join, plan_after_loss
+from zerofn.zero.params import plan_for
 from zerofn.zero.planning.partition import FlatPartition
 from zerofn.zero.planning.plan import ShardPlan
 

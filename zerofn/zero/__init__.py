@@ -17,9 +17,9 @@
 - :mod:`~zerofn.zero.compressed`: sending the masters' quantized differences;
 - :mod:`~zerofn.zero.shard_state`, :mod:`~zerofn.zero.checkpoint`:
   optimizer state across ranks and on disk;
-- :mod:`~zerofn.zero.params`, :mod:`~zerofn.zero.arguments`,
-  :mod:`~zerofn.zero.optimizers`, :mod:`~zerofn.zero.options`: checks on
-  what a user passes, resolved in one place;
+- :mod:`~zerofn.zero.params`, :mod:`~zerofn.zero.optimizers`,
+  :mod:`~zerofn.zero.options`: checks on what a user passes (and the plan
+  a partition makes), resolved in one place;
 - :mod:`~zerofn.zero.elastic`: going on without a lost rank, or with
   joiners (``redundancy=2``).
 

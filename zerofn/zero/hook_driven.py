@@ -16,8 +16,8 @@ import attrs
 import torch
 
 from zerofn.overlap.orders import OverlapBinding, SendCompressed, StepGradients, step_with_gradients
-from zerofn.zero.arguments import plan_for
 from zerofn.zero.options import ZeroOptions
+from zerofn.zero.params import plan_for
 from zerofn.zero.rank import (
     OverlapMode,
     ZeroRank,

@@ -1,8 +1,9 @@
 """The import paths of modules that moved into :mod:`zerofn.zero`'s
-subpackages, kept working: ``import zerofn.zero.redundancy`` gives the module
-``zerofn.zero.elastic.redundancy`` itself (one module object under two
-names), so code written against the old paths, and objects pickled under
-them, still load. New code imports the subpackages' paths."""
+subpackages (or into another module), kept working: ``import
+zerofn.zero.redundancy`` gives the module ``zerofn.zero.elastic.redundancy``
+itself (one module object under two names), so code written against the old
+paths, and objects pickled under them, still load. New code imports the
+subpackages' paths."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ MOVED = {
     "zerofn.zero.precision": "zerofn.zero.mixed_precision.precision",
     "zerofn.zero.masters": "zerofn.zero.mixed_precision.masters",
     "zerofn.zero.loss_scale": "zerofn.zero.mixed_precision.loss_scale",
+    "zerofn.zero.arguments": "zerofn.zero.params",
 }
 """Old module path -> where the module lives now."""
 

@@ -10,11 +10,10 @@ from typing import Any
 
 import attrs
 
-from zerofn.zero.arguments import plan_for
 from zerofn.zero.elastic.carried import CarriedShard, carried_shard
 from zerofn.zero.elastic.piece_state import load_states
 from zerofn.zero.elastic.regroup import carried_states
-from zerofn.zero.params import StateDict, hyperparameters
+from zerofn.zero.params import StateDict, hyperparameters, plan_for
 from zerofn.zero.planning.plan import ShardPlan
 from zerofn.zero.rank import (
     ZeroRank,

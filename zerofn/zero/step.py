@@ -119,24 +119,20 @@ def zero_step(
     if compressed is None and in_forward_order is not None and gather is None:
         raise ValueError("the exact exchange behind the forward needs its pieces' order")
     shards.refresh(params)
-    if compressed is not None and compressed.in_parts and in_forward_order is None:
-        # The local step moves only the masters: the replica is packed as it is.
-        shards.pack_own(params)
-        yield from compressed_exchange_program(
-            shards, params, compressed.masters, compressed.exchange, collective, in_parts=True
-        )
-        return None
-    loss = yield LocalStep(shards.rank)
+    # In parts, the exchange takes the local steps itself, between its requests
+    # (they move only the masters: the replica is packed as it is).
+    in_parts = compressed is not None and compressed.in_parts and in_forward_order is None
+    loss = None if in_parts else (yield LocalStep(shards.rank))
     shards.pack_own(params)
-    if compressed is None and gather is not None:
+    if compressed is not None:
+        yield from compressed_exchange_program(
+            shards, params, compressed.masters, compressed.exchange, collective, in_parts
+        )
+    elif gather is not None:
         yield from forward_gather_program(gather, shards.buffers, shards.rank, shards, params)
-    elif compressed is None:
+    else:
         yield from exchange_program(shards.plan.layouts, shards.buffers, shards.rank, collective)
         shards.unpack_arrived(params)
-    else:
-        yield from compressed_exchange_program(
-            shards, params, compressed.masters, compressed.exchange, collective
-        )
     return loss
 
 

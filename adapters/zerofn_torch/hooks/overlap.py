@@ -68,12 +68,6 @@ __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 DDPHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-def _is_averaging_hook(hook: DDPHook) -> bool:
-    """Whether ``hook`` is plain averaging, which the overlap replaces by
-    reduce-to-owner."""
-    return hook in (allreduce_hook, torch_default_hooks.allreduce_hook)
-
-
 def _check_covered(ddp: torch.nn.parallel.DistributedDataParallel, params: list[Any]) -> None:
     """Refuse a ZeRO optimizer that leaves some of DDP's trainable parameters out.
 
@@ -135,6 +129,8 @@ class _OverlapRunner:
         _check_covered(ddp, params)
         _check_scaler(loss_scaler)
         whole = zero.zero_rank.steps_whole_in_hook
+        # Plain averaging (ours or PyTorch's), which the overlap replaces by reduce-to-owner.
+        averaging = hook in (allreduce_hook, torch_default_hooks.allreduce_hook)
         if whole:
             _check_whole_step(shard_buckets, interleaved, max_grad_norm, loss_scaler)
         check_gather_with_hook(zero.zero_rank.options.gather_during_forward, interleaved)
@@ -145,14 +141,15 @@ class _OverlapRunner:
             rank=zero.rank,
             shard_buckets=shard_buckets,
             interleaved=interleaved,
-            reduce_to_owner=_is_averaging_hook(hook) and not whole,
+            reduce_to_owner=averaging and not whole,
             whole_step=whole,
         )
         self.hook = zero_step_hook(foreign_hook(hook), self.config)
         self.cell = HookCell(init_hook_state(self.hook))
         self.ddp = weakref.ref(ddp)
         self.zero = zero
-        self.max_grad_norm = max_grad_norm
+        # The global questions before each step; a loss scaler's 1 / scale is read then.
+        self.checks = StepChecks(max_norm=max_grad_norm, device=zero.join_device)
         self.loss_scaler = loss_scaler
         self.params = params
         self.index_of = {id(p): i for i, p in enumerate(params)}
@@ -162,6 +159,7 @@ class _OverlapRunner:
         self.sending: list[tuple[tuple[int, ...], torch.futures.Future[Sent], bool]] = []
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The hook DDP calls on each bucket (bound: what the functions below return)."""
         group = self.zero.process_group
         params = list(bucket.parameters())
         info = attrs.evolve(
@@ -204,11 +202,8 @@ class _OverlapRunner:
             indices, params, reduced = self.handed.pop(index)
             handed[index] = (indices, split_like(reduced.wait(), params))
         scaler = self.loss_scaler
-        checks = StepChecks(
-            inv_scale=None if scaler is None else 1.0 / scaler.get_scale(),
-            max_norm=self.max_grad_norm,
-            device=self.zero.join_device,
-        )
+        inv_scale = None if scaler is None else 1.0 / scaler.get_scale()
+        checks = attrs.evolve(self.checks, inv_scale=inv_scale)
         program = obey_order(self.binding, state, self.config, order, handed, self.params, checks)
         group = self.zero.process_group
         purpose = "the overlapped ZeRO step: the gradients' global checks before the step"
@@ -268,13 +263,6 @@ def _check_whole_step(
             )
 
 
-def _make_hook(runner: _OverlapRunner) -> DDPHook:
-    def hook_with_zero_fn(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return runner(state, bucket)
-
-    return hook_with_zero_fn
-
-
 def hook_with_zero_step(
     hook: DDPHook,
     ddp: torch.nn.parallel.DistributedDataParallel,
@@ -312,7 +300,7 @@ def hook_with_zero_step(
         RuntimeError: if ``zero`` is already driven by another hook.
     """
     runner = _OverlapRunner(hook, ddp, zero, shard_buckets, False, max_grad_norm, loss_scaler)
-    return _make_hook(runner)
+    return runner.__call__
 
 
 def hook_with_zero_step_interleaved(
@@ -333,4 +321,4 @@ def hook_with_zero_step_interleaved(
             or was built with ``redundancy=2`` (whose step is taken whole).
         RuntimeError: if ``zero`` is already driven by another hook.
     """
-    return _make_hook(_OverlapRunner(hook, ddp, zero, shard_buckets, interleaved=True))
+    return _OverlapRunner(hook, ddp, zero, shard_buckets, interleaved=True).__call__

@@ -22,14 +22,13 @@ from torch.optim import Optimizer
 from zerofn.blockquant import BlockQuantizer
 from zerofn.overlap.orders import OverlapBinding
 from zerofn.zero import hook_driven
-from zerofn.zero.arguments import check_added_group, plan_for
 from zerofn.zero.elastic.recovery_point import Position
 from zerofn.zero.options import collective_for_backend, resolve_options
 from zerofn.zero.outside_writes import (
     rederive_from_parameters,
     written_since,
 )
-from zerofn.zero.params import StateDict, normalize_params
+from zerofn.zero.params import StateDict, check_added_group, normalize_params, plan_for
 from zerofn.zero.planning.plan import ShardPlan
 from zerofn.zero.rank import (
     ZeroRank,
@@ -287,15 +286,11 @@ class ZeroRedundancyOptimizer(
             return losses[-1]
 
         answer = self._counted(answer_local_step(zero, params, run))
-        purpose = "the ZeRO step's exchange of updated shards"
         with synced_hyperparameters(self.param_groups, zero):
             order = self._forward_order(zero.plan)
             collective, compressed = zero.options.collective, zero.compressed
-            self._exchange(
-                run_zero_step(zero.shards, params, collective, answer, compressed, order),
-                order,
-                purpose,
-            )
+            program = run_zero_step(zero.shards, params, collective, answer, compressed, order)
+            self._exchange(program, order, "the ZeRO step's exchange of updated shards")
         return losses[-1] if losses else None
 
     def refresh_from_parameters(self) -> None:
@@ -348,12 +343,11 @@ class ZeroRedundancyOptimizer(
         self.wait()
         (param_group,) = normalize_params([param_group])  # a generator is read once
         check_added_group(zero.plan.mode, zero.stepped_by_hook, self._all_params, param_group)
-        groups = self.param_groups
         old = None
         if zero.plan.mode != "greedy":  # the state moves to new owners
-            old = gather_global_state(zero, groups, self.process_group)
+            old = gather_global_state(zero, self.param_groups, self.process_group)
         super().add_param_group(param_group)
-        self._zero = with_added_group(zero, groups, old)
+        self._zero = with_added_group(zero, self.param_groups, old)
 
     # ----- memory ---------------------------------------------------------------
 

@@ -12,7 +12,10 @@ the exchange behind the forward
 (:class:`~zerofn_torch.zero.forward_gather.ForwardGathering`) and ``Join``
 (:class:`~zerofn_torch.zero.joining.Joining`).
 Every part reads and replaces the same record of the core's
-(:class:`~zerofn.zero.rank.ZeroRank`); none holds state of its own.
+(:class:`~zerofn.zero.rank.ZeroRank`); none holds state of its own. The
+parts that finish or leave the exchange behind the forward (state dicts, a
+change of world, the overlap hook) build on
+:class:`~zerofn_torch.zero.forward_gather.ForwardGathering`.
 """
 
 from __future__ import annotations
@@ -56,10 +59,6 @@ class ShellState:
     _heartbeat: Heartbeat | None
     # The step past its checks (the optimizer's; the overlap hook's whole step runs it).
     _step_and_exchange: Callable[..., Any]
-    # Finish an exchange still behind the forward (ForwardGathering's).
-    wait: Callable[[], None]
-    # Leave that gather's world behind when the world changes (ForwardGathering's).
-    _leave_world: Callable[[], None]
 
     @property
     def _all_params(self) -> list[torch.Tensor]:

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zerofn.zero import hook_driven
-from zerofn.zero.arguments import check_rank
-from zerofn.zero.params import StateDict
+from zerofn.zero.params import StateDict, check_rank
 from zerofn.zero.rank import ZeroRank
 from zerofn.zero.rank_state import (
     full_state_dict,
@@ -20,14 +19,13 @@ from zerofn.zero.rank_state import (
     local_state_dict,
     state_before_any_step,
 )
-from zerofn.zero.shard_state import validate_global
 from zerofn_torch.runtime.object_collectives import all_gather_objects, gather_objects
-from zerofn_torch.zero.shell_state import ShellState
+from zerofn_torch.zero.forward_gather import ForwardGathering
 
 __all__ = ["StateDicts", "consolidate_on", "gather_global_state"]
 
 
-class StateDicts(ShellState):
+class StateDicts(ForwardGathering):
     """The optimizer's part that reads and loads its state as
     ``torch.optim`` state dicts: consolidated on one rank, loaded from a
     full one, and this rank's own as checkpoints keep it (see
@@ -87,8 +85,8 @@ class StateDicts(ShellState):
             ValueError: if ``state_dict`` belongs to another model; then
                 nothing is changed.
         """
-        validate_global(self._zero.plan.partition, state_dict)
         self.wait()
+        # Cut to this rank's shard first, so a foreign state dict changes nothing.
         load_global_state(self._zero, self.param_groups, state_dict)
         self._untouched = self._untouched and not state_dict["state"]
 

@@ -17,12 +17,12 @@ from zerofn.zero.elastic.regroup import regroup_program
 from zerofn.zero.local_step import LocalStep
 from zerofn.zero.rank import answer_local_step, synced_hyperparameters
 from zerofn_torch.runtime.driver import drive
-from zerofn_torch.zero.shell_state import ShellState
+from zerofn_torch.zero.forward_gather import ForwardGathering
 
 __all__ = ["WorldChanges"]
 
 
-class WorldChanges(ShellState):
+class WorldChanges(ForwardGathering):
     """Going on without a lost rank, or with joiners (driven by
     :mod:`zerofn_torch.elastic`; see
     :class:`~zerofn_torch.zero.shell_state.ShellState`)."""

@@ -97,17 +97,15 @@ def buffer_layouts(
     """
     if len(keys) != len(trainable):
         raise ValueError(f"keys has {len(keys)} entries but trainable has {len(trainable)}")
-    order = list(dict.fromkeys(keys))
     layouts = []
-    world_size = len(pieces_per_rank)
-    for key in order:
+    for key in dict.fromkeys(keys):  # each key once, in order of first appearance
         segments: list[Segment] = []
         slots: list[tuple[Slot, ...]] = []
         offset = 0
-        for rank in range(world_size):
+        for rank, pieces in enumerate(pieces_per_rank):
             start = offset
             rank_slots = []
-            for piece in pieces_per_rank[rank]:
+            for piece in pieces:
                 if not 0 <= piece.param < len(keys):
                     raise ValueError(f"piece names parameter {piece.param}, beyond {len(keys)}")
                 if keys[piece.param] == key and trainable[piece.param]:

@@ -143,30 +143,26 @@ def plan_shards(
             :func:`manual_partition`; one that leaves a trainable parameter to
             no rank, too), or mismatched lengths.
     """
-    num_params = sum(len(g) for g in group_sizes)
-    if len(keys) != num_params or len(trainable) != num_params:
-        raise ValueError(
-            f"{num_params} parameters but {len(keys)} keys and {len(trainable)} trainable flags"
-        )
-    partition: Partition | FlatPartition
-    mode_name: PlanMode
     if params_per_rank is not None:
-        partition, mode_name = manual_partition(group_sizes, world_size, params_per_rank), "manual"
-        _check_trainable_owned(partition, trainable, changed=False)
-    elif mode == "greedy":
-        partition, mode_name = greedy_partition(group_sizes, world_size), mode
+        manual = manual_partition(group_sizes, world_size, params_per_rank)
+        plan = ShardPlan("manual", manual, keys, trainable)  # refuses keys or flags amiss first
+        _check_trainable_owned(manual, trainable, changed=False)
+        return plan
+    partition: Partition | FlatPartition
+    if mode == "greedy":
+        partition = greedy_partition(group_sizes, world_size)
     elif mode == "balanced":
-        partition, mode_name = balanced_partition(group_sizes, world_size), mode
+        partition = balanced_partition(group_sizes, world_size)
     elif mode == "flat":
-        flags = iter(trainable)
-        trained_sizes = [[n if next(flags) else 0 for n in group] for group in group_sizes]
-        partition, mode_name = flat_partition(trained_sizes, world_size), mode
+        flags = iter(trainable)  # a flag short: the plan refuses the lengths
+        trained_sizes = [[n if next(flags, False) else 0 for n in group] for group in group_sizes]
+        partition = flat_partition(trained_sizes, world_size)
     else:
         raise ValueError(
             f"unknown partition mode {mode!r}; choose 'greedy', 'balanced' or 'flat', "
             "or pass params_per_rank"
         )
-    return ShardPlan(mode=mode_name, partition=partition, keys=keys, trainable=trainable)
+    return ShardPlan(mode, partition, keys, trainable)
 
 
 def with_trainable(plan: ShardPlan, trainable: Sequence[bool]) -> ShardPlan:
