@@ -334,6 +334,7 @@ BEYOND: tuple[Beyond, ...] = (
                 "zerofn/hooks/powersgd/state.py",
                 "UNCLAIMED",
                 "memories",
+                "_by_key",
                 "_check_shape",
                 "claim",
                 "with_parameter_keys",

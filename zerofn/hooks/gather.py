@@ -208,7 +208,9 @@ def _average(
     codec: GatherCodec, payloads: Sequence[torch.Tensor], grad: torch.Tensor
 ) -> torch.Tensor:
     contributions = [codec.decode(p, grad) for p in payloads]
-    total = sum(contributions, torch.zeros_like(contributions[0]))
+    total = torch.zeros_like(contributions[0])
+    for contribution in contributions:  # in place: no new tensor per rank
+        total += contribution
     return (total / len(payloads)).to(grad.dtype)
 
 

@@ -218,12 +218,12 @@ def obey_order(
         # values go into the parameters, the same on every rank.
         write_back = compressed is None or order.everywhere
         binding.step(StepGradients(grads, factor, write_back))
-    done = OrderObeyed(not skip)
-    if not (skip or order.everywhere):
+    sends: tuple[tuple[tuple[int, ...], Program[Sent]], ...] = ()
+    owners_send = not (skip or order.everywhere)
+    if owners_send:
         plan = state.overlap.plan
         assert plan is not None  # gradients_to_step refused an order without one
         buckets = {index: handed[index][0] for index in order.buckets}
-        done = OrderObeyed(True, (), compressed is not None)
         if first_use is not None:
             assert binding.behind_forward is not None
             behind = _sends_behind_forward(
@@ -235,10 +235,9 @@ def obey_order(
                 (indices, _owners_send(plan, config.rank, index, indices, params, compressed))
                 for index, indices in buckets.items()
             )
-            done = OrderObeyed(True, sends, compressed is not None)
     if order.reshard is not None:
         binding.adopt_owners(order.reshard)
-    return done
+    return OrderObeyed(not skip, sends, owners_send and compressed is not None)
 
 
 def _sends_behind_forward(

@@ -189,7 +189,9 @@ def rank_for_plan(
         options=options.defaults,
         rebuilt=rebuilt,
     )
-    masters, optim, carried = (kept.masters, kept.optim, kept.carried) if kept else (None,) * 3
+    masters, optim, carried = (
+        (kept.masters, kept.optim, kept.carried) if kept is not None else (None, None, None)
+    )
     if optim is None:
         local = shards.local_groups(groups, params)
         if options.master_dtype is not None:

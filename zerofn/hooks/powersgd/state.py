@@ -26,7 +26,7 @@ one would have), the statistics, the bucket layouts the random draws follow
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TypeAlias
 
 import attrs
@@ -229,8 +229,15 @@ def memories(
     state: PowerSGDHookState,
 ) -> dict[Key, ParamMemory]:
     """Every parameter memory in ``state``, by key."""
+    return _by_key(state.buckets)
+
+
+def _by_key(
+    buckets: Iterable[tuple[int, PowerSGDBucketState | None]],
+) -> dict[Key, ParamMemory]:
+    """Every parameter memory of ``buckets``, by key."""
     out: dict[Key, ParamMemory] = {}
-    for _, bucket in state.buckets:
+    for _, bucket in buckets:
         if bucket is not None:
             for key, memory in zip(bucket.keys, bucket.params, strict=False):
                 if memory is not None:
@@ -276,7 +283,7 @@ def claim(
         for i, b in state.buckets
         if i not in (index, UNCLAIMED)
     ]
-    held = memories(attrs.evolve(state, buckets=tuple(others)))
+    held = _by_key(others)
     leftover = {k: m for k, m in pool.items() if k not in held}
     if leftover:
         others.append((UNCLAIMED, _unclaimed(leftover)))
