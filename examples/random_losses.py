@@ -71,6 +71,10 @@ from zerofn.errors import CollectiveError
 
 STEPS = 30
 
+WALL_S = 300.0
+"""Seconds a run's world may take (one takes 2 to 20 here): a run that hangs
+fails then, each rank's stack on stderr, not at the group's 30-minute timeout."""
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -230,12 +234,12 @@ def check_against_reference(
         AssertionError: they differ.
     """
     before = run_local_world(
-        fresh_phase, world_size, None, range(kept), config, timeout_s=TIMEOUT_S
+        fresh_phase, world_size, None, range(kept), config, timeout_s=TIMEOUT_S, wall_s=WALL_S
     )[0]
     owners = owners_after_loss(config, world_size, lost)
     after = run_local_world(
         fresh_phase, world_size - 1, before, range(kept, steps), config, owners,
-        timeout_s=TIMEOUT_S,
+        timeout_s=TIMEOUT_S, wall_s=WALL_S,
     )  # fmt: skip
     survivors = [r for r in results if r is not None and r["fenced"] is None]
     for ours in survivors:
@@ -303,7 +307,9 @@ def _soak(
     world_size, lost rank, kept)``; ``lost_with(rank)``: the ranks that may
     end with the one the fault strikes (itself, or its DiLoCo worker's)."""
     draw = random.Random(seed)
-    quiet = run_local_world(train, world_size, Fault(0, 1e9), steps, option, timeout_s=TIMEOUT_S)
+    quiet = run_local_world(
+        train, world_size, Fault(0, 1e9), steps, option, timeout_s=TIMEOUT_S, wall_s=WALL_S
+    )
     # The first world of a process warms up: later runs train faster than
     # this one, so the faults are drawn within the first 60 % of it.
     length_s = 0.6 * min(r["seconds"] for r in quiet)
@@ -315,7 +321,7 @@ def _soak(
         began = time.perf_counter()
         results = run_local_world(
             train, world_size, fault, steps, option, timeout_s=TIMEOUT_S,
-            may_exit=lost_with(fault.rank),
+            may_exit=lost_with(fault.rank), wall_s=WALL_S,
         )  # fmt: skip
         seconds.append(time.perf_counter() - began)
         outcome = check(results, fault, steps, label)

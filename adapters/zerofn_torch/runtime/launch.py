@@ -14,9 +14,12 @@ still a fresh process with nothing of the caller's state, as under spawn.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
+import signal
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,6 +40,8 @@ __all__ = ["run_local_world", "run_rank"]
 # that import too. Later calls cannot change what the running server holds.
 _PRELOAD = ("torch", "torch.distributed", "zerofn", "zerofn_torch")
 
+_DUMP_STACKS = getattr(signal, "SIGUSR1", signal.SIGTERM)
+
 
 def _start_method(fn: Callable[..., Any]) -> str:
     if "forkserver" not in multiprocessing.get_all_start_methods():
@@ -48,6 +53,8 @@ def _start_method(fn: Callable[..., Any]) -> str:
 
 
 def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, *rest: Any) -> None:
+    if hasattr(faulthandler, "register"):  # a world past its wall asks for every thread's stack
+        faulthandler.register(_DUMP_STACKS, all_threads=True)
     result = _in_group(fn, rank, world_size, f"file://{tmp}/store", *rest)
     torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
 
@@ -88,6 +95,21 @@ def _in_group(
         return result
     finally:
         destroy_process_groups()
+
+
+def _end_stalled(processes: Sequence[Any], wall_s: float | None) -> None:
+    """Ask every rank still running for its stacks, end them, and raise."""
+    running = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for rank in running:
+        os.kill(processes[rank].pid, _DUMP_STACKS)
+    time.sleep(1.0)  # faulthandler writes from a signal handler, at once
+    for rank in running:
+        processes[rank].kill()
+        processes[rank].join()
+    raise TimeoutError(
+        f"the world ran past its wall of {wall_s} s with ranks {running} still running "
+        "(each thread's stack is on stderr above); a rank waited for something that never came"
+    )
 
 
 def run_rank(
@@ -137,6 +159,7 @@ def run_local_world(
     timeout_s: float = 120.0,
     threads_per_rank: int = 1,
     may_exit: Sequence[int] = (),
+    wall_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -151,6 +174,10 @@ def run_local_world(
         threads_per_rank: torch intra-op threads per process.
         may_exit: ranks that may end early without a result (a test of
             losing ranks); the world then skips its last barrier.
+        wall_s: seconds the whole world may take (``None``: no limit). Past
+            them, every rank still running writes each thread's stack to
+            stderr and is ended: a hang fails in minutes, saying where each
+            rank stood, rather than at the collective timeout.
 
     Returns:
         What each rank returned, in rank order (``None`` for a rank of
@@ -159,14 +186,21 @@ def run_local_world(
     Raises:
         torch.multiprocessing.ProcessRaisedException: if a rank raised; the
             other ranks are terminated rather than left waiting.
+        TimeoutError: the world ran past ``wall_s``; it names the ranks
+            still running.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        start_processes(  # type: ignore[no-untyped-call]
+        world = start_processes(  # type: ignore[no-untyped-call]
             _rank_main,
             args=(fn, world_size, tmp, timeout_s, threads_per_rank, args, tuple(may_exit)),
             nprocs=world_size,
+            join=False,
             start_method=_start_method(fn),
         )
+        ends = None if wall_s is None else time.monotonic() + wall_s
+        while not world.join(None if ends is None else max(0.0, ends - time.monotonic())):
+            if ends is not None and time.monotonic() >= ends:
+                _end_stalled(world.processes, wall_s)
         results: list[Any] = []
         for r in range(world_size):
             path = os.path.join(tmp, f"result{r}.pt")
