@@ -10,6 +10,11 @@ Ranks are forked from a forkserver that has imported torch and zerofn once
 spends 1-2 s importing torch before it runs a line, a forked one starts in
 milliseconds, which is most of a short multi-rank test's time. Each rank is
 still a fresh process with nothing of the caller's state, as under spawn.
+
+The ranks meet at a store this process serves (a ``TCPStore``), as
+torchrun's workers meet at their agent's: any rank may die at any moment
+and the store, where the heartbeats and the roll call live, goes on
+answering the others.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ __all__ = ["run_local_world", "run_rank"]
 # that import too. Later calls cannot change what the running server holds.
 _PRELOAD = ("torch", "torch.distributed", "zerofn", "zerofn_torch")
 
+_HOST = "127.0.0.1"
+
 _DUMP_STACKS = getattr(signal, "SIGUSR1", signal.SIGTERM)
 
 
@@ -52,18 +59,36 @@ def _start_method(fn: Callable[..., Any]) -> str:
     return "forkserver"
 
 
-def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, *rest: Any) -> None:
+def _rank_main(
+    rank: int, fn: Callable[..., Any], world_size: int, tmp: str, port: int, *rest: Any
+) -> None:
     if hasattr(faulthandler, "register"):  # a world past its wall asks for every thread's stack
         faulthandler.register(_DUMP_STACKS, all_threads=True)
-    result = _in_group(fn, rank, world_size, f"file://{tmp}/store", *rest)
+    timeout = timedelta(seconds=rest[0])
+    store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
+    result = _in_group(fn, rank, world_size, {"store": store}, *rest)
     torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+
+
+def _job_store(timeout_s: float) -> dist.TCPStore:
+    """The world's store, served by this (the launching) process, as
+    torchrun's agent serves its workers': it outlives any rank, and a rank
+    that dies halfway through a write leaves nothing behind (the server
+    takes whole requests). A ``FileStore`` is neither: a rank killed between
+    the writes of one record leaves a torn record, at which every other
+    process's next store call spins forever (``c10d::FileStore`` reads a
+    record's length and then waits for bytes that never come; torch 2.13),
+    so a loss at a random moment could hang the whole world."""
+    return dist.TCPStore(
+        _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def _in_group(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    init_method: str,
+    rendezvous: dict[str, Any],
     timeout_s: float,
     threads: int,
     args: tuple[Any, ...],
@@ -73,7 +98,7 @@ def _in_group(
     torch.set_num_threads(threads)
     init_process_group(
         "gloo",
-        init_method=init_method,
+        **rendezvous,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -144,7 +169,7 @@ def run_rank(
     Raises:
         Exception: what ``fn`` raised, or a collective's failure.
     """
-    return _in_group(fn, rank, world_size, init_method, timeout_s, threads, args)
+    return _in_group(fn, rank, world_size, {"init_method": init_method}, timeout_s, threads, args)
 
 
 def _barrier() -> Program[None]:
@@ -189,10 +214,20 @@ def run_local_world(
         TimeoutError: the world ran past ``wall_s``; it names the ranks
             still running.
     """
+    store = _job_store(timeout_s)
     with tempfile.TemporaryDirectory() as tmp:
         world = start_processes(  # type: ignore[no-untyped-call]
             _rank_main,
-            args=(fn, world_size, tmp, timeout_s, threads_per_rank, args, tuple(may_exit)),
+            args=(
+                fn,
+                world_size,
+                tmp,
+                store.port,
+                timeout_s,
+                threads_per_rank,
+                args,
+                tuple(may_exit),
+            ),
             nprocs=world_size,
             join=False,
             start_method=_start_method(fn),
