@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.multiprocessing.spawn import start_processes
 
 from zerofn.comm import AllReduce, Program
@@ -65,12 +66,12 @@ def _rank_main(
     if hasattr(faulthandler, "register"):  # a world past its wall asks for every thread's stack
         faulthandler.register(_DUMP_STACKS, all_threads=True)
     timeout = timedelta(seconds=rest[0])
-    store = dist.TCPStore(_HOST, port, is_master=False, timeout=timeout)
+    store = TCPStore(_HOST, port, is_master=False, timeout=timeout)
     result = _in_group(fn, rank, world_size, {"store": store}, *rest)
     torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
 
 
-def _job_store(timeout_s: float) -> dist.TCPStore:
+def _job_store(timeout_s: float) -> TCPStore:
     """The world's store, served by this (the launching) process, as
     torchrun's agent serves its workers': it outlives any rank, and a rank
     that dies halfway through a write leaves nothing behind (the server
@@ -79,7 +80,7 @@ def _job_store(timeout_s: float) -> dist.TCPStore:
     process's next store call spins forever (``c10d::FileStore`` reads a
     record's length and then waits for bytes that never come; torch 2.13),
     so a loss at a random moment could hang the whole world."""
-    return dist.TCPStore(
+    return TCPStore(
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
 
