@@ -71,9 +71,22 @@ from zerofn.errors import CollectiveError
 
 STEPS = 30
 
+GROUP_TIMEOUT_S = 120.0
+"""The faulted worlds' collective timeout. No survivor waits for it (each
+run's survivors finish within half of it, or the run fails), but a rank left
+behind may: one paused inside one of PyTorch's own collectives that waits in
+C++ while it sends (DDP's bucket rebuild) can stay there until this timeout
+before it fails alone. gloo does not fail a send that it queued after the
+peer's connection reset (torch 2.13: ``tcp::Pair::signalException`` fails
+every pending operation but the unbound-buffer writes in its transmit
+queue), and nothing outside gloo can end it (docs/resilience.md, "A rank left
+behind inside PyTorch's own collective"). The group's 30-minute default would
+hold such a run that long."""
+
 WALL_S = 300.0
-"""Seconds a run's world may take (one takes 2 to 20 here): a run that hangs
-fails then, each rank's stack on stderr, not at the group's 30-minute timeout."""
+"""Seconds a run's world may take (one takes 2 to 20 here, and one whose
+left-behind rank waits out :data:`GROUP_TIMEOUT_S` about 130): a run that
+hangs fails then, each rank's stack on stderr."""
 
 
 @dataclass(frozen=True)
@@ -190,13 +203,22 @@ class Outcome:
     kept: int | None
 
 
+def _survivors(results: list[Any], label: str) -> list[Any]:
+    """The ranks that went on to the end, checked to have waited for no
+    collective's timeout (each finished within half of it)."""
+    survivors = [r for r in results if r is not None and r["fenced"] is None]
+    waited = [round(r["seconds"], 1) for r in survivors if r["seconds"] >= GROUP_TIMEOUT_S / 2]
+    assert not waited, (label, "a survivor waited for the group's timeout (seconds)", waited)
+    return survivors
+
+
 def check_run(results: list[Any], fault: Fault, steps: int, label: str) -> Outcome:
     """The run's invariants (no reference needed).
 
     Raises:
         AssertionError: naming ``label`` and what broke.
     """
-    survivors = [r for r in results if r is not None and r["fenced"] is None]
+    survivors = _survivors(results, label)
     fenced = [r for r in results if r is not None and r["fenced"] is not None]
     lost = results[fault.rank] is None or bool(fenced)
     assert all(r["done"] == steps for r in survivors), (label, [r["done"] for r in survivors])
@@ -308,7 +330,7 @@ def _soak(
     end with the one the fault strikes (itself, or its DiLoCo worker's)."""
     draw = random.Random(seed)
     quiet = run_local_world(
-        train, world_size, Fault(0, 1e9), steps, option, timeout_s=TIMEOUT_S, wall_s=WALL_S
+        train, world_size, Fault(0, 1e9), steps, option, timeout_s=GROUP_TIMEOUT_S, wall_s=WALL_S
     )
     # The first world of a process warms up: later runs train faster than
     # this one, so the faults are drawn within the first 60 % of it.
@@ -320,7 +342,7 @@ def _soak(
         label = f"seed {seed}, run {run}, {world_size} ranks, {name}, {fault}"
         began = time.perf_counter()
         results = run_local_world(
-            train, world_size, fault, steps, option, timeout_s=TIMEOUT_S,
+            train, world_size, fault, steps, option, timeout_s=GROUP_TIMEOUT_S,
             may_exit=lost_with(fault.rank), wall_s=WALL_S,
         )  # fmt: skip
         seconds.append(time.perf_counter() - began)
@@ -406,7 +428,7 @@ def check_diloco_run(
     Raises:
         AssertionError: naming ``label`` and what broke.
     """
-    survivors = [r for r in results if r is not None and r["fenced"] is None]
+    survivors = _survivors(results, label)
     fenced = [r for r in results if r is not None and r["fenced"] is not None]
     lost = results[fault.rank] is None or bool(fenced)
     assert all(r["done"] == r["inner_steps"] == steps for r in survivors), (label, "steps")

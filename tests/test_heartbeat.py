@@ -2,17 +2,21 @@
 one process: two heartbeats over one in-memory TCP store stand for two ranks.
 The alarm ends a wait in progress and fails the futures handed to DDP; a rank
 whose counter stops is noticed by the other, which raises the alarm; a rank
-that ends cleanly is not; a world that changed does not see the old alarm."""
+that ends cleanly is not; a world that changed does not see the old alarm;
+a job's store that a loss can tear (a ``FileStore``) is warned of."""
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from zerofn_torch.runtime import heartbeat
 from zerofn_torch.runtime.heartbeat import WATCH_SILENT_S, Heartbeat, beat_key
 
 from zerofn.errors import CollectiveError
@@ -123,3 +127,13 @@ def test_a_rank_has_beaten_in_its_world_once_it_is_placed_there(store: dist.TCPS
         assert store.check([beat_key(1, 1)])
     finally:
         beat.stop()
+
+
+def test_a_job_store_a_loss_can_tear_is_warned_of(store: dist.TCPStore, tmp_path: Path) -> None:
+    file_store = dist.FileStore(str(tmp_path / "store"), -1)
+    for torn in (file_store, dist.PrefixStore("default_pg", file_store)):
+        with pytest.warns(RuntimeWarning, match="FileStore"):
+            heartbeat._warn_if_torn_by_a_loss(torn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        heartbeat._warn_if_torn_by_a_loss(dist.PrefixStore("default_pg", store))

@@ -39,6 +39,7 @@ import contextlib
 import ctypes
 import threading
 import time
+import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -329,7 +330,26 @@ def start_heartbeat(
         _RUNNING.append(Heartbeat(store, generation, rank, world_size, group))
     except (RuntimeError, ValueError, AttributeError):  # no store to clone
         return None
+    _warn_if_torn_by_a_loss(store)
     return _RUNNING[0]
+
+
+def _warn_if_torn_by_a_loss(store: Any) -> None:
+    """Warn when the job's store is a ``FileStore``, which a loss can leave
+    unusable for every rank (see docs/resilience.md, "The job's store")."""
+    while store is not None:
+        if isinstance(store, dist.FileStore):  # type: ignore[attr-defined]
+            warnings.warn(
+                "the job's store is a FileStore: a rank killed while it writes there leaves a "
+                "torn record at which every other rank's next store call waits forever (torch "
+                "2.13), so a loss can hang the job instead of being recovered from. Start the "
+                "job with torchrun, or init_process_group with a TCPStore served by a process "
+                "that outlives the ranks",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        store = getattr(store, "underlying_store", None)
 
 
 def running_heartbeat() -> Heartbeat | None:
