@@ -61,13 +61,18 @@ def _start_method(fn: Callable[..., Any]) -> str:
 
 
 def _rank_main(
-    rank: int, fn: Callable[..., Any], world_size: int, tmp: str, port: int, *rest: Any
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp: str,
+    port: int,
+    timeout_s: float,
+    *rest: Any,
 ) -> None:
     if hasattr(faulthandler, "register"):  # a world past its wall asks for every thread's stack
         faulthandler.register(_DUMP_STACKS, all_threads=True)
-    timeout = timedelta(seconds=rest[0])
-    store = TCPStore(_HOST, port, is_master=False, timeout=timeout)
-    result = _in_group(fn, rank, world_size, {"store": store}, *rest)
+    store = TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    result = _in_group(fn, rank, world_size, {"store": store}, timeout_s, *rest)
     torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
 
 
