@@ -291,6 +291,8 @@ def _actions(built: dict[str, Any], features: frozenset[str], step: int, folder:
         zero.load_state_dict(full)
     if "sharded" in features and step == 3:
         path = os.path.join(folder, "ckpt")
+        if "diloco" in features:  # each worker saves its own shards
+            path = os.path.join(path, f"worker{built['rank'] // 2}")
         save_sharded(opt, path)
         load_sharded(opt, path)
 

@@ -118,6 +118,24 @@ def diloco_refusals(rank: int) -> dict[str, str]:
     return refused
 
 
+def diloco_workers_sharing_a_directory(rank: int, folder: str) -> str:
+    """save_sharded and load_sharded of a DiLoCo whose workers would write
+    their shards into one directory: refused on every rank, nothing written."""
+    worker, inner, outer = worker_groups(rank)
+    model, opt = diloco_over_zero(rank, torch.float32, inner, outer, worker)
+    backward(model, 1, worker)
+    opt.step()
+    path = os.path.join(folder, "shared")
+    refusals = []
+    for call in (save_sharded, load_sharded):
+        try:
+            call(opt, path)
+        except ValueError as e:
+            refusals.append(str(e))
+    assert not os.path.exists(path), "a refused save wrote something"
+    return " | ".join(refusals)
+
+
 def diloco_sharded_round_trip(rank: int, folder: str) -> bool:
     """save_sharded(diloco) mid-run, then a fresh model and optimizers resume
     from it and end bitwise where the uninterrupted run ends."""
@@ -152,6 +170,7 @@ def four_ranks(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         "exact": syncs_reach_the_next_step(rank, {"dtype": torch.float32}),
         "refused": diloco_refusals(rank),
         "round_trip": diloco_sharded_round_trip(rank, folder),
+        "shared": diloco_workers_sharing_a_directory(rank, folder),
     }
 
 
@@ -182,6 +201,15 @@ def test_diloco_refuses_join_and_a_group_added_behind_its_back(
 
 def test_a_diloco_sharded_checkpoint_resumes_exactly(four: list[dict[str, Any]]) -> None:
     assert all(result["round_trip"] for result in four)
+
+
+def test_diloco_workers_sharing_one_checkpoint_directory_are_refused(
+    four: list[dict[str, Any]],
+) -> None:
+    for result in four:
+        save, load = result["shared"].split(" | ")
+        assert save.startswith("save_sharded") and load.startswith("load_sharded")
+        assert "its own directory" in save and "2 DiLoCoOptimizer workers" in save
 
 
 # ----- redundancy=2: a sharded round trip keeps the carried copies ---------------------

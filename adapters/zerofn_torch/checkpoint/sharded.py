@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -85,6 +86,34 @@ def _chain(optimizer: Any) -> tuple[list[WrappedOptimizer], ZeroRedundancyOptimi
     return wrappers, inner
 
 
+def _check_one_group_a_path(
+    wrappers: list[WrappedOptimizer], zero: ZeroRedundancyOptimizer, target: str, doing: str
+) -> None:
+    """Refuse, on every rank, one checkpoint directory for several groups of
+    shards: a wrapper whose group reaches past the ZeRO optimizer's (DiLoCo's
+    outer group, across workers) means each of those groups writes its own
+    shards, under the same file names, so each needs its own directory.
+
+    Raises:
+        ValueError: two of the wrapper group's ranks name the same directory.
+    """
+    mine = set(dist.get_process_group_ranks(zero.process_group))
+    for wrapper in wrappers:
+        group = getattr(wrapper, "process_group", None)
+        if group is None or set(dist.get_process_group_ranks(group)) <= mine:
+            continue
+        purpose = f"{doing}: each group of shards' directory"
+        targets = all_gather_objects(target, group, purpose)
+        if len(set(targets)) < len(targets):
+            raise ValueError(
+                f"{doing} was given one checkpoint directory ({target!r}) for "
+                f"{len(targets)} {type(wrapper).__name__} workers, each of which holds its "
+                "own ZeroRedundancyOptimizer shards under the same file names: give each "
+                "worker its own directory (for example os.path.join(path, f'worker{k}')); "
+                "nothing was written or loaded"
+            )
+
+
 def _kinds(wrappers: list[WrappedOptimizer]) -> list[str]:
     return [type(w).__name__ for w in wrappers]
 
@@ -138,8 +167,9 @@ def save_sharded(
     Raises:
         TypeError: ``optimizer`` is no ZeRO optimizer, nor wraps one.
         ValueError: on every rank, for a bad ``keep_last`` or ``extra`` key,
-            or a ``checkpoint_id`` holding files that are not a checkpoint's;
-            nothing was written.
+            a ``checkpoint_id`` holding files that are not a checkpoint's, or
+            one ``checkpoint_id`` for several DiLoCo workers (each writes its
+            own shards: give each its own); nothing was written.
         RuntimeError: on every rank, if writing, hashing, verifying or
             committing failed on some rank: the previous checkpoint is intact.
         zerofn.errors.CollectiveError: if the ranks could not agree on it
@@ -150,10 +180,11 @@ def save_sharded(
     if keep_last is not None:
         to_prune({}, keep_last, current="")  # checks it before anything is written
     wrappers, optimizer = _chain(optimizer)
+    target = os.path.abspath(os.fspath(checkpoint_id))
+    _check_one_group_a_path(wrappers, optimizer, target, "save_sharded")
     if wrappers:  # their own state travels beside the shards (DiLoCo's is collective)
         states = [w.wrapper_state_dict() for w in wrappers]
         extra = {**(extra or {}), _WRAPPERS: [_kinds(wrappers), states]}
-    target = os.path.abspath(os.fspath(checkpoint_id))
     group = optimizer.process_group
     settle_in_flight(group)
     started = time.perf_counter()
@@ -349,12 +380,15 @@ def load_sharded(
             it: no manifest, a corrupt manifest, a missing, extra, truncated
             or corrupt file, a checkpoint for another model, or one lacking a
             rank's state. The optimizer is unchanged.
+        ValueError: on every rank, one ``checkpoint_id`` for several DiLoCo
+            workers (each saved its own shards); nothing was loaded.
         zerofn.errors.CollectiveError: if the ranks could not agree.
     """
     wait_for_gathers()  # the shards must hold every step's update
     path = os.fspath(checkpoint_id)
     wrappers, zero = _chain(optimizer)
     if wrappers:  # the shards, then the wrappers' own state
+        _check_one_group_a_path(wrappers, zero, os.path.abspath(path), "load_sharded")
         extra = load_sharded(zero, checkpoint_id)
         kinds, states = extra.pop(_WRAPPERS, [[], []])
         if kinds != _kinds(wrappers):
