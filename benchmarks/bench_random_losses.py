@@ -16,7 +16,7 @@ import sys
 from report import Headline, Section, Spread, md_table, standalone_main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
-from random_losses import STEPS, soak
+from random_losses import GROUP_TIMEOUT_S, STEPS, soak
 from train_elastic import CONFIGS, legend
 
 WORLDS = {3: 24, 4: 24, 8: 12}
@@ -51,7 +51,8 @@ def bench_random_losses(quick: bool) -> Section:
         "one rank drawn at random is ended (`os._exit`) or, one run in four, paused (`SIGSTOP`, "
         "0.5 to 12 s) from a timer thread after a random delay within the run, wherever its "
         "main thread is. Every run is checked with no reference (every step completed once, "
-        "one Adam step count, identical parameters, one agreed point per recovery, a paused "
+        "one Adam step count, identical parameters, one agreed point per recovery, no survivor "
+        f"waiting for the faulted worlds' {GROUP_TIMEOUT_S:.0f} s collective timeout, a paused "
         "rank either going on or failing alone); the first loss of each world size also bit for "
         "bit against a run that shrank at the same step. Inconsistent runs: **0** (any would "
         "have failed this benchmark).\n\n"
